@@ -1,0 +1,51 @@
+"""Relative RMSE of every format on N(0,1) and Student-t(3) tensors; writes one JSON file.
+
+  python benchmarks/quant_error.py --out benchmarks/results/quant_error_cpu.json
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+
+import jax
+
+from trace_jax.quant import error_stats
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--out", default="quant_error.json")
+  ap.add_argument("--rows", type=int, default=1024)
+  ap.add_argument("--cols", type=int, default=4096)
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args()
+  shape = (args.rows, args.cols)
+  results = {}
+  for scope in ("row", "tensor"):
+    results[scope] = error_stats.error_table(shape=shape, seed=args.seed,
+                                             second_level=scope)
+  try:
+    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                     stderr=subprocess.DEVNULL).strip()
+  except Exception:  # noqa: BLE001 - not a checkout
+    commit = "unknown"
+  out = dict(
+      benchmark="quant_error", date=datetime.date.today().isoformat(),
+      device=str(jax.devices()[0]), platform=platform.platform(), jax_version=jax.__version__,
+      git_commit=commit, command=" ".join([sys.executable] + sys.argv), shape=list(shape),
+      unit="relative RMSE = ||Q(x) - x|| / ||x||, blocks along the last axis",
+      second_level_note="NVFP4 second-level scale per row ('row') or per tensor ('tensor')",
+      relative_rmse=results)
+  with open(args.out, "w") as f:
+    json.dump(out, f, indent=2)
+  print(f"{'scope':7s} {'dist':11s} " + " ".join(f"{k:>11s}" for k in results["row"]["normal"]))
+  for scope, table in results.items():
+    for dist, row in table.items():
+      print(f"{scope:7s} {dist:11s} " + " ".join(f"{v:11.5f}" for v in row.values()))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,101 @@
+"""E2M1 element rules: exhaustive codes, every tie, saturation, packing, stochastic rounding."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.quant import np_reference as ref
+from trace_jax.quant import e2m1
+
+
+def test_decode_all_16_codes():
+  got = np.asarray(e2m1.decode(jnp.arange(16, dtype=jnp.uint8)))
+  want = [ref.e2m1_value(c) for c in range(16)]
+  np.testing.assert_array_equal(got, want)
+  assert np.signbit(got[8])  # code 8 is -0
+  # And it agrees with ml_dtypes' own float4_e2m1fn decoding of every bit pattern.
+  ml = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+  np.testing.assert_array_equal(got, ml)
+
+
+@pytest.mark.parametrize("v,code", [
+    (0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6),  # all ties
+    (-0.25, 8), (-0.75, 10), (-1.25, 10), (-1.75, 12), (-2.5, 12), (-3.5, 14), (-5.0, 14),
+    (6.0, 7), (7.0, 7), (1e30, 7), (-100.0, 15), (0.0, 0), (-0.0, 8), (-0.1, 8)])
+def test_every_tie_and_saturation(v, code):
+  assert int(e2m1.encode(jnp.float32(v))) == code
+  assert ref.e2m1_code(v) == code
+
+
+def test_encode_every_grid_value_and_neighbourhood():
+  vals = []
+  for g in ref.GRID:
+    for d in (0.0, 1e-6, -1e-6, 0.124, -0.124):
+      vals += [g + d, -(g + d)]
+  vals = np.array(vals, np.float32)
+  got = np.asarray(e2m1.encode(jnp.asarray(vals)))
+  np.testing.assert_array_equal(got, [ref.e2m1_code(v) for v in vals])
+
+
+def test_encode_random_matches_reference_and_ml_dtypes():
+  rng = np.random.default_rng(0)
+  z = np.concatenate([rng.uniform(-7, 7, 4000), rng.standard_normal(2000) * 3]).astype(np.float32)
+  # Add exact ties and their float32 neighbours.
+  mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+  z = np.concatenate([z, mids, -mids, np.nextafter(mids, 10), np.nextafter(mids, -10)])
+  got = np.asarray(e2m1.encode(jnp.asarray(z)))
+  np.testing.assert_array_equal(got, [ref.e2m1_code(v) for v in z])
+  ml = z.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15
+  np.testing.assert_array_equal(got, ml)
+
+
+def test_pack_layout_matches_bitcast_and_roundtrips():
+  rng = np.random.default_rng(1)
+  codes = rng.integers(0, 16, size=(3, 10), dtype=np.uint8)
+  packed = e2m1.pack_nibbles(jnp.asarray(codes))
+  assert packed.shape == (3, 5) and packed.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(e2m1.unpack_nibbles(packed)), codes)
+  # Low nibble = even index: exactly what bitcasting a byte to two float4_e2m1fn returns.
+  as_fp4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+  assert as_fp4.shape == (3, 5, 2)
+  want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32).reshape(3, 5, 2)
+  np.testing.assert_array_equal(np.asarray(as_fp4.astype(jnp.float32)), want)
+  np.testing.assert_array_equal(np.asarray(packed)[0, 0], codes[0, 0] | (codes[0, 1] << 4))
+  with pytest.raises(ValueError, match="even"):
+    e2m1.pack_nibbles(jnp.zeros((3,), jnp.uint8))
+
+
+def test_bit_packing_roundtrip():
+  rng = np.random.default_rng(2)
+  bits = rng.integers(0, 2, size=(4, 24), dtype=np.uint8)
+  packed = np.asarray(e2m1.pack_bits(jnp.asarray(bits)))
+  assert packed.shape == (4, 3)
+  np.testing.assert_array_equal(packed[1, 0], sum(int(bits[1, i]) << i for i in range(8)))
+  np.testing.assert_array_equal(np.asarray(e2m1.unpack_bits(jnp.asarray(packed))), bits)
+
+
+def test_mantissa_bits_alternate_along_grid():
+  bits = np.asarray(e2m1.mantissa_bit(jnp.arange(16, dtype=jnp.uint8)))
+  np.testing.assert_array_equal(bits, [0, 1] * 8)
+
+
+def test_stochastic_rounding_neighbours_and_unbiased():
+  z = jnp.asarray(np.array([0.1, 0.3, 1.2, 2.25, -2.75, 4.5, 5.5, 6.0, 9.0, 0.0], np.float32))
+  n = 20000
+  zz = jnp.broadcast_to(z, (n, z.size))
+  codes = e2m1.encode_stochastic(zz, jax.random.key(0))
+  vals = np.asarray(e2m1.decode(codes))
+  zn = np.asarray(z)
+  for j, v in enumerate(zn):
+    a = min(abs(v), 6.0)
+    lo = max(g for g in ref.GRID if g <= a)
+    hi = min([g for g in ref.GRID if g >= a])
+    seen = set(np.abs(vals[:, j]).tolist())
+    assert seen <= {lo, hi}, (v, seen)
+    # Unbiased: the mean equals the (saturated) value within 4 standard errors.
+    sd = (hi - lo) / 2 / np.sqrt(n) + 1e-9
+    assert abs(np.mean(np.abs(vals[:, j])) - a) < 4 * sd + 1e-7, v
+  # Deterministic given the key.
+  np.testing.assert_array_equal(codes, e2m1.encode_stochastic(zz, jax.random.key(0)))
