@@ -1,0 +1,48 @@
+"""Pure-`jnp` references: the definition of every kernel's result.
+
+Weights are `[K, N]` (dense) or `[E, K, N]` (experts), blocks along K (`axis` 0, resp. 1).
+Quantized operands are dequantized in float32 exactly as `trace_jax.quant.dequantize` defines,
+then multiplied with float32 accumulation; kernels must match within rounding-level tolerance
+(they decode the same codes and scales; only the accumulation order and the operand dtype of the
+tensor-core product may differ).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.quant import QArray, dequantize
+
+
+def _operand(a) -> jax.Array:
+  return dequantize(a, jnp.float32) if isinstance(a, QArray) else a
+
+
+def _out_dtype(x):
+  return jnp.bfloat16 if isinstance(x, QArray) else x.dtype
+
+
+def matmul_ref(x, w, out_dtype=None) -> jax.Array:
+  """`x @ w` for x `[..., K]` (array or QArray with axis -1) and w `[K, N]` (array or QArray,
+  axis 0)."""
+  out_dtype = out_dtype or _out_dtype(x)
+  xo, wo = _operand(x), _operand(w)
+  if isinstance(x, QArray) or isinstance(w, QArray):
+    xo, wo = xo.astype(jnp.float32), wo.astype(jnp.float32)
+  y = jnp.einsum("...k,kn->...n", xo, wo, preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST)
+  return y.astype(out_dtype)
+
+
+def grouped_matmul_ref(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
+  """Rows of x `[M, K]` sorted by group; rows of group e multiply w[e] `[K, N]`. Rows past
+  sum(group_sizes) produce zeros. Empty groups are allowed."""
+  out_dtype = out_dtype or _out_dtype(x)
+  xo, wo = _operand(x), _operand(w)
+  if isinstance(x, QArray) or isinstance(w, QArray):
+    xo, wo = xo.astype(jnp.float32), wo.astype(jnp.float32)
+  y = jax.lax.ragged_dot(xo, wo, group_sizes.astype(jnp.int32),
+                         precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
