@@ -163,3 +163,49 @@ def guided_quantize(x: jax.Array, guidance: Guidance) -> Q.QArray:
   gs = None if guidance.global_scale is None else jnp.moveaxis(guidance.global_scale,
                                                                guidance.axis, -1)
   return Q.pack_blocked(Q.Blocked(codes, s, gs), guidance.fmt, guidance.axis, guidance.shape)
+
+
+def take_rows(obj, idx: jax.Array):
+  """Rows `idx` of a 2-D `QArray`/`Guidance` whose blocks run along the last axis (rows are
+  independent under row-local scales, so gathering rows of every leaf is exact)."""
+  if obj.axis != 1 or len(obj.shape) != 2:
+    raise ValueError(f"take_rows needs a 2-D array blocked along its last axis, got shape "
+                     f"{obj.shape} blocked along axis {obj.axis}")
+  data = {f: getattr(obj, f) for f in _data_fields(obj)}
+  data = {f: None if a is None else a[idx] for f, a in data.items()}
+  return dataclasses.replace(obj, **data, shape=(int(idx.shape[0]), obj.shape[1]))
+
+
+def reshape_rows(obj, lead: tuple[int, ...]):
+  """Reshape the row dimensions of a `QArray`/`Guidance` blocked along its last axis."""
+  if obj.axis != len(obj.shape) - 1:
+    raise ValueError(f"reshape_rows needs blocks along the last axis, got axis {obj.axis}")
+  data = {f: getattr(obj, f) for f in _data_fields(obj)}
+  data = {f: None if a is None else a.reshape(*lead, a.shape[-1]) for f, a in data.items()}
+  return dataclasses.replace(obj, **data, shape=tuple(lead) + (obj.shape[-1],),
+                             axis=len(lead))
+
+
+def _data_fields(obj):
+  if isinstance(obj, Guidance):
+    return ("payload", "scales", "global_scale")
+  if isinstance(obj, Q.QArray):
+    return ("codes", "scales", "global_scale")
+  raise TypeError(f"expected a QArray or Guidance, got {type(obj).__name__}")
+
+
+def concatenate(objs, axis: int):
+  """Concatenate `QArray`s or `Guidance`s of one format along a non-block `axis` (e.g. decode
+  steps along time)."""
+  first = objs[0]
+  ax = Q.normalize_axis(axis, len(first.shape))
+  if ax == first.axis:
+    raise ValueError(f"cannot concatenate along the block axis {ax}")
+  fields = _data_fields(first)
+  data = {}
+  for f in fields:
+    parts = [getattr(o, f) for o in objs]
+    data[f] = None if parts[0] is None else jnp.concatenate(parts, axis=ax)
+  shape = list(first.shape)
+  shape[ax] = sum(o.shape[ax] for o in objs)
+  return dataclasses.replace(first, **data, shape=tuple(shape))

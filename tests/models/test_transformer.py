@@ -1,0 +1,197 @@
+"""The MoE transformer: cached decode equals the full forward, FP4 modes, routing replay, TRACE
+guidance through the whole model, router auxiliaries."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import models as M
+from trace_jax import quant as tq
+
+CFG = M.tiny(num_layers=3, vocab_size=64)
+apply = jax.jit(M.apply, static_argnums=(2, 3))
+
+
+@functools.lru_cache(maxsize=None)
+def _params(seed=0):
+  p = M.init_params(CFG, jax.random.key(seed))
+  # std 0.1 instead of 0.02: logits and routing that depend visibly on every weight.
+  return jax.tree_util.tree_map(lambda a: a * 5 if a.ndim >= 2 else a, p)
+
+
+def _batch():
+  """Two left-padded prompts (5 and 8 real tokens) and 4 continuation tokens each."""
+  rng = np.random.default_rng(0)
+  toks = rng.integers(0, CFG.vocab_size, size=(2, 12))
+  mask = np.ones((2, 12), bool)
+  mask[0, :3] = False
+  toks[0, :3] = 0
+  return jnp.asarray(toks, jnp.int32), jnp.asarray(mask)
+
+
+def _decode(params, ctx, kv_format, tokens, mask, n_prompt=8):
+  """Prefill the prompt, then decode the continuation one token at a time."""
+  cache = M.init_cache(CFG, tokens.shape[0], 16, kv_format)
+  pos = M.default_positions(tokens, mask)
+  out = apply(params, tokens[:, :n_prompt], CFG, ctx, positions=pos[:, :n_prompt],
+              token_mask=mask[:, :n_prompt], cache=cache, cache_index=0)
+  logits, routes, records, cache = [out.logits], [out.routes], [out.records], out.cache
+  for s in range(n_prompt, tokens.shape[1]):
+    out = apply(params, tokens[:, s:s + 1], CFG, ctx, positions=pos[:, s:s + 1],
+                token_mask=mask[:, s:s + 1], cache=cache, cache_index=s)
+    logits.append(out.logits)
+    routes.append(out.routes)
+    records.append(out.records)
+    cache = out.cache
+  return (jnp.concatenate(logits, 1), jnp.concatenate(routes, 2),
+          M.concat_records(records) if records[0] else {}, cache)
+
+
+def test_decode_with_cache_equals_full_forward():
+  tokens, mask = _batch()
+  full = apply(_params(), tokens, CFG, M.QuantContext(), token_mask=mask)
+  logits, routes, _, cache = _decode(_params(), M.QuantContext(), None, tokens, mask)
+  valid = np.asarray(mask)
+  np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(full.logits)[valid],
+                             atol=2e-5, rtol=0)
+  np.testing.assert_array_equal(np.asarray(routes)[:, valid], np.asarray(full.routes)[:, valid])
+  np.testing.assert_array_equal(np.asarray(cache.valid)[:, :12], valid)
+
+
+def test_left_padding_does_not_change_a_sequence():
+  tokens, mask = _batch()
+  full = apply(_params(), tokens, CFG, M.QuantContext(), token_mask=mask)
+  alone = apply(_params(), tokens[:1, 3:], CFG, M.QuantContext())
+  np.testing.assert_allclose(np.asarray(full.logits)[0, 3:], np.asarray(alone.logits)[0],
+                             atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["w4a16", "w4a4", "paper", "all_linear", "kv4"])
+def test_fp4_modes_close_to_bf16_deterministic_and_one_code_path(preset):
+  tokens, mask = _batch()
+  policy = tq.make_policy(preset, "nvfp4")
+  ref = apply(_params(), tokens, CFG, M.QuantContext(), token_mask=mask).logits
+  qparams = M.quantize_params(_params(), policy)
+  rollout_ctx = M.QuantContext(policy, "rollout")
+  a = apply(qparams, tokens, CFG, rollout_ctx, token_mask=mask).logits
+  b = apply(qparams, tokens, CFG, rollout_ctx, token_mask=mask).logits
+  np.testing.assert_array_equal(a, b)  # deterministic
+  rel = float(jnp.mean(jnp.abs(a - ref)) / jnp.mean(jnp.abs(ref)))
+  # Stated tolerance: mean |FP4 - BF16| logit difference under 40% of mean |logit| on this
+  # deliberately large-weight random model (FP4 noise compounds over 3 layers), and a small
+  # fraction of what an unrelated model differs by.
+  other = apply(_params(1), tokens, CFG, M.QuantContext(), token_mask=mask).logits
+  control = float(jnp.mean(jnp.abs(other - ref)) / jnp.mean(jnp.abs(ref)))
+  print(f"{preset}: rel diff {rel:.3f}, unrelated model {control:.3f}")
+  assert 0 < rel < 0.4 and rel < 0.35 * control, (rel, control)
+  # QAT (fake-quant of the float master weights) is the same function as the packed rollout.
+  qat = apply(_params(), tokens, CFG, M.QuantContext(policy, "qat"), token_mask=mask).logits
+  np.testing.assert_array_equal(qat, a)
+
+
+def test_rollout_weights_are_real_qarrays():
+  q = M.quantize_params(_params(), tq.make_policy("paper", "mxfp4"))
+  experts = q["layers_0"]["moe"]["experts"]
+  assert isinstance(experts["gate_up_proj"], tq.QArray)
+  assert experts["gate_up_proj"].fmt.name == "mxfp4" and experts["gate_up_proj"].axis == 1
+  assert not isinstance(q["layers_0"]["attn"]["q_proj"]["kernel"], tq.QArray)
+  bf16_bytes = experts["gate_up_proj"].size * 2
+  assert experts["gate_up_proj"].nbytes / bf16_bytes == pytest.approx(4.25 / 16, rel=0.01)
+
+
+def test_trace_guidance_reproduces_decode_codes_in_parallel_forward():
+  tokens, mask = _batch()
+  policy = tq.make_policy("paper", "nvfp4")
+  qparams = M.quantize_params(_params(), policy)
+  roll_ctx = M.QuantContext(policy, "rollout", record_guidance=True)
+  logits, routes, records, _ = _decode(qparams, roll_ctx, "nvfp4", tokens, mask)
+  assert set(records) == {1, 2}  # the deeper half of 3 layers
+  assert set(records[2]) == {"kv/k", "kv/v", "experts/in", "experts/down_in"}
+  assert records[2]["experts/down_in"].shape == (2, 12, CFG.num_experts_per_tok,
+                                                 CFG.moe_ffn_size)
+  # Trainer: parallel QAT forward guided by the rollout, replaying its routes.
+  train_ctx = M.QuantContext(policy, "qat", record_codes=True)
+  out = apply(_params(), tokens, CFG, train_ctx, token_mask=mask, guidance=records, routes=routes)
+  np.testing.assert_array_equal(np.asarray(out.routes), np.asarray(routes))
+  valid = np.asarray(mask)
+  for layer, sites in records.items():
+    for site, g in sites.items():
+      roll_codes = np.asarray(tq.make_guidance  # noqa: B018 - compare full codes via guidance
+                              and _codes_from_guidance(g))
+      train = out.records[layer][site]
+      got = np.asarray(train.unpacked_codes()) & 1
+      np.testing.assert_array_equal(got[valid], roll_codes[valid], err_msg=f"{layer}/{site}")
+  np.testing.assert_allclose(np.asarray(out.logits)[valid], np.asarray(logits)[valid],
+                             atol=1e-4, rtol=0)
+
+
+def _codes_from_guidance(g):
+  """Mantissa bits of a compact guidance, in its logical shape."""
+  bits = g.blocked_payload()
+  return tq.qarray.from_blocks(bits, g.axis, g.shape[g.axis])
+
+
+def test_routing_replay_forces_experts_and_router_still_learns():
+  tokens, mask = _batch()
+  ctx = M.QuantContext()
+  routes = apply(_params(0), tokens, CFG, ctx, token_mask=mask).routes
+  other = _params(1)
+  free = apply(other, tokens, CFG, ctx, token_mask=mask).routes
+  assert np.mean(np.asarray(free) != np.asarray(routes)) > 0.2
+  replayed = apply(other, tokens, CFG, ctx, token_mask=mask, routes=routes).routes
+  np.testing.assert_array_equal(np.asarray(replayed), np.asarray(routes))
+
+  def loss(p):
+    out = M.apply(p, tokens, CFG, ctx, token_mask=mask, routes=routes)
+    return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0])
+
+  grads = jax.jit(jax.grad(loss))(other)
+  for i in range(CFG.num_layers):
+    g = np.asarray(grads[f"layers_{i}"]["moe"]["router"]["kernel"])
+    assert np.all(np.isfinite(g)) and np.abs(g).max() > 1e-6, i
+  with pytest.raises(ValueError, match="replayed routes have shape"):
+    M.apply(other, tokens, CFG, ctx, routes=routes[:, :, :5])
+
+
+def test_router_auxiliaries_for_a_uniform_router():
+  p = jax.tree_util.tree_map(lambda a: a, _params())
+  for i in range(CFG.num_layers):
+    p[f"layers_{i}"]["moe"]["router"]["kernel"] = jnp.zeros_like(
+        p[f"layers_{i}"]["moe"]["router"]["kernel"])
+  tokens, mask = _batch()
+  out = apply(p, tokens, CFG, M.QuantContext(), token_mask=mask)
+  # Uniform probabilities: load-balancing loss E * sum_e f_e / E = 1; z-loss log(E)^2.
+  np.testing.assert_allclose(float(out.aux_loss), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(float(out.z_loss), np.log(CFG.num_experts) ** 2, rtol=1e-6)
+
+
+def test_nan_weights_are_named():
+  p = jax.tree_util.tree_map(lambda a: a, _params())
+  p["layers_1"]["attn"]["v_proj"]["kernel"] = p["layers_1"]["attn"]["v_proj"]["kernel"].at[0, 0].set(
+      jnp.nan)
+  with pytest.raises(ValueError, match=r"'layers_1/attn/v_proj/kernel'.*NaN"):
+    M.check_params_finite(p)
+
+
+def test_shared_experts_wiring():
+  cfg = CFG.replace(shared_ffn_size=16, shared_expert_gate=True)
+  p = M.init_params(cfg, jax.random.key(3))
+  assert p["layers_0"]["moe"]["shared"]["gate_proj"]["kernel"].shape == (64, 16)
+  tokens, mask = _batch()
+  with_shared = apply(p, tokens, cfg, M.QuantContext(), token_mask=mask).logits
+  # Zeroing the shared expert's output projection must give exactly the model without it.
+  p0 = jax.tree_util.tree_map(lambda a: a, p)
+  for i in range(cfg.num_layers):
+    p0[f"layers_{i}"]["moe"]["shared"]["down_proj"]["kernel"] *= 0
+  without = {k: v for k, v in p0.items()}
+  for i in range(cfg.num_layers):
+    without[f"layers_{i}"] = dict(p0[f"layers_{i}"])
+    without[f"layers_{i}"]["moe"] = {k: v for k, v in p0[f"layers_{i}"]["moe"].items()
+                                     if k not in ("shared", "shared_gate")}
+  a = apply(p0, tokens, cfg, M.QuantContext(), token_mask=mask).logits
+  b = apply(without, tokens, CFG.replace(), M.QuantContext(), token_mask=mask).logits
+  np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+  assert float(jnp.max(jnp.abs(with_shared - a))) > 1e-3

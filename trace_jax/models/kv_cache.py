@@ -1,0 +1,94 @@
+"""The KV cache: per-layer K and V in bf16/f32 or block-quantized (FP4/FP8 `QArray`s, blocks along
+head_dim, one second-level scale per token and head: row-local), plus which slots hold tokens.
+
+Slots are written at a scalar index shared by the batch (prompts are left-padded), and `valid`
+marks real tokens so padding never takes part in attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import quant as tq
+from trace_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+  k: jax.Array | tq.QArray  # [B, S, KVH, head_dim]
+  v: jax.Array | tq.QArray
+
+
+jax.tree_util.register_dataclass(LayerKV, data_fields=["k", "v"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  layers: tuple[LayerKV, ...]
+  valid: jax.Array  # [B, S] bool
+
+  @property
+  def max_len(self) -> int:
+    return int(self.valid.shape[1])
+
+  @property
+  def batch(self) -> int:
+    return int(self.valid.shape[0])
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.layers))
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["layers", "valid"], meta_fields=[])
+
+
+def _empty(shape, fmt: tq.Format | None, dtype):
+  if fmt is None:
+    return jnp.zeros(shape, dtype)
+  return tq.quantize(jnp.zeros(shape, jnp.float32), fmt, axis=-1, second_level="row",
+                     validate=False)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, kv_format: str | tq.Format | None,
+               dtype=None) -> KVCache:
+  """An empty cache; `kv_format` None keeps K/V in `dtype` (default: the compute dtype)."""
+  fmt = None if kv_format is None else tq.get_format(kv_format)
+  dtype = dtype or config.compute_dtype
+  shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  layers = tuple(LayerKV(_empty(shape, fmt, dtype), _empty(shape, fmt, dtype))
+                 for _ in range(config.num_layers))
+  return KVCache(layers, jnp.zeros((batch, max_len), bool))
+
+
+def cache_bytes_per_token(config: ModelConfig, kv_format: str | None, dtype=jnp.bfloat16) -> float:
+  """Bytes one token occupies in the cache over all layers (K and V)."""
+  elems = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+  if kv_format is None:
+    return elems * jnp.dtype(dtype).itemsize
+  fmt = tq.get_format(kv_format)
+  g = 4 * 2 * config.num_layers * config.num_kv_heads if fmt.two_level else 0
+  return elems * fmt.bits_per_element / 8 + g
+
+
+def _write(buf, new, index):
+  """Write `new` [B, T, ...] into `buf` [B, S, ...] at slot `index` along axis 1."""
+  if isinstance(buf, tq.QArray):
+    leaves = {}
+    for f in ("codes", "scales", "global_scale"):
+      b, n = getattr(buf, f), getattr(new, f)
+      leaves[f] = None if b is None else jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype),
+                                                                             index, axis=1)
+    return dataclasses.replace(buf, **leaves)
+  return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index, axis=1)
+
+
+def write_layer(layer: LayerKV, k_new, v_new, index) -> LayerKV:
+  return LayerKV(_write(layer.k, k_new, index), _write(layer.v, v_new, index))
+
+
+def read(buf, dtype) -> jax.Array:
+  return tq.dequantize(buf, dtype) if isinstance(buf, tq.QArray) else buf.astype(dtype)

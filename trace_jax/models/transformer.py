@@ -1,0 +1,415 @@
+"""The MoE transformer (Qwen3-MoE family), pure-functional Flax linen, read top to bottom.
+
+One code path serves three forwards (see `sites.QuantContext`): BF16, QAT (fake-quant or TRACE
+guided fake-quant, optional routing replay) and the quantized rollout forward (packed FP4
+weights, FP4 activations and KV cache, recording guidance and expert choices). The same call
+runs a whole sequence (training / prefill) or a decode step against a `KVCache`.
+
+Parameter paths (what `QuantPolicy` regexes match): `embed/embedding`,
+`layers_{i}/{input_norm,post_attn_norm}/scale`, `layers_{i}/attn/{q,k,v,o}_proj/kernel`,
+`layers_{i}/attn/{q,k}_norm/scale`, `layers_{i}/moe/router/kernel`,
+`layers_{i}/moe/experts/{gate_up_proj,down_proj}` (`[E, D, 2F]`, `[E, F, D]`),
+`layers_{i}/moe/shared/{gate_proj,up_proj,down_proj}/kernel`,
+`layers_{i}/mlp/{gate_proj,up_proj,down_proj}/kernel`, `final_norm/scale`, `lm_head/kernel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from trace_jax import kernels
+from trace_jax import quant as tq
+from trace_jax.models import kv_cache as kvc
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.sites import QuantContext, activation_site, apply_weight
+
+_INIT = nn.initializers.normal(stddev=0.02)
+_NEG = -1e30  # finite "minus infinity": a fully masked row stays finite
+
+
+def _param(module: nn.Module, name: str, init, shape):
+  """A float32 parameter, or whatever the caller put there (a `QArray` at rollout): flax's own
+  `param` would refuse a leaf whose shape is not the initializer's."""
+  if module.has_variable("params", name):
+    return module.get_variable("params", name)
+  return module.param(name, init, shape, jnp.float32)
+
+
+def _path(module: nn.Module, name: str) -> str:
+  return "/".join(module.scope.path + (name,))
+
+
+# --------------------------------------------------------------------------- basic layers
+
+class RMSNorm(nn.Module):
+  eps: float
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return scale.astype(x.dtype) * xf.astype(x.dtype)
+
+
+class Linear(nn.Module):
+  """`x @ kernel (+ bias)`; kernel `[in, out]`, quantized per the context's policy."""
+
+  features: int
+  ctx: QuantContext
+  dtype: Any
+  use_bias: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    w = _param(self, "kernel", _INIT, (x.shape[-1], self.features))
+    w = apply_weight(w, _path(self, "kernel"), self.ctx, self.dtype)
+    y = kernels.matmul(x.astype(self.dtype), w, out_dtype=self.dtype)
+    if self.use_bias:
+      y = y + _param(self, "bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
+    return y
+
+
+def rope(x, positions, theta: float):
+  """Rotary embedding, rotate-half layout; x `[B, T, heads, hd]`, positions `[B, T]`."""
+  hd = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  cos, sin = jnp.cos(emb)[:, :, None, :].astype(x.dtype), jnp.sin(emb)[:, :, None, :].astype(x.dtype)
+  x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+  config: ModelConfig
+  ctx: QuantContext
+  guided: bool
+
+  @nn.compact
+  def __call__(self, x, positions, key_mask, cache, cache_index, guidance, records):
+    c, ctx, dt = self.config, self.ctx, self.config.compute_dtype
+    b, t, _ = x.shape
+    x = activation_site(x, "attn/in", self.guided, ctx, guidance, records)
+    q = Linear(c.num_heads * c.head_dim, ctx, dt, c.attention_bias, name="q_proj")(x)
+    k = Linear(c.num_kv_heads * c.head_dim, ctx, dt, c.attention_bias, name="k_proj")(x)
+    v = Linear(c.num_kv_heads * c.head_dim, ctx, dt, c.attention_bias, name="v_proj")(x)
+    if c.qk_norm == "full":  # OLMoE: over the whole projection
+      q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
+      k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
+    if c.clip_qkv is not None:
+      q, k, v = (jnp.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm == "head":  # Qwen3: per head over head_dim
+      q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
+      k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
+    q = rope(q, positions, c.rope_theta)
+    k = rope(k, positions, c.rope_theta)
+
+    # K/V sites: what the cache holds (FP4 per the policy), the same values with or without it.
+    kv_fmt = ctx.activation_format("kv/k")
+    if cache is not None and kv_fmt is not None:
+      kq = tq.quantize(k, kv_fmt, second_level="row", validate=False)
+      vq = tq.quantize(v, kv_fmt, second_level="row", validate=False)
+      if ctx.record_guidance and self.guided and kv_fmt.is_fp4:
+        records["kv/k"] = tq.make_guidance(kq, ctx.policy.guidance_compact)
+        records["kv/v"] = tq.make_guidance(vq, ctx.policy.guidance_compact)
+      layer = kvc.write_layer(cache, kq, vq, cache_index)
+    else:
+      k = activation_site(k, "kv/k", self.guided, ctx, guidance, records)
+      v = activation_site(v, "kv/v", self.guided, ctx, guidance, records)
+      layer = None if cache is None else kvc.write_layer(cache, k, v, cache_index)
+
+    if layer is not None:
+      keys, values = kvc.read(layer.k, dt), kvc.read(layer.v, dt)
+      q_slot = cache_index + jnp.arange(t)  # query i sits in slot index + i
+      k_slot = jnp.arange(keys.shape[1])
+    else:
+      keys, values = k, v
+      q_slot = k_slot = jnp.arange(t)
+    allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
+
+    groups = c.num_heads // c.num_kv_heads
+    qg = q.reshape(b, t, c.num_kv_heads, groups, c.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys,
+                        preferred_element_type=jnp.float32) * (c.head_dim ** -0.5)
+    scores = jnp.where(allowed[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, c.num_heads * c.head_dim)
+    o = activation_site(o, "attn/o_in", self.guided, ctx, guidance, records)
+    return Linear(c.hidden_size, ctx, dt, c.attention_bias, name="o_proj")(o), layer
+
+
+# --------------------------------------------------------------------------- feed-forward
+
+class SwiGLU(nn.Module):
+  """Dense SwiGLU MLP (dense layers and shared experts); `site` prefixes its activation sites."""
+
+  ffn: int
+  config: ModelConfig
+  ctx: QuantContext
+  guided: bool
+  site: str
+
+  @nn.compact
+  def __call__(self, x, guidance, records):
+    c, ctx, dt = self.config, self.ctx, self.config.compute_dtype
+    x = activation_site(x, f"{self.site}/in", self.guided, ctx, guidance, records)
+    h = (nn.silu(Linear(self.ffn, ctx, dt, name="gate_proj")(x))
+         * Linear(self.ffn, ctx, dt, name="up_proj")(x))
+    h = activation_site(h, f"{self.site}/down_in", self.guided, ctx, guidance, records)
+    return Linear(c.hidden_size, ctx, dt, name="down_proj")(h)
+
+
+class MoE(nn.Module):
+  """Top-k softmax router, dropless dispatch by sorting (token, slot) pairs by expert, grouped
+  matmuls over the sorted rows; optional routing replay (R3) and shared experts."""
+
+  config: ModelConfig
+  ctx: QuantContext
+  guided: bool
+
+  @nn.compact
+  def __call__(self, x, token_mask, guidance, records, replay_routes):
+    c, ctx, dt = self.config, self.ctx, self.config.compute_dtype
+    b, t, d = x.shape
+    e, k, f = c.num_experts, c.num_experts_per_tok, c.moe_ffn_size
+    n = b * t
+    xf = x.reshape(n, d)
+
+    # Router (kept in float32: tiny, and routing flips are what R3 guards against).
+    w_r = _router_kernel(self, d, e)
+    logits = jnp.dot(xf.astype(jnp.float32), w_r.astype(jnp.float32))  # [N, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    if replay_routes is None:
+      _, idx = jax.lax.top_k(jax.lax.stop_gradient(probs), k)
+    else:
+      idx = replay_routes.reshape(n, k).astype(jnp.int32)
+    # Gate weights are recomputed from this forward's router, so the router learns under replay.
+    weights = jnp.take_along_axis(probs, idx, axis=-1)
+    if c.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+    # Auxiliaries over real tokens: Switch load balancing (E * sum_e f_e P_e) and router z-loss.
+    m = token_mask.reshape(n).astype(jnp.float32)
+    denom = jnp.maximum(jnp.sum(m), 1.0)
+    frac = jnp.sum(jax.nn.one_hot(idx, e) * m[:, None, None], axis=(0, 1)) / (denom * k)
+    mean_prob = jnp.sum(probs * m[:, None], axis=0) / denom
+    aux_loss = e * jnp.sum(frac * mean_prob)
+    z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * m) / denom
+
+    # Expert input site: quantized once per token (row-local), before dispatch.
+    x_in = activation_site(x, "experts/in", self.guided, ctx, guidance, records).reshape(n, d)
+
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+    inverse = jnp.argsort(order)
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x_in[order // k].astype(dt)
+
+    w_gu, w_dn = Experts(c, ctx, name="experts")()
+    gu = kernels.grouped_matmul(xs, w_gu, group_sizes, out_dtype=dt)
+    h = nn.silu(gu[:, :f]) * gu[:, f:]
+    h = _sorted_site(h, order, inverse, (b, t, k), self.guided, ctx, guidance, records)
+    ys = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt)
+    y = ys[inverse].reshape(n, k, d)
+    out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
+
+    if c.shared_ffn_size:
+      shared = SwiGLU(c.shared_ffn_size, c, ctx, self.guided, "shared", name="shared")(
+          x, guidance, records).reshape(n, d)
+      if c.shared_expert_gate:
+        gate = jnp.dot(xf.astype(jnp.float32),
+                       _param(self, "shared_gate", _INIT, (d, 1)).astype(jnp.float32))
+        shared = shared * jax.nn.sigmoid(gate).astype(dt)
+      out = out + shared
+    return out.reshape(b, t, d), idx.reshape(b, t, k), aux_loss, z_loss
+
+
+class Experts(nn.Module):
+  """The stacked routed-expert weights `gate_up_proj [E, D, 2F]` and `down_proj [E, F, D]`."""
+
+  config: ModelConfig
+  ctx: QuantContext
+
+  @nn.compact
+  def __call__(self):
+    c, dt = self.config, self.config.compute_dtype
+    e, d, f = c.num_experts, c.hidden_size, c.moe_ffn_size
+    w_gu = _param(self, "gate_up_proj", _INIT, (e, d, 2 * f))
+    w_dn = _param(self, "down_proj", _INIT, (e, f, d))
+    return (apply_weight(w_gu, _path(self, "gate_up_proj"), self.ctx, dt),
+            apply_weight(w_dn, _path(self, "down_proj"), self.ctx, dt))
+
+
+def _router_kernel(module: nn.Module, d: int, e: int):
+  """The router weight lives at `moe/router/kernel` (a bare param dict, no extra module)."""
+  if module.has_variable("params", "router"):
+    return module.get_variable("params", "router")["kernel"]
+  return module.param("router", lambda rng: {"kernel": _INIT(rng, (d, e), jnp.float32)})["kernel"]
+
+
+def _sorted_site(h, order, inverse, canon_lead, guided, ctx, guidance, records):
+  """The expert down-projection input site. Rows are computed in expert-sorted order, but
+  guidance and codes are exchanged in the canonical `[B, T, k, F]` order (token, slot), which
+  does not depend on how the batch happened to be dispatched."""
+  site = "experts/down_in"
+  g = None if guidance is None else guidance.get(site)
+  local_guid = None
+  if g is not None:
+    local_guid = {site: tq.take_rows(tq.reshape_rows(g, (h.shape[0],)), order)}
+  local_rec: dict = {}
+  out = activation_site(h, site, guided, ctx, local_guid, local_rec)
+  if site in local_rec:
+    records[site] = tq.reshape_rows(tq.take_rows(local_rec[site], inverse), canon_lead)
+  return out
+
+
+# --------------------------------------------------------------------------- the model
+
+class Block(nn.Module):
+  config: ModelConfig
+  ctx: QuantContext
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, token_mask, key_mask, cache, cache_index, guidance, routes):
+    c = self.config
+    guided = self.ctx.policy.is_guided_layer(self.layer, c.num_layers)
+    records: dict = {}
+    h, new_cache = Attention(c, self.ctx, guided, name="attn")(
+        RMSNorm(c.rms_norm_eps, name="input_norm")(x), positions, key_mask, cache, cache_index,
+        guidance, records)
+    x = x + h
+    hn = RMSNorm(c.rms_norm_eps, name="post_attn_norm")(x)
+    if c.is_moe_layer(self.layer):
+      h, chosen, aux, z = MoE(c, self.ctx, guided, name="moe")(hn, token_mask, guidance, records,
+                                                            routes)
+    else:
+      h = SwiGLU(c.dense_ffn_size, c, self.ctx, guided, "mlp", name="mlp")(hn, guidance, records)
+      chosen, aux, z = None, jnp.float32(0.0), jnp.float32(0.0)
+    return x + h, new_cache, chosen, aux, z, records
+
+
+@dataclasses.dataclass
+class ModelOutput:
+  """Everything one forward produces besides the logits."""
+
+  logits: jax.Array  # [B, T, V] float32
+  cache: kvc.KVCache | None
+  routes: jax.Array | None  # [L_moe, B, T, k] int32 experts chosen per MoE layer
+  records: dict  # {layer: {site: Guidance | QArray}}
+  aux_loss: jax.Array  # mean over MoE layers
+  z_loss: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    ModelOutput, data_fields=["logits", "cache", "routes", "records", "aux_loss", "z_loss"],
+    meta_fields=[])
+
+
+class Transformer(nn.Module):
+  config: ModelConfig
+  ctx: QuantContext = QuantContext()
+
+  @nn.compact
+  def __call__(self, tokens, positions, token_mask, cache=None, cache_index=0, guidance=None,
+               routes=None):
+    c = self.config
+    emb = _embedding(self, c)
+    x = jnp.take(emb, tokens, axis=0).astype(c.compute_dtype)
+    key_mask = token_mask if cache is None else jax.lax.dynamic_update_slice_in_dim(
+        cache.valid, token_mask, cache_index, axis=1)
+    new_layers, chosen, aux, z, records = [], [], [], [], {}
+    moe_i = 0
+    for i in range(c.num_layers):
+      layer_routes = None
+      if routes is not None and c.is_moe_layer(i):
+        layer_routes = routes[moe_i]
+      x, lc, ch, a, zz, rec = Block(c, self.ctx, i, name=f"layers_{i}")(
+          x, positions, token_mask, key_mask, None if cache is None else cache.layers[i],
+          cache_index, None if guidance is None else guidance.get(i), layer_routes)
+      new_layers.append(lc)
+      if ch is not None:
+        chosen.append(ch)
+        aux.append(a)
+        z.append(zz)
+        moe_i += 1
+      if rec:
+        records[i] = rec
+    x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
+    if c.tie_embeddings:
+      logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), emb.astype(jnp.float32))
+    else:
+      logits = Linear(c.vocab_size, self.ctx, jnp.float32, name="lm_head")(x.astype(jnp.float32))
+    new_cache = None if cache is None else kvc.KVCache(tuple(new_layers), key_mask)
+    mean = lambda v: jnp.mean(jnp.stack(v)) if v else jnp.float32(0.0)  # noqa: E731
+    return ModelOutput(logits.astype(jnp.float32), new_cache,
+                       jnp.stack(chosen) if chosen else None, records, mean(aux), mean(z))
+
+
+def _embedding(module: nn.Module, c: ModelConfig):
+  if module.has_variable("params", "embed"):
+    return module.get_variable("params", "embed")["embedding"]
+  return module.param("embed", lambda rng: {"embedding": _INIT(rng, (c.vocab_size, c.hidden_size),
+                                                               jnp.float32)})["embedding"]
+
+
+# --------------------------------------------------------------------------- functional API
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict:
+  """Random float32 parameters (normal, std 0.02; norms at 1)."""
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  variables = Transformer(config).init(key, tokens, jnp.zeros((1, 2), jnp.int32),
+                                       jnp.ones((1, 2), bool))
+  return variables["params"]
+
+
+def default_positions(tokens: jax.Array, token_mask: jax.Array | None) -> jax.Array:
+  """Positions counting only real tokens (left padding gets position 0)."""
+  if token_mask is None:
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  return jnp.maximum(jnp.cumsum(token_mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def apply(params, tokens, config: ModelConfig, ctx: QuantContext = QuantContext(), *,
+          positions=None, token_mask=None, cache: kvc.KVCache | None = None, cache_index=0,
+          guidance: dict | None = None, routes: jax.Array | None = None) -> ModelOutput:
+  """The full forward: logits plus cache, routes, records and router auxiliaries.
+
+  tokens `[B, T]`; token_mask `[B, T]` marks real tokens (default all); positions default to
+  the count of real tokens before each one. With a `cache`, the T tokens are written at slots
+  `cache_index .. cache_index + T - 1` and attend to every valid slot up to their own.
+  guidance: `{layer: {site: Guidance}}` from a rollout (TRACE); routes `[L_moe, B, T, k]` to
+  replay the rollout's expert choices.
+  """
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+  if token_mask is None:
+    token_mask = jnp.ones(tokens.shape, bool)
+  if positions is None:
+    positions = default_positions(tokens, token_mask)
+  if routes is not None:
+    n_moe = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    want = (n_moe,) + tuple(tokens.shape) + (config.num_experts_per_tok,)
+    if tuple(routes.shape) != want:
+      raise ValueError(f"replayed routes have shape {tuple(routes.shape)}, expected {want} "
+                       "(MoE layers, batch, time, top-k)")
+  return Transformer(config, ctx).apply({"params": params}, tokens, positions, token_mask, cache,
+                                        cache_index, guidance, routes)
+
+
+def forward(params, tokens, config: ModelConfig, ctx: QuantContext = QuantContext(),
+            **kwargs) -> jax.Array:
+  """Logits `[B, T, V]` (float32) for a whole sequence; see `apply` for the options."""
+  return apply(params, tokens, config, ctx, **kwargs).logits
