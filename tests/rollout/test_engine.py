@@ -1,0 +1,145 @@
+"""The rollout engine against full forwards of the same model."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.rollout import CapacityError, RolloutEngine, SamplingParams, filter_logits
+
+CFG = M.tiny(num_layers=3)
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+full = jax.jit(M.apply, static_argnums=(2, 3))
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+  p = M.init_params(CFG, jax.random.key(0))
+  return jax.tree_util.tree_map(lambda a: a * 5 if a.ndim >= 2 else a, p)
+
+
+@functools.lru_cache(maxsize=None)
+def _engine(preset="bf16", max_new=6):
+  eng = RolloutEngine(CFG, tq.make_policy(preset, "nvfp4"), max_new_tokens=max_new)
+  eng.sync(_params())
+  return eng
+
+
+def _recomputed_logprobs(ro, ctx, temperature=1.0, **kw):
+  out = full(_params(), ro.tokens, CFG, ctx, positions=ro.positions, token_mask=ro.token_mask,
+             **kw)
+  p = ro.prompt_len
+  logp = jax.nn.log_softmax(out.logits[:, p - 1:-1] / temperature, axis=-1)
+  return jnp.take_along_axis(logp, ro.tokens[:, p:, None], axis=-1)[..., 0], out
+
+
+def test_greedy_is_argmax_of_full_forward_and_logprobs_match():
+  ro = _engine().generate(PROMPTS, sampling=SamplingParams(temperature=0.0))
+  out = full(_params(), ro.tokens, CFG, M.QuantContext(), positions=ro.positions,
+             token_mask=ro.token_mask)
+  p = ro.prompt_len
+  argmax = np.asarray(jnp.argmax(out.logits[:, p - 1:-1], axis=-1))
+  np.testing.assert_array_equal(np.asarray(ro.completion), argmax)
+  lp, _ = _recomputed_logprobs(ro, M.QuantContext())
+  np.testing.assert_allclose(np.asarray(lp), np.asarray(ro.logprobs), atol=1e-5)
+
+
+def test_sampled_logprobs_at_temperature_and_routes():
+  ro = _engine().generate(PROMPTS, n=3, sampling=SamplingParams(temperature=0.7), seed=1)
+  assert ro.tokens.shape[0] == 6
+  lp, out = _recomputed_logprobs(ro, M.QuantContext(), temperature=0.7)
+  mask = np.asarray(ro.completion_mask)
+  np.testing.assert_allclose(np.asarray(lp)[mask], np.asarray(ro.logprobs)[mask], atol=1e-5)
+  # Recorded expert choices equal the full forward's at every real token.
+  tm = np.asarray(ro.token_mask)
+  np.testing.assert_array_equal(np.asarray(ro.routes)[:, tm], np.asarray(out.routes)[:, tm])
+  # Samples of one prompt differ from each other (independent keys).
+  comp = np.asarray(ro.completion)
+  assert len({tuple(r) for r in comp[:3]}) > 1
+
+
+def test_fp4_kv_decode_equals_full_forward_with_fake_quant_and_guidance_reproduces_codes():
+  eng = _engine("paper")
+  ro = eng.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=1.0), seed=3)
+  qat = M.QuantContext(eng.policy, "qat", record_codes=True)
+  lp, _ = _recomputed_logprobs(ro, qat)
+  mask = np.asarray(ro.completion_mask)
+  np.testing.assert_allclose(np.asarray(lp)[mask], np.asarray(ro.logprobs)[mask], atol=1e-4)
+  # The trainer's guided forward reproduces every recorded mantissa bit at guided sites.
+  _, out = _recomputed_logprobs(ro, qat, guidance=ro.guidance, routes=ro.routes)
+  tm = np.asarray(ro.token_mask)
+  assert set(ro.guidance) == {1, 2}
+  for layer, sites in ro.guidance.items():
+    for site, g in sites.items():
+      want = np.asarray(tq.qarray.from_blocks(g.blocked_payload(), g.axis, g.shape[g.axis]))
+      got = np.asarray(out.records[layer][site].unpacked_codes()) & 1
+      np.testing.assert_array_equal(got[tm], want[tm], err_msg=f"{layer}/{site}")
+  assert ro.guidance_bytes_per_token() > 0
+
+
+def test_same_prompt_same_tokens_whatever_the_batch():
+  eng = _engine()
+  s = SamplingParams(temperature=1.0, top_k=20)
+  alone = eng.generate([PROMPTS[0]], n=2, sampling=s, seed=7)
+  mixed = eng.generate([[1, 2, 3], PROMPTS[0], PROMPTS[1]], n=2, sampling=s, seed=7)
+  np.testing.assert_array_equal(np.asarray(alone.completion), np.asarray(mixed.completion)[2:4])
+  np.testing.assert_allclose(np.asarray(alone.logprobs), np.asarray(mixed.logprobs)[2:4],
+                             atol=1e-5)
+
+
+def test_stop_tokens_and_max_lengths():
+  eng = _engine()
+  greedy = SamplingParams(temperature=0.0)
+  free = np.asarray(eng.generate(PROMPTS, sampling=greedy).completion)
+  stop = int(free[0, 2])  # the token prompt 0 emits third becomes its stop token
+  ro = eng.generate(PROMPTS, sampling=greedy, stop_tokens=[stop], max_new_tokens=[6, 2])
+  comp, mask = np.asarray(ro.completion), np.asarray(ro.completion_mask)
+  first = list(free[0]).index(stop)
+  assert mask[0].sum() == first + 1 and comp[0, first] == stop
+  assert np.all(comp[0, first + 1:] == 0)
+  assert mask[1].sum() == min(2, (list(free[1]).index(stop) + 1) if stop in free[1] else 2)
+  np.testing.assert_array_equal(comp[1, :mask[1].sum()], free[1, :mask[1].sum()])
+
+
+def test_top_k_top_p_filters():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+  np.testing.assert_array_equal(np.isfinite(filter_logits(logits, 2, 1.0))[0],
+                                [True, True, False, False])
+  np.testing.assert_array_equal(np.isfinite(filter_logits(logits, 0, 0.7))[0],
+                                [True, True, False, False])
+  np.testing.assert_array_equal(np.isfinite(filter_logits(logits, 0, 0.4))[0],
+                                [True, False, False, False])
+
+
+def test_bad_requests_and_capacity():
+  eng = _engine()
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    eng.generate([[1, 999]])
+  with pytest.raises(ValueError, match="empty"):
+    eng.generate([[1], []])
+  tight = RolloutEngine(CFG, tq.make_policy("bf16"), max_new_tokens=6,
+                        device_bytes=_engine().weight_bytes * 2)
+  tight.sync(_params())
+  cap = tight.capacity(16 + 6)
+  with pytest.raises(CapacityError, match=r"do not fit: at most \d+ fit"):
+    tight.generate([[1, 2]] * (cap + 1))
+  with pytest.raises(RuntimeError, match="before sync"):
+    RolloutEngine(CFG).generate([[1]])
+
+
+def test_fp4_kv_lets_more_sequences_fit():
+  # 12-layer 30B-A3B shape on a 140 GiB device at 8k context: bf16 weights 16 GiB, paper-policy
+  # weights (FP4 experts) about 5 GiB; KV4 stores 4.5 bits + a row scale instead of 16 bits.
+  from trace_jax.rollout import plan_capacity
+  cfg = M.qwen3_30b_a3b(12)
+  gib = 140 * 2**30
+  n_bf16 = plan_capacity(cfg, tq.make_policy("bf16"), 8192, weight_bytes=16 * 2**30,
+                         device_bytes=gib, record_guidance=False)
+  n_fp4 = plan_capacity(cfg, tq.make_policy("paper"), 8192, weight_bytes=5 * 2**30,
+                        device_bytes=gib, record_guidance=False)
+  print(f"sequences at 8k: bf16 {n_bf16}, fp4 {n_fp4}")
+  assert n_fp4 >= 3 * n_bf16 > 0

@@ -1,0 +1,377 @@
+"""The rollout engine: batched prefill + on-device decode loop that records what RL needs.
+
+One jitted program per (prompt bucket, batch, samples per prompt, max new tokens, sampling):
+the prompt batch is prefilled once into a KV cache (bf16 or FP4/FP8 per the policy), the cache
+is repeated for the `n` samples of each prompt (GRPO groups share the prefill), and a
+`lax.while_loop` decodes until every sequence has stopped or reached its own limit. Per
+generated token it records the logprob under the temperature-scaled full softmax, and over the
+whole sequence the experts chosen in every MoE layer (for routing replay) and, at the policy's
+guided layers, the TRACE guidance of every quantized activation site and of K/V.
+
+Prompts are left-padded to a bucket length, so all sequences write the same cache slot each
+step; `token_mask` keeps padding out of attention. Each sequence samples with its own key,
+derived from the prompt's content, so a sequence's tokens do not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.rollout.sampling import SamplingParams, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """A batch of generated sequences (rows `i * n + j`: sample j of prompt i)."""
+
+  tokens: jax.Array  # [R, P + N] left-padded prompt then completion (pad 0 after stopping)
+  token_mask: jax.Array  # [R, P + N] real tokens
+  positions: jax.Array  # [R, P + N]
+  completion_mask: jax.Array  # [R, N] generated tokens up to and including the stop token
+  logprobs: jax.Array  # [R, N] under the temperature-scaled full softmax (0 where masked)
+  routes: jax.Array | None  # [L_moe, R, P + N, k]
+  guidance: dict  # {layer: {site: Guidance [R, P + N, ...]}}
+  prompt_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.tokens.shape[0])
+
+  @property
+  def completion(self) -> jax.Array:
+    return self.tokens[:, self.prompt_len:]
+
+  def guidance_bytes(self) -> int:
+    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.guidance))
+
+  def guidance_bytes_per_token(self) -> float:
+    return self.guidance_bytes() / max(int(np.prod(self.tokens.shape)), 1)
+
+
+jax.tree_util.register_dataclass(
+    Rollout, data_fields=["tokens", "token_mask", "positions", "completion_mask", "logprobs",
+                          "routes", "guidance"], meta_fields=["prompt_len"])
+
+
+class CapacityError(ValueError):
+  """A batch that would not fit in device memory."""
+
+
+# --------------------------------------------------------------------------- the program
+
+def _repeat_rows(tree, n: int):
+  """Repeat every batch-first leaf n times along the batch (QArray/Guidance shapes follow)."""
+  if n == 1:
+    return tree
+
+  def rep(x):
+    if isinstance(x, (tq.QArray, tq.Guidance)):
+      data = {f: None if getattr(x, f) is None else jnp.repeat(getattr(x, f), n, axis=0)
+              for f in tq.guided_round._data_fields(x)}
+      return dataclasses.replace(x, **data, shape=(x.shape[0] * n,) + tuple(x.shape[1:]))
+    return jnp.repeat(x, n, axis=0)
+
+  return jax.tree_util.tree_map(rep, tree,
+                                is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
+
+
+def _write_time(buf_tree, new_tree, index):
+  """Write per-step records `[R, 1, ...]` into buffers `[R, N, ...]` at time `index` (the two
+  trees differ only in their static shapes, so they are matched leaf by leaf)."""
+  leaves, treedef = jax.tree_util.tree_flatten(buf_tree)
+  new = jax.tree_util.tree_leaves(new_tree)
+  out = [jax.lax.dynamic_update_slice_in_dim(b, x.astype(b.dtype), index, axis=1)
+         for b, x in zip(leaves, new)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _time_buffers(records_step, steps: int):
+  """Zero buffers for `steps` decode steps shaped like one step's records (time axis 1)."""
+  def grow(obj):
+    data = {}
+    for f in tq.guided_round._data_fields(obj):
+      a = getattr(obj, f)
+      data[f] = None if a is None else jnp.zeros(a.shape[:1] + (steps,) + a.shape[2:], a.dtype)
+    shape = obj.shape[:1] + (steps,) + obj.shape[2:]
+    return dataclasses.replace(obj, **data, shape=shape)
+  return {l: {s: grow(o) for s, o in sites.items()} for l, sites in records_step.items()}
+
+
+def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop_ids, *,
+                     config: M.ModelConfig, ctx: M.QuantContext, n: int, steps: int,
+                     sampling: SamplingParams, kv_format: str | None, record_routes: bool):
+  """The whole rollout as one pure function (jitted by the engine)."""
+  b, p = prompt_tokens.shape
+  cache = M.init_cache(config, b, p + steps, kv_format)
+  positions = M.default_positions(prompt_tokens, prompt_mask)
+  pre = M.apply(params, prompt_tokens, config, ctx, positions=positions, token_mask=prompt_mask,
+                cache=cache, cache_index=0)
+  # GRPO groups share the prefill: repeat cache and records for the n samples of each prompt.
+  cache = _repeat_rows(pre.cache, n)
+  logits = jnp.repeat(pre.logits[:, -1], n, axis=0)
+  prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1).astype(jnp.int32), n)
+  r = b * n
+
+  def step_keys(s):
+    return jax.vmap(lambda k: jax.random.fold_in(k, s))(seq_keys)
+
+  def feed(cache, token, s):
+    out = M.apply(params, token[:, None], config, ctx, positions=(prompt_len + s)[:, None],
+                  token_mask=jnp.ones((r, 1), bool), cache=cache, cache_index=p + s)
+    return out
+
+  tok, lp = sample(logits, step_keys(0), sampling)
+  done0 = jnp.zeros((r,), bool)
+  out0 = feed(cache, tok, 0)
+  rec_buf = _write_time(_time_buffers(out0.records, steps), out0.records, 0)
+  routes_buf = None
+  if record_routes and out0.routes is not None:
+    routes_buf = jnp.zeros(out0.routes.shape[:2] + (steps,) + out0.routes.shape[3:], jnp.int32)
+    routes_buf = jax.lax.dynamic_update_slice_in_dim(routes_buf, out0.routes, 0, axis=2)
+  tokens_buf = jnp.zeros((r, steps), jnp.int32).at[:, 0].set(tok)
+  logp_buf = jnp.zeros((r, steps), jnp.float32).at[:, 0].set(lp)
+  valid_buf = jnp.zeros((r, steps), bool).at[:, 0].set(True)
+  done = done0 | jnp.isin(tok, stop_ids) | (max_new <= 1)
+
+  def cond(state):
+    s, done = state[0], state[1]
+    return (s < steps) & ~jnp.all(done)
+
+  def body(state):
+    s, done, cache, logits, tokens_buf, logp_buf, valid_buf, routes_buf, rec_buf = state
+    tok, lp = sample(logits, step_keys(s), sampling)
+    tok = jnp.where(done, 0, tok)
+    out = feed(cache, tok, s)
+    live = ~done
+    tokens_buf = jax.lax.dynamic_update_slice_in_dim(tokens_buf, tok[:, None], s, axis=1)
+    logp_buf = jax.lax.dynamic_update_slice_in_dim(logp_buf, jnp.where(live, lp, 0.0)[:, None],
+                                                   s, axis=1)
+    valid_buf = jax.lax.dynamic_update_slice_in_dim(valid_buf, live[:, None], s, axis=1)
+    if routes_buf is not None:
+      routes_buf = jax.lax.dynamic_update_slice_in_dim(routes_buf, out.routes, s, axis=2)
+    rec_buf = _write_time(rec_buf, out.records, s)
+    done = done | jnp.isin(tok, stop_ids) | (s + 1 >= max_new)
+    return (s + 1, done, out.cache, out.logits[:, -1], tokens_buf, logp_buf, valid_buf,
+            routes_buf, rec_buf)
+
+  state = (jnp.int32(1), done, out0.cache, out0.logits[:, -1], tokens_buf, logp_buf, valid_buf,
+           routes_buf, rec_buf)
+  state = jax.lax.while_loop(cond, body, state)
+  _, _, _, _, tokens_buf, logp_buf, valid_buf, routes_buf, rec_buf = state
+
+  tokens = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0),
+                            jnp.where(valid_buf, tokens_buf, 0)], axis=1)
+  token_mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), valid_buf], axis=1)
+  gen_pos = prompt_len[:, None] + jnp.arange(steps)[None]
+  positions = jnp.concatenate([jnp.repeat(positions, n, axis=0), gen_pos], axis=1)
+  routes = None
+  if routes_buf is not None:
+    routes = jnp.concatenate([jnp.repeat(pre.routes, n, axis=1), routes_buf], axis=2)
+  guidance = {}
+  pre_rec = _repeat_rows(pre.records, n)
+  for layer, sites in rec_buf.items():
+    guidance[layer] = {site: tq.concatenate([pre_rec[layer][site], g], axis=1)
+                       for site, g in sites.items()}
+  return Rollout(tokens, token_mask, positions, valid_buf, logp_buf, routes, guidance, p)
+
+
+# --------------------------------------------------------------------------- memory planning
+
+def device_memory_bytes(device=None) -> int:
+  """Usable memory of `device` (GPU: the allocator's limit; CPU: physical RAM)."""
+  device = device or jax.devices()[0]
+  stats = None
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001 - backends without memory stats
+    stats = None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
+                       record_guidance: bool = True) -> float:
+  """Device bytes one sequence needs at `context_len`: KV cache, guidance, routes, logits."""
+  kv = M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
+  per_token = kv + 4 * config.num_layers * config.num_experts_per_tok  # routes (int32)
+  if record_guidance and policy.quantizes_anything:
+    n_guided = sum(policy.is_guided_layer(l, config.num_layers) for l in range(config.num_layers))
+    elems = 0
+    if policy.activation_format("experts/in"):
+      elems += config.hidden_size
+    if policy.activation_format("experts/down_in"):
+      elems += config.num_experts_per_tok * config.moe_ffn_size
+    if policy.activation_format("attn/in"):
+      elems += config.hidden_size
+    if policy.activation_format("attn/o_in"):
+      elems += config.num_heads * config.head_dim
+    if policy.kv_format:
+      elems += 2 * config.num_kv_heads * config.head_dim
+    fmt = policy.kv or tq.get_format("nvfp4")
+    per_token += n_guided * elems * tq.guidance_bits_per_element(fmt, policy.guidance_compact) / 8
+  # Transient per sequence in a decode step: float32 logits (a few copies), attention scores and
+  # probabilities over the context, a few hidden-size buffers.
+  transient = (3 * 4 * config.vocab_size + 2 * 4 * config.num_heads * context_len
+               + 8 * 4 * config.hidden_size)
+  return per_token * context_len + transient
+
+
+def plan_capacity(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
+                  weight_bytes: int, device_bytes: int | None = None,
+                  record_guidance: bool = True, headroom: float = 0.9) -> int:
+  """How many sequences of `context_len` tokens fit next to the weights."""
+  device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
+  free = headroom * device_bytes - weight_bytes
+  if free <= 0:
+    return 0
+  return int(free // bytes_per_sequence(config, policy, context_len, record_guidance))
+
+
+def tree_bytes(tree) -> int:
+  return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree))
+
+
+# --------------------------------------------------------------------------- the engine
+
+def _prompt_key(seed: int, prompt: Sequence[int], occurrence: int) -> int:
+  h = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=4,
+                      key=seed.to_bytes(8, "little", signed=True)).digest()
+  return (int.from_bytes(h, "little") + 7919 * occurrence) % (2**31 - 1)
+
+
+class RolloutEngine:
+  """Generates rollouts from FP4 (or BF16) rollout weights synced from master weights.
+
+    engine = RolloutEngine(config, make_policy("paper"), max_new_tokens=64)
+    engine.sync(master_params)            # quantize once, on device
+    ro = engine.generate(prompts, n=8, sampling=SamplingParams(temperature=1.0), seed=step)
+  """
+
+  def __init__(self, config: M.ModelConfig, policy: tq.QuantPolicy | None = None, *,
+               max_new_tokens: int = 64, prompt_bucket: int = 16,
+               record_guidance: bool = True, record_routes: bool = True,
+               device_bytes: int | None = None):
+    self.config = config
+    self.policy = policy or tq.make_policy("bf16")
+    self.max_new_tokens = int(max_new_tokens)
+    self.prompt_bucket = int(prompt_bucket)
+    self.record_routes = record_routes
+    quantized = self.policy.quantizes_anything
+    self.ctx = M.QuantContext(self.policy, "rollout" if quantized else "bf16",
+                              record_guidance=record_guidance and quantized)
+    self.device_bytes = device_bytes
+    self.params = None
+    self._sync = jax.jit(self._quantize, donate_argnums=(1,))
+    self._programs: dict = {}
+
+  # -- weights
+  def _quantize(self, master, old):
+    del old  # donated: its buffers may be reused for the new copy
+    return M.quantize_params(master, self.policy)
+
+  def sync(self, master_params) -> None:
+    """Requantize the rollout weights from `master_params` on device, replacing the old copy."""
+    if self.params is None:
+      self.params = jax.jit(functools.partial(M.quantize_params, policy=self.policy))(
+          master_params)
+    else:
+      self.params = self._sync(master_params, self.params)
+
+  @property
+  def weight_bytes(self) -> int:
+    return 0 if self.params is None else tree_bytes(self.params)
+
+  # -- capacity
+  def capacity(self, context_len: int) -> int:
+    return plan_capacity(self.config, self.policy, context_len, self.weight_bytes,
+                         self.device_bytes, self.ctx.record_guidance)
+
+  # -- generation
+  def _program(self, key):
+    if key not in self._programs:
+      n, steps, sampling = key[2], key[3], key[4]
+      fn = functools.partial(generate_program, config=self.config, ctx=self.ctx, n=n,
+                             steps=steps, sampling=sampling, kv_format=self.policy.kv_format,
+                             record_routes=self.record_routes)
+      self._programs[key] = jax.jit(fn)
+    return self._programs[key]
+
+  def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
+               sampling: SamplingParams = SamplingParams(), seed: int = 0,
+               stop_tokens: Sequence[int] = (), max_new_tokens: int | Sequence[int] | None = None,
+               prompt_len: int | None = None) -> Rollout:
+    """Generate `n` samples for each prompt (lists of token ids; rows `i * n + j`).
+
+    max_new_tokens: per prompt (int or one per prompt), at most the engine's `max_new_tokens`.
+    prompt_len: pad prompts to this length (default: the longest, rounded up to the bucket).
+    """
+    if self.params is None:
+      raise RuntimeError("RolloutEngine.generate called before sync(master_params)")
+    if not prompts:
+      raise ValueError("generate needs at least one prompt")
+    if n < 1:
+      raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+    lens = [len(p) for p in prompts]
+    if min(lens) == 0:
+      raise ValueError(f"prompt {lens.index(0)} is empty")
+    longest = max(lens)
+    p = prompt_len or -(-longest // self.prompt_bucket) * self.prompt_bucket
+    if longest > p:
+      raise ValueError(f"a prompt has {longest} tokens, more than prompt_len={p}")
+    if p + self.max_new_tokens > self.config.max_seq_len:
+      raise ValueError(f"prompt bucket {p} + max_new_tokens {self.max_new_tokens} exceeds the "
+                       f"model's max_seq_len {self.config.max_seq_len}")
+    vocab = self.config.vocab_size
+    for i, pr in enumerate(prompts):
+      bad = [t for t in pr if not 0 <= int(t) < vocab]
+      if bad:
+        raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+    rows = len(prompts) * n
+    cap = self.capacity(p + self.max_new_tokens)
+    if rows > cap:
+      per = bytes_per_sequence(self.config, self.policy, p + self.max_new_tokens,
+                               self.ctx.record_guidance)
+      raise CapacityError(
+          f"{rows} sequences of {p + self.max_new_tokens} tokens do not fit: at most {cap} fit "
+          f"next to {self.weight_bytes / 2**30:.2f} GiB of weights "
+          f"({per / 2**20:.1f} MiB per sequence, device "
+          f"{(self.device_bytes or device_memory_bytes()) / 2**30:.1f} GiB)")
+
+    tokens = np.zeros((len(prompts), p), np.int32)
+    mask = np.zeros((len(prompts), p), bool)
+    for i, pr in enumerate(prompts):
+      tokens[i, p - len(pr):] = pr
+      mask[i, p - len(pr):] = True
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+      per_prompt = np.asarray(max_new_tokens, np.int32)
+      if per_prompt.shape != (len(prompts),):
+        raise ValueError("max_new_tokens needs one value per prompt")
+    else:
+      per_prompt = np.full((len(prompts),), max_new_tokens or self.max_new_tokens, np.int32)
+    if per_prompt.max() > self.max_new_tokens or per_prompt.min() < 1:
+      raise ValueError(f"max_new_tokens must be in [1, {self.max_new_tokens}]")
+    seen: dict = {}
+    ids = []
+    for pr in prompts:
+      t = tuple(int(x) for x in pr)
+      occ = seen.get(t, 0)
+      seen[t] = occ + 1
+      for j in range(n):
+        ids.append(_prompt_key(seed, t, occ * n + j))
+    base = jax.random.key(seed)
+    seq_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(ids, jnp.uint32))
+    stop = np.asarray(list(stop_tokens) or [-1], np.int32)
+    key = (p, len(prompts), n, self.max_new_tokens, sampling, len(stop))
+    return self._program(key)(self.params, jnp.asarray(tokens), jnp.asarray(mask), seq_keys,
+                              jnp.asarray(np.repeat(per_prompt, n)), jnp.asarray(stop))
