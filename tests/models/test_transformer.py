@@ -121,7 +121,7 @@ def test_trace_guidance_reproduces_decode_codes_in_parallel_forward():
     for site, g in sites.items():
       roll_codes = np.asarray(tq.make_guidance  # noqa: B018 - compare full codes via guidance
                               and _codes_from_guidance(g))
-      train = out.records[layer][site]
+      train = out.records[layer]["codes:" + site]
       got = np.asarray(train.unpacked_codes()) & 1
       np.testing.assert_array_equal(got[valid], roll_codes[valid], err_msg=f"{layer}/{site}")
   np.testing.assert_allclose(np.asarray(out.logits)[valid], np.asarray(logits)[valid],

@@ -76,7 +76,7 @@ def test_fp4_kv_decode_equals_full_forward_with_fake_quant_and_guidance_reproduc
   for layer, sites in ro.guidance.items():
     for site, g in sites.items():
       want = np.asarray(tq.qarray.from_blocks(g.blocked_payload(), g.axis, g.shape[g.axis]))
-      got = np.asarray(out.records[layer][site].unpacked_codes()) & 1
+      got = np.asarray(out.records[layer]["codes:" + site].unpacked_codes()) & 1
       np.testing.assert_array_equal(got[tm], want[tm], err_msg=f"{layer}/{site}")
   assert ro.guidance_bytes_per_token() > 0
 

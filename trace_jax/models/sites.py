@@ -74,9 +74,17 @@ def apply_weight(w, path: str, ctx: QuantContext, dtype):
   return w.astype(dtype)
 
 
+def codes_key(site: str) -> str:
+  """Records key under which a forward keeps its own codes at `site` (next to guidance)."""
+  return f"codes:{site}"
+
+
 def activation_site(x: jax.Array, site: str, guided_layer: bool, ctx: QuantContext,
                     guidance: dict | None, records: dict):
-  """Quantize the activation entering `site` (blocks along the last axis, row-local)."""
+  """Quantize the activation entering `site` (blocks along the last axis, row-local).
+
+  Records: `records[site]` = Guidance (rollout, guided layers); `records[codes_key(site)]` =
+  this forward's codes as a QArray (when `ctx.record_codes`), for code-agreement metrics."""
   fmt = ctx.activation_format(site)
   if fmt is None:
     return x
@@ -85,20 +93,19 @@ def activation_site(x: jax.Array, site: str, guided_layer: bool, ctx: QuantConte
     if g.fmt != fmt:
       raise ValueError(f"guidance for site {site!r} was recorded as {g.fmt.name}, but the "
                        f"policy quantizes it as {fmt.name}")
-    out = tq.guided_fake_quant(x, g)
     if ctx.record_codes:
-      records[site] = tq.guided_quantize(jax.lax.stop_gradient(x), g)
-    return out
+      records[codes_key(site)] = tq.guided_quantize(jax.lax.stop_gradient(x), g)
+    return tq.guided_fake_quant(x, g)
   if ctx.mode == "rollout":
     q = tq.quantize(x, fmt, second_level="row", validate=False)
     if ctx.record_guidance and guided_layer and fmt.is_fp4:
       records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact)
-    elif ctx.record_codes:
-      records[site] = q
+    if ctx.record_codes:
+      records[codes_key(site)] = q
     return tq.dequantize(q, x.dtype)
   if ctx.record_codes:
-    records[site] = tq.quantize(jax.lax.stop_gradient(x), fmt, second_level="row",
-                                validate=False)
+    records[codes_key(site)] = tq.quantize(jax.lax.stop_gradient(x), fmt, second_level="row",
+                                           validate=False)
   return tq.fake_quant(x, fmt, second_level="row", validate=False)
 
 

@@ -26,7 +26,7 @@ from trace_jax import kernels
 from trace_jax import quant as tq
 from trace_jax.models import kv_cache as kvc
 from trace_jax.models.config import ModelConfig
-from trace_jax.models.sites import QuantContext, activation_site, apply_weight
+from trace_jax.models.sites import QuantContext, activation_site, apply_weight, codes_key
 
 _INIT = nn.initializers.normal(stddev=0.02)
 _NEG = -1e30  # finite "minus infinity": a fully masked row stays finite
@@ -124,6 +124,8 @@ class Attention(nn.Module):
       if ctx.record_guidance and self.guided and kv_fmt.is_fp4:
         records["kv/k"] = tq.make_guidance(kq, ctx.policy.guidance_compact)
         records["kv/v"] = tq.make_guidance(vq, ctx.policy.guidance_compact)
+      if ctx.record_codes:
+        records[codes_key("kv/k")], records[codes_key("kv/v")] = kq, vq
       layer = kvc.write_layer(cache, kq, vq, cache_index)
     else:
       k = activation_site(k, "kv/k", self.guided, ctx, guidance, records)
@@ -270,8 +272,8 @@ def _sorted_site(h, order, inverse, canon_lead, guided, ctx, guidance, records):
     local_guid = {site: tq.take_rows(tq.reshape_rows(g, (h.shape[0],)), order)}
   local_rec: dict = {}
   out = activation_site(h, site, guided, ctx, local_guid, local_rec)
-  if site in local_rec:
-    records[site] = tq.reshape_rows(tq.take_rows(local_rec[site], inverse), canon_lead)
+  for key, rec in local_rec.items():
+    records[key] = tq.reshape_rows(tq.take_rows(rec, inverse), canon_lead)
   return out
 
 

@@ -261,15 +261,17 @@ class RolloutEngine:
   def __init__(self, config: M.ModelConfig, policy: tq.QuantPolicy | None = None, *,
                max_new_tokens: int = 64, prompt_bucket: int = 16,
                record_guidance: bool = True, record_routes: bool = True,
-               device_bytes: int | None = None):
+               record_codes: bool = False, device_bytes: int | None = None):
     self.config = config
     self.policy = policy or tq.make_policy("bf16")
     self.max_new_tokens = int(max_new_tokens)
     self.prompt_bucket = int(prompt_bucket)
     self.record_routes = record_routes
     quantized = self.policy.quantizes_anything
+    # record_codes keeps every quantized site's full codes too (diagnostics: code agreement).
     self.ctx = M.QuantContext(self.policy, "rollout" if quantized else "bf16",
-                              record_guidance=record_guidance and quantized)
+                              record_guidance=record_guidance and quantized,
+                              record_codes=record_codes and quantized)
     self.device_bytes = device_bytes
     self.params = None
     self._sync = jax.jit(self._quantize, donate_argnums=(1,))
