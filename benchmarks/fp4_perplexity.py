@@ -10,6 +10,7 @@ next-token distribution (rollout forward: packed FP4 weights, FP4 activations/KV
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def main():
                                kl_from_bf16=kl)
   try:
     commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL).strip()
+                                     stderr=subprocess.DEVNULL,
+                                     cwd=os.path.dirname(os.path.abspath(__file__))).strip()
   except Exception:  # noqa: BLE001
     commit = "unknown"
   out = dict(benchmark="fp4_perplexity", date=datetime.date.today().isoformat(),

@@ -6,6 +6,7 @@
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def main():
                                              second_level=scope)
   try:
     commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL).strip()
+                                     stderr=subprocess.DEVNULL,
+                                     cwd=os.path.dirname(os.path.abspath(__file__))).strip()
   except Exception:  # noqa: BLE001 - not a checkout
     commit = "unknown"
   out = dict(

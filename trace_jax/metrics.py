@@ -392,11 +392,12 @@ def _moving_average(y: np.ndarray, window: int) -> np.ndarray:
 
 
 def plot_metrics(path, keys: Sequence[str], out_png: str | os.PathLike, *, smooth: int = 1,
-                 title: str | None = None) -> str:
+                 title: str | None = None, logy: bool = False) -> str:
   """One subplot per key of metric vs step, saved as a PNG; returns its absolute path.
 
   path: a metrics.jsonl or workdir, or {label: path} / [paths] to overlay several runs.
   smooth: trailing moving-average window (>1 also draws the raw curve faintly).
+  logy: logarithmic y axis (mismatch metrics span orders of magnitude).
   """
   # Figure + Agg canvas directly: no pyplot, so a notebook's backend is left alone.
   from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -431,6 +432,8 @@ def plot_metrics(path, keys: Sequence[str], out_png: str | os.PathLike, *, smoot
         ax.plot(x, y, label=label or None, marker="." if len(x) < 30 else None)
       drawn = True
     ax.set_ylabel(key)
+    if logy and drawn:
+      ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     if not drawn:
       ax.text(0.5, 0.5, f"no data for {key}", ha="center", va="center", transform=ax.transAxes)

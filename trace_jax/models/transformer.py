@@ -16,6 +16,7 @@ Parameter paths (what `QuantPolicy` regexes match): `embed/embedding`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -371,6 +372,12 @@ def _embedding(module: nn.Module, c: ModelConfig):
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
   """Random float32 parameters (normal, std 0.02; norms at 1)."""
+  return _init_params(config, key)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _init_params(config: ModelConfig, key: jax.Array) -> dict:
+  # Jitted: op-by-op initialization would compile every small op separately.
   tokens = jnp.zeros((1, 2), jnp.int32)
   variables = Transformer(config).init(key, tokens, jnp.zeros((1, 2), jnp.int32),
                                        jnp.ones((1, 2), bool))

@@ -121,15 +121,21 @@ def batch_from_rollout(rollout: Rollout, rewards, group_size: int, cfg: RLConfig
                        ref_logprobs=None) -> TrainBatch:
   """Assemble the learner's batch: advantages from rewards `[R]` (groups of `group_size`
   consecutive rows), masks and logprobs aligned with the full token sequences."""
+  return _batch_from_rollout(rollout, jnp.asarray(rewards, jnp.float32), ref_logprobs,
+                             group_size, cfg.normalize_std, cfg.aggregation)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _batch_from_rollout(rollout, rewards, ref_logprobs, group_size, normalize_std, aggregation):
   r, p = rollout.tokens.shape[0], rollout.prompt_len
   pad = jnp.zeros((r, p))
   target = jnp.concatenate([pad.astype(bool), rollout.completion_mask], axis=1)
   rollout_lp = jnp.concatenate([pad, rollout.logprobs], axis=1)
-  adv = obj.group_advantages(jnp.asarray(rewards, jnp.float32), group_size, cfg.normalize_std)
+  adv = obj.group_advantages(rewards, group_size, normalize_std)
   guidance, codes = _split_records(rollout.guidance)
   routes = None if rollout.routes is None else jnp.transpose(rollout.routes, (1, 0, 2, 3))
   return TrainBatch(rollout.tokens, rollout.positions, rollout.token_mask, target,
-                    obj.token_weights(target, cfg.aggregation), adv, rollout_lp, routes,
+                    obj.token_weights(target, aggregation), adv, rollout_lp, routes,
                     guidance or None, codes or None, ref_logprobs)
 
 
@@ -258,6 +264,15 @@ def make_train_step(config: M.ModelConfig, policy: tq.QuantPolicy, cfg: RLConfig
   ctx = trainer_context(policy, cfg, record_codes)
   fn = functools.partial(train_step, config=config, ctx=ctx, cfg=cfg, optimizer=optimizer)
   return jax.jit(fn, donate_argnums=(0,))
+
+
+@functools.lru_cache(maxsize=None)
+def learner(config: M.ModelConfig, policy: tq.QuantPolicy, cfg: RLConfig,
+            record_codes: bool = False):
+  """(optimizer, jitted train step) for these settings, built once per process (so runs that
+  share a config share compiled programs)."""
+  optimizer = make_optimizer(cfg)
+  return optimizer, make_train_step(config, policy, cfg, optimizer, record_codes)
 
 
 # --------------------------------------------------------------------------- guidance memory

@@ -244,10 +244,34 @@ def tree_bytes(tree) -> int:
 
 # --------------------------------------------------------------------------- the engine
 
+def _rollout_weights(master, policy, dtype):
+  """Policy-named weights become QArrays; the rest is cast to the rollout's compute dtype."""
+  q = M.quantize_params(master, policy)
+  return jax.tree_util.tree_map(
+      lambda a: a if isinstance(a, tq.QArray) else a.astype(dtype), q,
+      is_leaf=lambda a: isinstance(a, tq.QArray))
+
+
+@functools.lru_cache(maxsize=None)
+def _first_sync(policy, dtype):
+  return jax.jit(functools.partial(_rollout_weights, policy=policy, dtype=dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _resync(policy, dtype):
+  def fn(master, old):
+    del old  # donated: its buffers may be reused for the new copy
+    return _rollout_weights(master, policy, dtype)
+  return jax.jit(fn, donate_argnums=(1,))
+
+
 def _prompt_key(seed: int, prompt: Sequence[int], occurrence: int) -> int:
   h = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=4,
                       key=seed.to_bytes(8, "little", signed=True)).digest()
   return (int.from_bytes(h, "little") + 7919 * occurrence) % (2**31 - 1)
+
+
+_PROGRAMS: dict = {}
 
 
 class RolloutEngine:
@@ -274,21 +298,16 @@ class RolloutEngine:
                               record_codes=record_codes and quantized)
     self.device_bytes = device_bytes
     self.params = None
-    self._sync = jax.jit(self._quantize, donate_argnums=(1,))
-    self._programs: dict = {}
 
   # -- weights
-  def _quantize(self, master, old):
-    del old  # donated: its buffers may be reused for the new copy
-    return M.quantize_params(master, self.policy)
-
   def sync(self, master_params) -> None:
-    """Requantize the rollout weights from `master_params` on device, replacing the old copy."""
+    """Requantize the rollout weights from `master_params` on device, replacing the old copy
+    (whose buffers are donated to the new one)."""
+    dtype = self.config.compute_dtype
     if self.params is None:
-      self.params = jax.jit(functools.partial(M.quantize_params, policy=self.policy))(
-          master_params)
+      self.params = _first_sync(self.policy, dtype)(master_params)
     else:
-      self.params = self._sync(master_params, self.params)
+      self.params = _resync(self.policy, dtype)(master_params, self.params)
 
   @property
   def weight_bytes(self) -> int:
@@ -301,13 +320,15 @@ class RolloutEngine:
 
   # -- generation
   def _program(self, key):
-    if key not in self._programs:
+    # Shared across engines: a new engine with the same config reuses compiled programs.
+    full = (self.config, self.ctx, self.record_routes) + key
+    if full not in _PROGRAMS:
       n, steps, sampling = key[2], key[3], key[4]
       fn = functools.partial(generate_program, config=self.config, ctx=self.ctx, n=n,
                              steps=steps, sampling=sampling, kv_format=self.policy.kv_format,
                              record_routes=self.record_routes)
-      self._programs[key] = jax.jit(fn)
-    return self._programs[key]
+      _PROGRAMS[full] = jax.jit(fn)
+    return _PROGRAMS[full]
 
   def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
                sampling: SamplingParams = SamplingParams(), seed: int = 0,

@@ -1,0 +1,33 @@
+"""SFT warm start on a task, so a from-scratch tiny MoE has a non-zero pass rate before RL.
+
+  python launch/sft.py --workdir /tmp/sft            # writes /tmp/sft/hf (HF checkpoint)
+  python launch/train_rl.py --workdir /tmp/rl --config.sft.max_steps=0 \\
+      --config.init_checkpoint=/tmp/sft/hf
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                        "tiny_arith.py")
+config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_config()).")
+flags.DEFINE_string("workdir", None, "Output directory.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  from trace_jax.rl import loop
+  try:
+    loop.run_sft_only(FLAGS.config, FLAGS.workdir)
+  except loop.ConfigError as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)
