@@ -40,6 +40,19 @@ def test_in_jit_nan_is_never_hidden_as_zero():
   assert np.all(np.isnan(d[1]))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_nan_in_a_large_weight_reaches_its_scale(fmt):
+  # XLA:CPU's vectorized max dropped this NaN once (shape-dependent): it must still decode NaN.
+  w = np.random.default_rng(2).standard_normal((200, 300)).astype(np.float32)
+  w[123, 45] = np.nan
+  d = np.asarray(tq.dequantize(tq.quantize(jnp.asarray(w), fmt, axis=0, validate=False)))
+  assert np.isnan(d[123, 45])
+  if fmt == "mxfp4":
+    assert np.isnan(d[96:128, 45]).all() and np.isfinite(d[:96]).all()
+  else:
+    assert np.isnan(d).all()  # per-tensor second-level scale
+
+
 def test_unknown_format_and_bad_arguments():
   x = jnp.ones((2, 32))
   with pytest.raises(ValueError, match=r"unknown quantization format 'fp3'.*known formats"):

@@ -143,3 +143,19 @@ def test_fp4_kv_lets_more_sequences_fit():
                         device_bytes=gib, record_guidance=False)
   print(f"sequences at 8k: bf16 {n_bf16}, fp4 {n_fp4}")
   assert n_fp4 >= 3 * n_bf16 > 0
+
+
+def test_kernel_layout_weights_give_the_same_rollout():
+  """Rollout weights in the GPU kernels' layout (`PackedWeight`) decode to the same values: on
+  CPU the dispatch runs the reference on them, so tokens and logprobs must match the QArrays'."""
+  plain = _engine("paper")
+  packed = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
+                         use_kernels=True)
+  packed.sync(_params())
+  from trace_jax.kernels import PackedWeight
+  assert isinstance(packed.params["layers_0"]["moe"]["experts"]["gate_up_proj"], PackedWeight)
+  s = SamplingParams(temperature=0.0)
+  a = plain.generate(PROMPTS, sampling=s)
+  b = packed.generate(PROMPTS, sampling=s)
+  np.testing.assert_array_equal(np.asarray(a.completion), np.asarray(b.completion))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-4)

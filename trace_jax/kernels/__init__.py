@@ -1,10 +1,14 @@
 """Matmul entry points the model calls, with pure-`jnp` references that define their results.
 
-`matmul(x, w)` and `grouped_matmul(x, w, group_sizes)` accept plain arrays or FP4 `QArray`
-weights (and FP4 `QArray` activations for W4A4). Dispatch: on a GPU backend with a kernel for
-the case, the Pallas Mosaic GPU kernel; everywhere else the reference in `reference.py`.
+`matmul(x, w)` and `grouped_matmul(x, w, group_sizes)` accept plain arrays, FP4 `QArray`
+weights (and FP4 `QArray` activations for W4A4), or FP4 weights in the kernel layout
+(`PackedWeight`, made once at weight sync by `prepare_weight(qarray)`, or for a whole parameter
+tree by `prepare_tree(params)`). Dispatch: on a GPU backend with a `PackedWeight`, the Pallas
+Mosaic GPU kernel (`fp4_mgpu.py`); everywhere else the reference in `reference.py`.
 """
 
-from trace_jax.kernels.dispatch import grouped_matmul, matmul
+from trace_jax.kernels.dispatch import grouped_matmul, matmul, on_gpu
+from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
-__all__ = ["grouped_matmul", "matmul"]
+__all__ = ["PackedWeight", "decode_packed", "grouped_matmul", "matmul", "on_gpu",
+           "prepare_tree", "prepare_weight"]

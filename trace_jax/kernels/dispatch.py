@@ -1,21 +1,60 @@
-"""Choose a GPU kernel or the `jnp` reference for each matmul call."""
+"""Choose a GPU kernel or the `jnp` reference for each matmul call.
+
+Kernel path (GPU backend, an FP4 `PackedWeight` from `prepare_weight`, bf16/f32 array
+activations): the Mosaic GPU kernel of `fp4_mgpu.py` for decode shapes (dense: <= 64 rows) and
+for grouped expert matmuls of any size; dense prefill (> 64 rows) decodes the weight once to
+bf16 (`q * scale`, exact) and uses XLA's dot, then applies the fp32 column factor. Everything
+else (CPU, plain `QArray` weights, FP4 activations) runs the reference in `reference.py`.
+`use_kernel=False` forces the reference; `use_kernel=True` forces the kernel (errors off-GPU).
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from trace_jax.kernels import reference
+from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
+
+__all__ = ["grouped_matmul", "matmul", "on_gpu", "prepare_weight"]
 
 
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def matmul(x, w, out_dtype=None) -> jax.Array:
-  """`x @ w`; w `[K, N]` array or FP4 `QArray` (blocks along K)."""
-  return reference.matmul_ref(x, w, out_dtype)
+def _kernel_ok(x, w, use_kernel) -> bool:
+  if use_kernel is False or not isinstance(w, PackedWeight) or not isinstance(x, jax.Array):
+    return False
+  if use_kernel:
+    return True
+  return on_gpu() and x.dtype in (jnp.bfloat16, jnp.float32)
 
 
-def grouped_matmul(x, w, group_sizes, out_dtype=None) -> jax.Array:
+def _out_dtype(x, out_dtype):
+  return out_dtype or (x.dtype if isinstance(x, jax.Array) else jnp.bfloat16)
+
+
+def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None) -> jax.Array:
+  """`x @ w`; w `[K, N]` array, FP4 `QArray` (blocks along K) or `PackedWeight`."""
+  if not _kernel_ok(x, w, use_kernel) or w.experts:
+    return reference.matmul_ref(x, w, out_dtype)
+  from trace_jax.kernels import fp4_mgpu
+  out_dtype = _out_dtype(x, out_dtype)
+  rows = x.size // x.shape[-1]
+  if rows <= fp4_mgpu.MAX_DECODE_ROWS:
+    return fp4_mgpu.matmul(x, w, out_dtype=out_dtype, config=config)
+  a, factor = decode_parts(w)  # prefill: one bf16 decode, amortized over the rows
+  y = jnp.einsum("...k,kn->...n", x.astype(jnp.bfloat16), a[0],
+                 preferred_element_type=jnp.float32)
+  return (y * factor[0]).astype(out_dtype)
+
+
+def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None = None,
+                   bm: int | None = None, config=None) -> jax.Array:
   """Grouped (ragged) matmul of expert-sorted rows `x [M, K]` with `w [E, K, N]`."""
-  return reference.grouped_matmul_ref(x, w, group_sizes, out_dtype)
+  if not _kernel_ok(x, w, use_kernel) or not w.experts:
+    return reference.grouped_matmul_ref(x, w, group_sizes, out_dtype)
+  from trace_jax.kernels import fp4_mgpu
+  return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
+                                 config=config)

@@ -1,7 +1,9 @@
 """Pure-`jnp` references: the definition of every kernel's result.
 
 Weights are `[K, N]` (dense) or `[E, K, N]` (experts), blocks along K (`axis` 0, resp. 1).
-Quantized operands are dequantized in float32 exactly as `trace_jax.quant.dequantize` defines,
+Quantized operands are dequantized in float32 exactly as `trace_jax.quant.dequantize` defines
+(a kernel-layout `PackedWeight` by `layout.decode_packed`, the same values up to float32
+rounding of the NVFP4 `s * g`),
 then multiplied with float32 accumulation; kernels must match within rounding-level tolerance
 (they decode the same codes and scales; only the accumulation order and the operand dtype of the
 tensor-core product may differ).
@@ -12,10 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from trace_jax.kernels.layout import PackedWeight, decode_packed
 from trace_jax.quant import QArray, dequantize
+
+_QUANTIZED = (QArray, PackedWeight)
 
 
 def _operand(a) -> jax.Array:
+  if isinstance(a, PackedWeight):
+    return decode_packed(a, jnp.float32)
   return dequantize(a, jnp.float32) if isinstance(a, QArray) else a
 
 
@@ -28,7 +35,7 @@ def matmul_ref(x, w, out_dtype=None) -> jax.Array:
   axis 0)."""
   out_dtype = out_dtype or _out_dtype(x)
   xo, wo = _operand(x), _operand(w)
-  if isinstance(x, QArray) or isinstance(w, QArray):
+  if isinstance(x, _QUANTIZED) or isinstance(w, _QUANTIZED):
     xo, wo = xo.astype(jnp.float32), wo.astype(jnp.float32)
   y = jnp.einsum("...k,kn->...n", xo, wo, preferred_element_type=jnp.float32,
                  precision=jax.lax.Precision.HIGHEST)
@@ -40,7 +47,7 @@ def grouped_matmul_ref(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Arra
   sum(group_sizes) produce zeros. Empty groups are allowed."""
   out_dtype = out_dtype or _out_dtype(x)
   xo, wo = _operand(x), _operand(w)
-  if isinstance(x, QArray) or isinstance(w, QArray):
+  if isinstance(x, _QUANTIZED) or isinstance(w, _QUANTIZED):
     xo, wo = xo.astype(jnp.float32), wo.astype(jnp.float32)
   y = jax.lax.ragged_dot(xo, wo, group_sizes.astype(jnp.int32),
                          precision=jax.lax.Precision.HIGHEST,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import quant as tq
+from trace_jax.kernels import PackedWeight
 
 Mode = Literal["bf16", "qat", "rollout"]
 
@@ -63,9 +64,9 @@ def weight_quant_layout(ndim: int) -> tuple[int, tq.qarray.SecondLevel]:
 
 
 def apply_weight(w, path: str, ctx: QuantContext, dtype):
-  """The weight as the matmul sees it: a `QArray` passes through (rollout), QAT fake-quantizes
-  per policy, otherwise a cast to the compute dtype."""
-  if isinstance(w, tq.QArray):
+  """The weight as the matmul sees it: a `QArray` or kernel-layout `PackedWeight` passes
+  through (rollout), QAT fake-quantizes per policy, otherwise a cast to the compute dtype."""
+  if isinstance(w, (tq.QArray, PackedWeight)):
     return w
   fmt = ctx.weight_format(path)
   if fmt is not None and ctx.mode == "qat":

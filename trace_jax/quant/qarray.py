@@ -136,14 +136,19 @@ def encode_blocks(xb: jax.Array, fmt: F.Format, g_reduce_axes: tuple[int, ...],
                   key: jax.Array | None = None) -> Blocked:
   """Choose scales and encode elements for blocked `xb` (lead..., nb, block)."""
   xb = xb.astype(jnp.float32)
-  amax_b = jnp.max(jnp.abs(xb), axis=-1)  # NaN propagates
+  # NaN must reach the scale, but XLA:CPU's vectorized max can drop NaN (seen on a [200, 300]
+  # weight): mark non-finite blocks explicitly rather than trusting max to propagate it.
+  bad = ~jnp.isfinite(xb)
+  amax_b = jnp.where(jnp.any(bad, axis=-1), jnp.float32(jnp.nan),
+                     jnp.max(jnp.abs(xb), axis=-1))
   if fmt.scale == "e8m0":
     e = F.e8m0_exponent(amax_b, fmt)
     scales = F.e8m0_to_bytes(e, jnp.isfinite(amax_b))
     z = scaled_blocks(xb, scales, None, fmt)
     return Blocked(_encode_elements(z, fmt, key), scales, None)
 
-  amax_g = jnp.max(jnp.abs(xb), axis=g_reduce_axes, keepdims=True)[..., 0]
+  amax_g = jnp.where(jnp.any(bad, axis=g_reduce_axes, keepdims=True), jnp.float32(jnp.nan),
+                     jnp.max(jnp.abs(xb), axis=g_reduce_axes, keepdims=True))[..., 0]
   g = F.nvfp4_second_level(amax_g, fmt)
   s6 = F.e4m3_block_scale(amax_b, g, 6.0)
   codes6 = _encode_elements(scaled_blocks(xb, s6, g, fmt), fmt, key)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.rollout.sampling import SamplingParams, sample
@@ -285,7 +286,8 @@ class RolloutEngine:
   def __init__(self, config: M.ModelConfig, policy: tq.QuantPolicy | None = None, *,
                max_new_tokens: int = 64, prompt_bucket: int = 16,
                record_guidance: bool = True, record_routes: bool = True,
-               record_codes: bool = False, device_bytes: int | None = None):
+               record_codes: bool = False, device_bytes: int | None = None,
+               use_kernels: bool | None = None):
     self.config = config
     self.policy = policy or tq.make_policy("bf16")
     self.max_new_tokens = int(max_new_tokens)
@@ -297,6 +299,8 @@ class RolloutEngine:
                               record_guidance=record_guidance and quantized,
                               record_codes=record_codes and quantized)
     self.device_bytes = device_bytes
+    # FP4 weights in the Mosaic GPU kernels' layout (made once per sync): default on GPU.
+    self.use_kernels = kernels.on_gpu() if use_kernels is None else use_kernels
     self.params = None
 
   # -- weights
@@ -305,9 +309,10 @@ class RolloutEngine:
     (whose buffers are donated to the new one)."""
     dtype = self.config.compute_dtype
     if self.params is None:
-      self.params = _first_sync(self.policy, dtype)(master_params)
+      params = _first_sync(self.policy, dtype)(master_params)
     else:
-      self.params = _resync(self.policy, dtype)(master_params, self.params)
+      params = _resync(self.policy, dtype)(master_params, self.params)
+    self.params = kernels.prepare_tree(params) if self.use_kernels else params
 
   @property
   def weight_bytes(self) -> int:

@@ -1,0 +1,314 @@
+"""FP4 matmul kernels vs XLA bf16 on the GPU: build, check, time; one JSON file + a table.
+
+  PYTHONPATH=. python benchmarks/bench_kernels.py [--quick] [--out DIR]
+
+Variants, side by side in one run: XLA bf16 dot / `ragged_dot` (the baseline), and the Mosaic
+GPU FP4 kernel (`trace_jax.kernels`) with NVFP4 and MXFP4 weights. Shapes: 8192x28672 (B 1, 16,
+64), the Qwen3-30B-A3B attention q (2048x4096) and o (4096x2048) projections, and the grouped
+expert matmuls (128 experts; gate+up K 2048 N 1536, down K 768 N 2048) at 256, 512 and 32768
+rows with top-8 routing of random tokens.
+
+Protocol (../shared/BENCHMARKS.md): CUPTI device times (`profiler.measure`, aggregate=False),
+median over iterations; weights rotated over enough copies to exceed the 60 MB L2; each output
+checked against the `jnp` reference (`trace_jax.kernels.reference`, float32 HIGHEST on the
+dequantized QArray: the definition) on fresh random data in the same run, as float32 output
+(accumulation-order noise only) and as the bf16 output the model uses. Figures: us per call
+(all kernels of the call: K-permute gather, kernel, output transpose/gather), us of the main
+kernel alone, TB/s on the bytes the kernel must stream (packed codes + scale bytes + factors of
+the weights it touches, + activations), floor = bytes / 4.27 TB/s (the measured read ceiling).
+A watchdog ends the run if one variant hangs (recorded in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
+L2_BYTES = 60e6
+T0 = time.time()
+
+
+def log(*a):
+  print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--quick", action="store_true", help="one shape of each kind")
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--hang_s", type=float, default=90)
+  ap.add_argument("--only", default="", help="comma list of row-name substrings to run")
+  ap.add_argument("--dry", action="store_true",
+                  help="CPU with jax-cuda13-plugin: only lower every variant for cuda")
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import profiler
+
+  from trace_jax import kernels
+  from trace_jax.kernels import reference
+  from trace_jax.quant import quantize
+
+  commit = os.environ.get("GIT_COMMIT")
+  if not commit:
+    try:
+      commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001 - not a checkout (the device copy has no .git)
+      commit = "unknown"
+  res = dict(
+      benchmark="fp4_matmul_kernels", date=datetime.datetime.utcnow().isoformat() + "Z",
+      device=str(jax.devices()[0].device_kind), jax_version=jax.__version__, git_commit=commit,
+      command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+      units=dict(us="microseconds of CUPTI device time, median over iterations",
+                 TBps="1e12 bytes/s on the bytes named in bytes_*",
+                 relerr="||out - ref|| / ||ref|| (float64 norms)"),
+      read_ceiling_TBps=READ_CEILING_TBPS,
+      peers_not_measured_here={  # ../shared/BENCHMARKS.md, same H200 model, host WALL times
+          "tokamax_ragged_dot_mosaic_bf16_gateup_256rows_us_wall": 415,
+          "tokamax_ragged_dot_mosaic_bf16_gateup_32768rows_us_wall": 917,
+          "xla_ragged_dot_bf16_gateup_32768rows_us_wall": 35500},
+      rows=[])
+  out_path = os.path.join(args.out, "bench_kernels.json")
+
+  def save():
+    with open(out_path, "w") as f:
+      json.dump(res, f, indent=1, default=str)
+
+  state = {}
+
+  def watchdog():
+    while True:
+      time.sleep(2)
+      if state.get("t") and time.time() - state["t"] > args.hang_s:
+        log("WATCHDOG: hung in", state.get("name"))
+        res["rows"].append(dict(name=state.get("name"), error="HUNG (watchdog)"))
+        save()
+        os._exit(3)
+
+  threading.Thread(target=watchdog, daemon=True).start()
+
+  def relerr(got, ref):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    if not np.all(np.isfinite(got)):
+      return float("nan")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+  def time_fn(fn, x_args, copies):
+    """fn(*x_args, w) for each w in copies inside one jit; per-call = iteration total / copies."""
+    multi = jax.jit(lambda xa, ws: [fn(*xa, w) for w in ws])
+    t0 = time.time()
+    if args.dry:
+      multi.trace(x_args, copies).lower(lowering_platforms=("cuda",))
+      return dict(us_call=float("nan"), us_kernel=float("nan"), n_copies=len(copies),
+                  compile_s=round(time.time() - t0, 1))
+    compiled = multi.lower(x_args, copies).compile()
+    compile_s = time.time() - t0
+    _, tim = profiler.measure(compiled, aggregate=False, iterations=args.iters)(x_args, copies)
+    per_iter, per_name = [], {}
+    for it in tim:
+      per_iter.append(sum(ms for _, ms in it) * 1e3)
+      agg = {}
+      for name, ms in it:
+        agg[name] = agg.get(name, 0.0) + ms * 1e3
+      for name, us in agg.items():
+        per_name.setdefault(name, []).append(us)
+    n = len(copies)
+    med = {k: statistics.median(v) / n for k, v in per_name.items()}
+    # the main kernel: the Mosaic GPU kernel where there is one, else XLA's largest
+    mosaic = [k for k in med if "mosaic" in k]
+    main = mosaic or [max(med, key=med.get)]
+    return dict(us_call=statistics.median(per_iter) / n, us_kernel=sum(med[k] for k in main),
+                main_kernel=",".join(main)[:80],
+                kernels_us={k[:60]: round(v, 2) for k, v in med.items()},
+                n_copies=n, compile_s=round(compile_s, 1), iterations=args.iters)
+
+  def n_copies(nbytes):
+    return int(min(16, max(1, np.ceil(2.5 * L2_BYTES / nbytes))))
+
+  def copies_of(tree, n):
+    return [jax.tree.map(lambda a: jnp.copy(a), tree) for _ in range(n)]
+
+  def record(row):
+    res["rows"].append(row)
+    save()
+    log(f"{row['name']:40s} us_call={row.get('us_call', float('nan')):9.1f} "
+        f"us_kernel={row.get('us_kernel', float('nan')):9.1f} "
+        f"TBps={row.get('TBps_kernel', float('nan')):5.2f} err={row.get('relerr_f32')} "
+        f"{row.get('error', '')[-300:]}")
+
+  def want(name):
+    return not args.only or any(s in name for s in args.only.split(","))
+
+  force = True if args.dry else None  # dry: lower the kernel path off-GPU
+  key = [jax.random.key(int(time.time()) % 100000)]  # fresh data every run
+
+  def nk():
+    key[0], k = jax.random.split(key[0])
+    return k
+
+  # ------------------------------------------------------------------ dense shapes
+  dense = [("ffn_8192x28672", 8192, 28672, (1, 16, 64)),
+           ("attn_q_2048x4096", 2048, 4096, (1, 16, 64)),
+           ("attn_o_4096x2048", 4096, 2048, (1, 16, 64))]
+  if args.quick:
+    dense = [("ffn_8192x28672", 8192, 28672, (16,)), ("attn_q_2048x4096", 2048, 4096, (1,))]
+  for sname, k, n, bs in dense:
+    w = jax.random.normal(nk(), (k, n), jnp.float32) * 0.02
+    wb = w.astype(jnp.bfloat16)
+    qs = {fmt: quantize(w, fmt, axis=0, validate=False) for fmt in ("nvfp4", "mxfp4")}
+    pws = {fmt: kernels.prepare_weight(q) for fmt, q in qs.items()}
+    variants = ["xla_bf16", "nvfp4", "mxfp4"]
+    if k * n >= 2**27 and not args.quick:  # the big FFN shape: also kb=8 steps (2 stages)
+      pws["nvfp4_kb8"] = kernels.prepare_weight(qs["nvfp4"], kb=8)
+      qs["nvfp4_kb8"] = qs["nvfp4"]
+      variants.append("nvfp4_kb8")
+    for b in bs:
+      x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
+      base = None
+      for var in variants:
+        if var == "nvfp4_kb8" and b == 64:
+          continue  # kb=8 with 64-row chunks does not fit SMEM
+        name = f"{sname}_B{b}_{var}"
+        if not want(name):
+          continue
+        row = dict(name=name, kind="dense", K=k, N=n, B=b, variant=var)
+        state.update(t=time.time(), name=name)
+        try:
+          if var == "xla_bf16":
+            wbytes = k * n * 2
+            fn = lambda x, w: x @ w
+            wt = wb
+            if not args.dry:
+              ref = reference.matmul_ref(x.astype(jnp.float32), wb.astype(jnp.float32))
+              row["relerr_bf16"] = relerr(jax.jit(fn)(x, wb), ref)
+          else:
+            pw, q = pws[var], qs[var]
+            wbytes = pw.nbytes
+            row["bytes_qarray"] = q.nbytes
+            fn = lambda x, w: kernels.matmul(x, w, use_kernel=force)
+            wt = pw
+            if not args.dry:
+              ref = reference.matmul_ref(x, q, jnp.float32)
+              got32 = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32))(x, pw)
+              row["relerr_f32"] = relerr(got32, ref)
+              row["relerr_bf16"] = relerr(jax.jit(fn)(x, pw), ref)
+          row["bytes_weights"] = wbytes
+          nbytes = wbytes + b * k * 2 + b * n * 2
+          row["bytes_total"] = nbytes
+          row.update(time_fn(fn, (x,), copies_of(wt, n_copies(wbytes))))
+          row["TBps_kernel"] = nbytes / (row["us_kernel"] * 1e-6) / 1e12
+          row["TBps_call"] = nbytes / (row["us_call"] * 1e-6) / 1e12
+          row["floor_us"] = nbytes / (READ_CEILING_TBPS * 1e12) * 1e6
+          row["measured_over_floor_kernel"] = row["us_kernel"] / row["floor_us"]
+          if var == "xla_bf16":
+            base = row
+          elif base is not None:
+            row["speedup_vs_bf16_kernel"] = base["us_call"] / row["us_kernel"]
+            row["speedup_vs_bf16_call"] = base["us_call"] / row["us_call"]
+        except Exception:  # noqa: BLE001 - record and go on
+          row["error"] = traceback.format_exc()[-3000:]
+        state["t"] = None
+        record(row)
+
+  # ------------------------------------------------------------------ grouped (experts)
+  grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (256, 512, 32768)),
+             ("moe_down_E128_K768_N2048", 128, 768, 2048, (256, 512))]
+  if args.quick:
+    grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (256,))]
+  for sname, e, k, n, ms in grouped:
+    w = jax.random.normal(nk(), (e, k, n), jnp.float32) * 0.02
+    wb = w.astype(jnp.bfloat16)
+    qs = {fmt: quantize(w, fmt, axis=1, second_level=(0,), validate=False)
+          for fmt in ("nvfp4", "mxfp4")}
+    pws = {fmt: kernels.prepare_weight(q) for fmt, q in qs.items()}
+    del w
+    for m in ms:
+      tokens = m // 8
+      # top-8 routing of random tokens: distinct experts per token, rows sorted by expert
+      logits = jax.random.normal(nk(), (tokens, e))
+      top = jax.lax.top_k(logits, 8)[1].reshape(-1)
+      gs = jnp.bincount(top, length=e).astype(jnp.int32)
+      nonempty = int(jnp.sum(gs > 0))
+      x = jax.random.normal(nk(), (m, k), jnp.float32).astype(jnp.bfloat16)
+      base = None
+      for var in ("xla_bf16", "nvfp4", "mxfp4"):
+        name = f"{sname}_M{m}_{var}"
+        if not want(name):
+          continue
+        row = dict(name=name, kind="grouped", E=e, K=k, N=n, M=m, variant=var,
+                   experts_with_rows=nonempty, max_group=int(jnp.max(gs)))
+        state.update(t=time.time(), name=name)
+        try:
+          if var == "xla_bf16":
+            wbytes = e * k * n * 2
+            fn = lambda x, g, w: jax.lax.ragged_dot(x, w, g, preferred_element_type=jnp.float32
+                                                    ).astype(jnp.bfloat16)
+            wt = wb
+            if not args.dry:
+              ref = reference.grouped_matmul_ref(x.astype(jnp.float32),
+                                                 wb.astype(jnp.float32), gs)
+              row["relerr_bf16"] = relerr(jax.jit(fn)(x, gs, wb), ref)
+          else:
+            pw, q = pws[var], qs[var]
+            wbytes = pw.nbytes
+            row["bytes_qarray"] = q.nbytes
+            fn = lambda x, g, w: kernels.grouped_matmul(x, w, g, use_kernel=force)
+            wt = pw
+            if not args.dry:
+              ref = reference.grouped_matmul_ref(x, q, gs, jnp.float32)
+              got32 = jax.jit(lambda x, g, w: kernels.grouped_matmul(x, w, g, jnp.float32))(
+                  x, gs, pw)
+              row["relerr_f32"] = relerr(got32, ref)
+              row["relerr_bf16"] = relerr(jax.jit(fn)(x, gs, pw), ref)
+          touched = wbytes * nonempty / e
+          nbytes = touched + m * k * 2 + m * n * 2
+          row.update(bytes_weights=wbytes, bytes_weights_touched=touched, bytes_total=nbytes)
+          row["flops"] = 2 * m * k * n
+          row.update(time_fn(fn, (x, gs), copies_of(wt, n_copies(wbytes))))
+          row["TBps_kernel"] = nbytes / (row["us_kernel"] * 1e-6) / 1e12
+          row["TBps_call"] = nbytes / (row["us_call"] * 1e-6) / 1e12
+          row["TFLOPs_call"] = row["flops"] / (row["us_call"] * 1e-6) / 1e12
+          row["floor_us"] = nbytes / (READ_CEILING_TBPS * 1e12) * 1e6
+          row["measured_over_floor_kernel"] = row["us_kernel"] / row["floor_us"]
+          if var == "xla_bf16":
+            base = row
+          elif base is not None:
+            row["speedup_vs_bf16_call"] = base["us_call"] / row["us_call"]
+        except Exception:  # noqa: BLE001
+          row["error"] = traceback.format_exc()[-3000:]
+        state["t"] = None
+        record(row)
+
+  log("DONE")
+  print("\nname                                       us_call  us_kern  TB/s(k)  x_bf16  "
+        "meas/floor  relerr_f32  relerr_bf16")
+  for r in res["rows"]:
+    if "error" in r:
+      print(f"{r['name']:42s} ERROR {r['error'].strip().splitlines()[-1][:100]}")
+      continue
+    sp = r.get("speedup_vs_bf16_call")
+    if args.dry:
+      print(f"{r['name']:42s} lowered ({r.get('compile_s')} s)")
+      continue
+    print(f"{r['name']:42s} {r['us_call']:8.1f} {r['us_kernel']:8.1f} {r['TBps_kernel']:7.2f} "
+          f"{(f'{sp:6.2f}' if sp else '     -')} {r['measured_over_floor_kernel']:10.2f} "
+          f"{r.get('relerr_f32', float('nan')):11.2e} {r.get('relerr_bf16', float('nan')):11.2e}")
+
+
+if __name__ == "__main__":
+  main()

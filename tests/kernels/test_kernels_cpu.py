@@ -1,0 +1,276 @@
+"""CPU tests of the matmul references, the kernel weight layout and everything around the
+Mosaic GPU kernel (its in-register decode emulated bit for bit in numpy, its chunk tables and
+output gather through a `jnp` model of the kernel). The Mosaic GPU kernel itself does not run
+in Pallas interpret mode (its decode is inline PTX); `test_lowers_for_cuda` lowers it where
+`jax-cuda13-plugin` is installed, and tests/kernels/test_kernels_gpu.py runs it on a GPU."""
+
+import dataclasses
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import kernels
+from trace_jax.kernels import fp4_mgpu, layout, reference
+from trace_jax.quant import quantize
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def np_dequant(q) -> np.ndarray:
+  """Independent numpy decode of a QArray with blocks along axis -2: [.., K, N] float64."""
+  codes = np.asarray(q.codes)
+  lo, hi = codes & 15, codes >> 4
+  ax = q.axis
+  c = np.stack([lo, hi], axis=ax + 1)
+  c = c.reshape(*codes.shape[:ax], 2 * codes.shape[ax], *codes.shape[ax + 1:])
+  v = E2M1[c]
+  if q.fmt.scale == "e8m0":
+    b = np.asarray(q.scales).view(np.uint8).astype(np.float64)
+    s = np.where(b == 255, np.nan, 2.0 ** (b - 127))
+  else:
+    s = np.asarray(q.scales).astype(np.float32).astype(np.float64)
+    s = (s * np.asarray(q.global_scale, np.float64)).astype(np.float32).astype(np.float64)
+  v = v * np.repeat(s, q.fmt.block, axis=ax)
+  return np.take(v, np.arange(q.shape[ax]), axis=ax)
+
+
+def rand_w(shape, seed):
+  rng = np.random.default_rng(seed)
+  col = np.exp(rng.normal(size=(1,) * (len(shape) - 1) + (shape[-1],)))  # spread of scales
+  return jnp.asarray((rng.standard_normal(shape) * col).astype(np.float32))
+
+
+# One dense and one expert shape (K, N not multiples of the tile) and one kb per format, shared
+# by the tests so that the jitted prepare/decode functions compile once per combination.
+DENSE = (200, 300)
+EXPERTS = (6, 96, 256)
+KB = {"nvfp4": 4, "mxfp4": 2}
+
+
+def relerr(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+# ------------------------------------------------------------------ references vs numpy
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_matmul_ref_vs_numpy(fmt):
+  w = rand_w((100, 48), 0)
+  q = quantize(w, fmt, axis=0)
+  x = jax.random.normal(jax.random.key(1), (3, 100), jnp.float32).astype(jnp.bfloat16)
+  got = reference.matmul_ref(x, q, jnp.float32)
+  want = np.asarray(x, np.float64) @ np_dequant(q)
+  assert relerr(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_grouped_ref_vs_numpy(fmt):
+  e, k, n = 5, 64, 40
+  w = rand_w((e, k, n), 2)
+  q = quantize(w, fmt, axis=1, second_level=(0,))
+  gs = np.array([3, 0, 1, 6, 0], np.int32)  # empty groups, a one-row group
+  m = 12  # two rows past sum(group_sizes): zeros
+  x = jax.random.normal(jax.random.key(3), (m, k), jnp.float32).astype(jnp.bfloat16)
+  got = np.asarray(reference.grouped_matmul_ref(x, q, jnp.asarray(gs), jnp.float32))
+  wd, xn = np_dequant(q), np.asarray(x, np.float64)
+  want = np.zeros((m, n))
+  r = 0
+  for g, size in enumerate(gs):
+    want[r:r + size] = xn[r:r + size] @ wd[g]
+    r += size
+  assert relerr(got, want) < 1e-6
+  assert np.all(got[gs.sum():] == 0)
+
+
+# ------------------------------------------------------------------ layout
+
+@pytest.mark.parametrize("fmt,kb", KB.items())
+def test_layout_roundtrip(fmt, kb):
+  """decode_packed(prepare_weight(q)) == dequantize(q): dense and experts, K and N not
+  multiples of the tile (padding)."""
+  for shape, axis, sl in [(DENSE, 0, "tensor"), (EXPERTS, 1, (0,))]:
+    q = quantize(rand_w(shape, 4), fmt, axis=axis, second_level=sl)
+    pw = kernels.prepare_weight(q, kb=kb)
+    assert pw.shape == shape and pw.k_pad % (64 * kb) == 0 and pw.n_pad % 256 == 0
+    got = np.asarray(kernels.decode_packed(pw), np.float64)
+    want = np_dequant(q)
+    if fmt == "mxfp4":
+      np.testing.assert_array_equal(got, want)  # powers of two: exact
+    else:
+      np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)  # fp32 rounding of s*g
+
+
+def test_layout_nan_scale_poisons_column():
+  # a NaN block scale set by hand: quantize's own NaN path depends on XLA CPU's max reduction,
+  # which dropped the NaN for some shapes (seen at [200, 300]; reported, not ours to fix)
+  q = quantize(rand_w(DENSE, 5), "mxfp4", axis=0)
+  sb = np.asarray(q.scales).view(np.uint8).copy()
+  sb[0, 7] = 0xFF
+  q = dataclasses.replace(q, scales=jnp.asarray(sb).view(jnp.float8_e8m0fnu))
+  d = np.asarray(kernels.decode_packed(kernels.prepare_weight(q, kb=KB["mxfp4"])))
+  assert np.all(np.isnan(d[:, 7])) and np.all(np.isfinite(np.delete(d, 7, axis=1)))
+
+
+def _rot(x, s):  # rotate left by s (uint32)
+  s %= 32
+  return ((x << np.uint32(s)) | (x >> np.uint32(32 - s))) if s else x
+
+
+def _prmt(a, b, sel):
+  pool = [(a >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)]
+  pool += [(b >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)]
+  out = np.zeros_like(a)
+  for i in range(4):
+    out |= pool[(sel >> (4 * i)) & 7] << np.uint32(8 * i)
+  return out
+
+
+def _bf16x2_mul(a, b):
+  """mul.rn.bf16x2 of uint32 pairs (exact products here, so f32 multiply then round)."""
+  out = np.zeros_like(a)
+  for h in range(2):
+    av = ((a >> np.uint32(16 * h)) & np.uint32(0xFFFF)).astype(np.uint16).view(ml_dtypes.bfloat16)
+    bv = ((b >> np.uint32(16 * h)) & np.uint32(0xFFFF)).astype(np.uint16).view(ml_dtypes.bfloat16)
+    p = (av.astype(np.float32) * bv.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    out |= p.view(np.uint16).astype(np.uint32) << np.uint32(16 * h)
+  return out
+
+
+def emulate_kernel_decode(pw, e=0):
+  """Numpy re-enactment of the kernel's PTX (fp4_mgpu._SCALE_ASM / _DECODE_ASM) on the packed
+  words: returns A [N_pad, K_pad] bf16 values in the kernel's PHYSICAL K order."""
+  words = np.asarray(pw.codes[e]).astype(np.uint32)
+  sw = np.asarray(pw.scales[e]).astype(np.uint32)
+  nt, kt = words.shape[0], words.shape[1] // 16
+  w = words.reshape(nt, kt, 128, 4)
+  s = sw.reshape(nt, kt // pw.kb, 128, pw.kb // 2)
+  a = np.zeros((nt, kt, 64, 64), np.float32)
+  t = np.arange(128)
+  wp, g, q = t // 32, (t % 32) // 4, t % 4
+  for j in range(kt):
+    step, jj = divmod(j, pw.kb)
+    word = s[:, step, :, jj // 2]
+    cs = []
+    for r in range(2):
+      b = 2 * (jj % 2) + r
+      c = _prmt(word, np.zeros_like(word), 0x4040 | b | (b << 8))
+      c = (c << np.uint32(4)) + np.uint32(0x76007600) if pw.fmt == "nvfp4" else c << np.uint32(7)
+      cs.append(c)
+    for jw in range(4):
+      x = w[:, j, :, jw]
+      r1, r2, r3 = _rot(x, 31), _rot(x, 2), _rot(x, 29)
+      ts = [_prmt(x, r1, 0x5140), _prmt(x, r1, 0x7362), _prmt(r2, r3, 0x5140),
+            _prmt(r2, r3, 0x7362)]
+      for o in range(4):
+        val = _bf16x2_mul(ts[o] & np.uint32(0x81C081C0), cs[o % 2])
+        ci, ri = 2 * jw + o // 2, o % 2
+        for v in range(2):
+          h = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)
+          a[:, j, wp * 16 + ri * 8 + g, 8 * ci + 2 * q + v] = (
+              h.view(ml_dtypes.bfloat16).astype(np.float32))
+  return a.transpose(0, 2, 1, 3).reshape(nt * 64, kt * 64)
+
+
+@pytest.mark.parametrize("fmt,kb", KB.items())
+def test_kernel_decode_emulation_exact(fmt, kb):
+  """The PTX decode of the packed layout, times the column factor, against the permuted
+  activations equals x @ dequantize(q) (the layout, the bit placement and the scale bytes)."""
+  k, n = DENSE
+  q = quantize(rand_w(DENSE, 6), fmt, axis=0)
+  pw = kernels.prepare_weight(q, kb=kb)
+  a_phys = emulate_kernel_decode(pw)  # [N_pad, K_pad]
+  a_ref, _ = layout.decode_parts(pw)  # [1, K, N] logical
+  a_pad = jnp.pad(jnp.asarray(a_ref[0]).T.astype(jnp.float32), ((0, 0), (0, pw.k_pad - k)))
+  np.testing.assert_array_equal(a_phys[:n], np.asarray(layout.permute_k(a_pad)))
+  x = jax.random.normal(jax.random.key(7), (5, k), jnp.float32).astype(jnp.bfloat16)
+  xp = np.asarray(layout.permute_k(jnp.pad(x, ((0, 0), (0, pw.k_pad - k)))), np.float64)
+  y = (xp @ a_phys.T.astype(np.float64)) * np.asarray(pw.factor[0], np.float64)
+  assert relerr(y[:, :n], np.asarray(x, np.float64) @ np_dequant(q)) < 1e-6
+
+
+# ------------------------------------------------------------------ wrappers around the kernel
+
+@jax.jit
+def _dense_emulated(x, pw):
+  return fp4_mgpu.matmul(x, pw, out_dtype=jnp.float32, kernel_fn=fp4_mgpu.emulate_chunked_matmul)
+
+
+@functools.partial(jax.jit, static_argnames=("bm",))
+def _grouped_emulated(x, pw, g, bm):
+  return fp4_mgpu.grouped_matmul(x, pw, g, out_dtype=jnp.float32, bm=bm,
+                                 kernel_fn=fp4_mgpu.emulate_chunked_matmul)
+
+
+@pytest.mark.parametrize("fmt,leads", [("nvfp4", [(1,), (64,)]), ("mxfp4", [(2, 5)])])
+def test_dense_wrapper_emulated(fmt, leads):
+  q = quantize(rand_w(DENSE, 8), fmt, axis=0)  # K, N not multiples of the tile
+  pw = kernels.prepare_weight(q, kb=KB[fmt])
+  for lead in leads:  # n_pad 512 -> 2 CTAs: K split over CTAs
+    x = jax.random.normal(jax.random.key(9), (*lead, DENSE[0]), jnp.float32).astype(jnp.bfloat16)
+    got = _dense_emulated(x, pw)
+    assert got.shape == (*lead, DENSE[1])
+    assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
+
+
+@pytest.mark.parametrize("bm", [16, 32])
+def test_grouped_wrapper_emulated(bm):
+  e, k, n = EXPERTS
+  q = quantize(rand_w(EXPERTS, 10), "nvfp4", axis=1, second_level=(0,))
+  pw = kernels.prepare_weight(q, kb=KB["nvfp4"])
+  cases = [[0, 1, 0, 0, 0, 0],  # one token
+           [40, 0, 3, 0, 17, 0],  # empty groups, a group over several chunks
+           [0, 0, 0, 0, 0, 0],  # nothing routed
+           [5, 5, 5, 5, 5, 5]]
+  m = 67  # one compile; rows past the sum give zeros
+  for gs in cases:
+    x = jax.random.normal(jax.random.key(sum(gs)), (m, k), jnp.float32).astype(jnp.bfloat16)
+    g = jnp.asarray(gs, jnp.int32)
+    got = _grouped_emulated(x, pw, g, bm)
+    want = reference.grouped_matmul_ref(x, q, g, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_dispatch_cpu_falls_back():
+  q = quantize(rand_w(DENSE, 11), "mxfp4", axis=0)
+  pw = kernels.prepare_weight(q, kb=KB["mxfp4"])
+  x = jax.random.normal(jax.random.key(0), (4, DENSE[0]), jnp.float32).astype(jnp.bfloat16)
+  assert not kernels.on_gpu()
+  np.testing.assert_array_equal(np.asarray(kernels.matmul(x, pw)),
+                                np.asarray(kernels.matmul(x, q)))
+  qe = quantize(rand_w(EXPERTS, 12), "mxfp4", axis=1, second_level=(0,))
+  g = jnp.asarray([2, 0, 1, 0, 0, 1], jnp.int32)
+  xe = jax.random.normal(jax.random.key(1), (4, EXPERTS[1]), jnp.float32).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(
+      np.asarray(kernels.grouped_matmul(xe, kernels.prepare_weight(qe, kb=KB["mxfp4"]), g)),
+      np.asarray(kernels.grouped_matmul(xe, qe, g)))
+
+
+def test_lowers_for_cuda():
+  """Mosaic GPU lowering (layouts, inline PTX, SMEM budget) runs on CPU with the plugin."""
+  pytest.importorskip("jax_cuda13_plugin")
+  sds = jax.ShapeDtypeStruct
+  for fmt in ("nvfp4", "mxfp4"):
+    k, n = 1024, 512
+    pw = layout.PackedWeight(sds((1, n // 64, k // 4, 32), jnp.uint32),
+                             sds((1, n // 64, k // 32, 32), jnp.uint32),
+                             sds((1, n), jnp.float32), fmt, (k, n), 4)
+    for b in (1, 64):
+      jax.jit(lambda x, p: fp4_mgpu.matmul(x, p)).trace(
+          sds((b, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
+
+
+def test_prepare_tree():
+  q = quantize(rand_w(DENSE, 13), "nvfp4", axis=0)
+  qe = quantize(rand_w(EXPERTS, 14), "nvfp4", axis=1, second_level=(0,))
+  kv = quantize(rand_w((4, 64), 15), "nvfp4", axis=-1, second_level="row")  # not a weight
+  tree = {"dense": q, "experts": qe, "kv": kv, "norm": jnp.ones(3)}
+  out = kernels.prepare_tree(tree, kb=KB["nvfp4"])
+  assert isinstance(out["dense"], kernels.PackedWeight) and out["dense"].shape == DENSE
+  assert isinstance(out["experts"], kernels.PackedWeight) and out["experts"].experts
+  assert out["kv"] is kv and out["norm"] is tree["norm"]

@@ -1,0 +1,348 @@
+"""The kernel-side FP4 weight layout: `PackedWeight`, made once from a `QArray` at weight sync.
+
+Owns the pre-shuffle of E2M1 codes into the order the Mosaic GPU kernel (`fp4_mgpu.py`) decodes
+them in registers, the per-block scale bytes it reads next to them, the per-column output factor,
+the matching permutation of activations, and a pure-`jnp` decode of the layout (the fallback
+path and the tests' ground truth).
+
+The kernel computes `out^T[n, b] = sum_k A[n, k] x^T[k, b]` ("swap AB": the weight is the 64-row
+register operand of `wgmma`, the batch its N side). A warpgroup holds one 64x64 tile of `A` in
+the wgmma register layout: thread t (warp w = t // 32, g = (t % 32) // 4, q = t % 4) holds rows
+`w*16 + g` and `w*16 + 8 + g` and the physical columns `8*ci + 2*q + v` (ci 0..7, v 0..1).
+We choose which logical K each physical column carries: physical `8*ci + 2*q + v` is logical
+`16*q + 2*ci + v`, so the 32 codes a thread holds fall in ONE 16-wide K block per row. Each
+thread then needs only two block scales per tile (rows r0, r1), stored in thread order next to
+its codes, instead of eight shared ones. The activations are permuted the same way per call
+(`permute_k`, a cheap gather XLA fuses into the producer of x).
+
+Per tile each thread reads 4 uint32 of codes. Word j holds 8 codes, bit-placed so that three
+funnel rotates, four `prmt` and four `and` put every code's `s e1 e0 m` under bf16 bits
+15, 8, 7, 6 (`_SRC` below); as bf16 that is `E2M1(code) * 2**-126` exactly (0.5 is a bf16
+subnormal). One `mul.rn.bf16x2` by `c = scale * 2**(126 - shift)` gives `q * scale * 2**-shift`,
+exact in bf16 (NUMERICS: q*s is exact in bf16 for NVFP4, a power of two for MXFP4). The output
+is multiplied by the fp32 column factor `g * 2**shift` (NaN where a block scale of that column is
+NaN, so NaN never turns into a number).
+
+Scale bytes (one per block and row, two per thread and tile, in thread order per kernel step of
+`kb` tiles):
+  NVFP4: `c = s * 2**118` (shift 8) as bf16 has exponent field 236..253 and 3 mantissa bits:
+         byte = (bf16_bits(c) - 0x7600) >> 4; the kernel rebuilds `(byte << 4) + 0x7600`.
+  MXFP4: `c = 2**(e + 126 - shift)` with a per-column shift = max e - 1: byte = the bf16
+         exponent field; the kernel rebuilds `byte << 7`. Two threads read each MXFP4 block
+         scale, so it is stored twice: 4.5 bits per element, like NVFP4, instead of 4.25.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.quant import QArray
+from trace_jax.quant import formats as F
+
+TILE = 64  # rows and K columns of one decoded wgmma operand tile
+N_ALIGN = 256  # N is padded to this, so 1, 2 or 4 compute warpgroups of 64 rows divide it
+NV_SHIFT = 8  # NVFP4: c = s * 2**(126 - 8) stays finite in bf16 for s <= 448
+NV_BIAS = 0x7600  # bf16 bits of 2**109 = 2**-9 * 2**118, the smallest NVFP4 multiplier
+
+
+# --------------------------------------------------------------------------- static tables
+
+def _rot_source(rot: int, p: int) -> int:
+  """Bit of the original word that lands on bit p after a rotate (rot > 0 left, < 0 right)."""
+  return (p - rot) % 32
+
+
+def _bit_sources() -> np.ndarray:
+  """src[o, v, b]: bit of a code word feeding E2M1 bit b (0 m, 1 e0, 2 e1, 3 s) of decoded
+  register o (0..3), half v. The decode forms R0 = w, R1 = rotr(w, 1), R2 = rotl(w, 2),
+  R3 = rotr(w, 3); register o takes byte B = 2*(o % 2) + v of (Ra, Rb) = (R0, R1) for o < 2,
+  (R2, R3) otherwise (prmt 0x5140 / 0x7362), keeping Ra bits 6, 7 (m, e0) and Rb bits 0, 7
+  (e1 -> bf16 bit 8, s -> bit 15) of that byte."""
+  src = np.zeros((4, 2, 4), np.int64)
+  for o in range(4):
+    ra, rb = (0, -1) if o < 2 else (2, -3)
+    for v in range(2):
+      base = 8 * (2 * (o % 2) + v)
+      src[o, v] = [_rot_source(ra, base + 6), _rot_source(ra, base + 7),
+                   _rot_source(rb, base + 0), _rot_source(rb, base + 7)]
+  assert sorted(src.ravel().tolist()) == list(range(32))
+  return src
+
+
+_SRC = _bit_sources()
+
+
+def _slot_tables() -> tuple[np.ndarray, np.ndarray]:
+  """(row, logical col) inside a 64x64 tile of each slot [thread 128, word 4, reg o 4, half 2].
+  Register o of word j is the wgmma register (ci = 2j + o // 2, ri = o % 2)."""
+  t = np.arange(128)[:, None, None, None]
+  j = np.arange(4)[None, :, None, None]
+  o = np.arange(4)[None, None, :, None]
+  v = np.arange(2)[None, None, None, :]
+  w, g, q = t // 32, (t % 32) // 4, t % 4
+  rows = w * 16 + (o % 2) * 8 + g
+  cols = 16 * q + 2 * (2 * j + o // 2) + v  # logical K of physical column 8*ci + 2*q + v
+  shape = (128, 4, 4, 2)
+  return np.broadcast_to(rows, shape).copy(), np.broadcast_to(cols, shape).copy()
+
+
+_ROWS, _COLS = _slot_tables()
+
+
+def _pair_perm(k: int) -> np.ndarray:
+  """Source pair index of each physical element pair (pairs of K stay together)."""
+  p = np.arange(k // 2)
+  chunk, pp = p // 32, p % 32
+  ci, q = pp // 4, pp % 4
+  return chunk * 32 + q * 8 + ci
+
+
+def permute_k(x: jax.Array) -> jax.Array:
+  """Reorder the last axis (a multiple of 64) of activations into the kernel's physical K:
+  physical `8*ci + 2*q + v` of each 64 chunk takes logical `16*q + 2*ci + v`. 2-byte types
+  move as 4-byte pairs through one gather (XLA's transpose of these tiny axes ran at 0.4 TB/s
+  on the H200)."""
+  *lead, k = x.shape
+  if x.dtype.itemsize == 2:
+    u = jax.lax.bitcast_convert_type(x.reshape(*lead, k // 2, 2), jnp.uint32)
+    u = jnp.take(u, jnp.asarray(_pair_perm(k), jnp.int32), axis=-1)
+    return jax.lax.bitcast_convert_type(u, x.dtype).reshape(*lead, k)
+  xr = x.reshape(*lead, k // TILE, 4, 8, 2)
+  return jnp.swapaxes(xr, -3, -2).reshape(*lead, k)
+
+
+# --------------------------------------------------------------------------- the pytree
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+  """An FP4 weight in the kernel's layout (registered pytree; metadata static).
+
+  codes:  uint32 [E, N_pad/64, K_pad/64 * 16, 32]: per 64x64 tile of W^T, 128 threads x 16 bytes.
+  scales: uint32 [E, N_pad/64, K_pad/64 * 2, 32]: per kernel step of `kb` tiles, 128 threads x
+          2*kb bytes (tile-major, rows r0 then r1).
+  factor: float32 [E, N_pad]: per output column, `g * 2**shift` (NaN for NaN scales).
+  fmt: "nvfp4" or "mxfp4"; shape: logical (K, N) or (E, K, N); experts: whether E is real;
+  kb: tiles per kernel step the scales are interleaved for.
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+  factor: jax.Array
+  fmt: str = dataclasses.field(metadata=dict(static=True))
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  kb: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def experts(self) -> bool:
+    return len(self.shape) == 3
+
+  @property
+  def k(self) -> int:
+    return self.shape[-2]
+
+  @property
+  def n(self) -> int:
+    return self.shape[-1]
+
+  @property
+  def k_pad(self) -> int:
+    return self.codes.shape[2] // 16 * TILE
+
+  @property
+  def n_pad(self) -> int:
+    return self.codes.shape[1] * TILE
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def dtype(self):
+    return jnp.float4_e2m1fn
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes the kernel streams: codes + scale bytes + column factors."""
+    return int(sum(a.size * a.dtype.itemsize for a in (self.codes, self.scales, self.factor)))
+
+  def __repr__(self) -> str:
+    return f"PackedWeight({self.fmt}, shape={self.shape}, kb={self.kb}, nbytes={self.nbytes})"
+
+
+jax.tree_util.register_dataclass(
+    PackedWeight, data_fields=["codes", "scales", "factor"], meta_fields=["fmt", "shape", "kb"])
+
+
+def _round_up(a: int, b: int) -> int:
+  return -(-a // b) * b
+
+
+def _pack_words(codes_nk: jax.Array) -> jax.Array:
+  """[..., N, K] codes (N, K multiples of 64) -> uint32 [..., N/64, K/64*16, 32]."""
+  *lead, n, k = codes_nk.shape
+  c = codes_nk.reshape(*lead, n // TILE, TILE, k // TILE, TILE)
+  c = jnp.moveaxis(c, -3, -2)  # [..., nt, kt, 64 rows, 64 cols]
+  g = c[..., _ROWS, _COLS].astype(jnp.uint32)  # [..., nt, kt, 128, 4, 4, 2]
+  words = jnp.zeros(g.shape[:-2], jnp.uint32)
+  for o in range(4):
+    for v in range(2):
+      for b in range(4):
+        words = words | (((g[..., o, v] >> b) & 1) << int(_SRC[o, v, b]))
+  return words.reshape(*lead, n // TILE, (k // TILE) * 16, 32)
+
+
+def _scale_stream(sb: jax.Array, fmt: F.Format, kb: int) -> jax.Array:
+  """Per-(row, block) scale bytes [..., N, nb] -> uint32 [..., N/64, K/64*2, 32] in thread order
+  (per step of kb tiles: thread, tile, row r0/r1)."""
+  *lead, n, nb = sb.shape
+  per_tile = TILE // fmt.block  # blocks per 64 columns: 4 (NVFP4) or 2 (MXFP4)
+  kt = nb // per_tile
+  s = sb.reshape(*lead, n // TILE, TILE, kt, per_tile)
+  s = jnp.moveaxis(s, -3, -2)  # [..., nt, kt, 64 rows, blocks]
+  t = np.arange(128)
+  w, g, q = t // 32, (t % 32) // 4, t % 4
+  rows = np.stack([w * 16 + g, w * 16 + 8 + g], -1)  # [128, 2]
+  blk = (16 * q) // fmt.block  # this thread's block in the tile
+  st = s[..., rows, blk[:, None]]  # [..., nt, kt, 128, 2]
+  st = st.reshape(*st.shape[:-3], kt // kb, kb, 128, 2)
+  st = jnp.swapaxes(st, -3, -2)  # [..., nt, steps, 128, kb, 2]
+  st = st.reshape(*st.shape[:-4], kt // kb, 128 * 2 * kb // 4, 4).astype(jnp.uint32)
+  words = st[..., 0] | (st[..., 1] << 8) | (st[..., 2] << 16) | (st[..., 3] << 24)
+  return words.reshape(*lead, n // TILE, kt * 2, 32)
+
+
+@functools.partial(jax.jit, static_argnames=("kb",))
+def prepare_weight(q: QArray, *, kb: int = 4) -> PackedWeight:
+  """Make the kernel layout from an FP4 weight `QArray`: dense `[K, N]` with blocks along K
+  (axis 0) or stacked experts `[E, K, N]` (axis 1). Runs once at weight sync (jit-able).
+  kb: 64-column tiles per kernel step (2, 4 or 8), baked into the scale order."""
+  if not isinstance(q, QArray) or not q.fmt.is_fp4:
+    raise TypeError(f"prepare_weight needs an FP4 QArray, got {q!r}")
+  if kb not in (2, 4, 8):
+    raise ValueError(f"kb must be 2, 4 or 8, got {kb}")
+  if q.ndim not in (2, 3) or q.axis != q.ndim - 2:
+    raise ValueError(f"expected [K, N] (axis 0) or [E, K, N] (axis 1), got {q!r}")
+  fmt = q.fmt
+  codes = q.blocked_codes()  # [E?, N, nb, block]
+  codes = codes.reshape(*codes.shape[:-2], -1)  # [E?, N, Kq]
+  s, g = q.blocked_scales()  # [E?, N, nb], g keepdims
+  if q.ndim == 2:
+    codes, s = codes[None], s[None]
+    g = None if g is None else g[None]
+  e, n, kq = codes.shape
+  k_pad = _round_up(kq, TILE * kb)
+  n_pad = _round_up(n, N_ALIGN)
+  nb_pad = k_pad // fmt.block
+
+  if fmt.scale == "e4m3":
+    sf = s.astype(jnp.float32)
+    bad = jnp.isnan(sf)
+    c = (sf * np.float32(2.0 ** (126 - NV_SHIFT))).astype(jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(c, jnp.uint16).astype(jnp.int32)
+    byte = jnp.clip((bits - NV_BIAS) >> 4, 0, 255)
+    zero = sf == 0  # not made by quantize (s >= 2**-9), but decodes to 0 in the reference
+    byte = jnp.where(bad | zero, 0, byte)
+    codes = jnp.where(jnp.repeat(zero, fmt.block, axis=-1), jnp.uint8(0), codes)
+    gcol = jnp.broadcast_to(g.astype(jnp.float32), s.shape)[..., 0] if g is not None else 1.0
+    factor = gcol * np.float32(2.0 ** NV_SHIFT)
+    pad_byte = 0
+  else:
+    ex, bad = F.e8m0_exponent_of(s)
+    emax = jnp.max(jnp.where(bad, -127, ex), axis=-1)  # per column
+    shift = emax - 1
+    byte = jnp.clip(ex + 253 - shift[..., None], 1, 254)
+    byte = jnp.where(bad, 1, byte)
+    factor = F.pow2(jnp.clip(shift, -127, 127)) * jnp.where(shift < -127, np.float32(0.5), 1)
+    pad_byte = 1
+  factor = jnp.where(jnp.any(bad, axis=-1), jnp.float32(jnp.nan), factor)
+
+  codes = jnp.pad(codes, ((0, 0), (0, n_pad - n), (0, k_pad - kq)))
+  byte = jnp.pad(byte, ((0, 0), (0, n_pad - n), (0, nb_pad - byte.shape[-1])),
+                 constant_values=pad_byte)
+  factor = jnp.pad(factor, ((0, 0), (0, n_pad - n)))
+  return PackedWeight(_pack_words(codes), _scale_stream(byte, fmt, kb), factor.astype(jnp.float32),
+                      fmt.name, tuple(q.shape), kb)
+
+
+def prepare_tree(tree, *, kb: int = 4):
+  """`prepare_weight` on every FP4 weight `QArray` leaf of a parameter tree (dense `[K, N]` with
+  blocks along axis 0, experts `[E, K, N]` along axis 1); other leaves unchanged. For the
+  rollout's weight sync, so that `matmul`/`grouped_matmul` take the kernel path on GPU."""
+  def conv(a):
+    if (isinstance(a, QArray) and a.fmt.is_fp4 and a.ndim in (2, 3)
+        and a.axis == a.ndim - 2):
+      return prepare_weight(a, kb=kb)
+    return a
+  return jax.tree.map(conv, tree, is_leaf=lambda a: isinstance(a, QArray))
+
+
+# --------------------------------------------------------------------------- jnp decode
+
+def _unpack_words(words: jax.Array) -> jax.Array:
+  """Inverse of `_pack_words`: uint32 [..., nt, kt*16, 32] -> codes uint8 [..., N, K]."""
+  *lead, nt, kr, _ = words.shape
+  kt = kr // 16
+  w = words.reshape(*lead, nt, kt, 128, 4)
+  slots = []
+  for o in range(4):
+    for v in range(2):
+      code = jnp.zeros(w.shape, jnp.uint32)
+      for b in range(4):
+        code = code | (((w >> int(_SRC[o, v, b])) & 1) << b)
+      slots.append(code)
+  sl = jnp.stack(slots, -1).reshape(*w.shape, 4, 2)  # [..., nt, kt, 128, j, o, v]
+  sl = jnp.moveaxis(sl, -3, -2)  # [..., 128, o, j, v] -> reorder to slot order [t, j, o, v]
+  sl = jnp.swapaxes(sl, -3, -2)
+  flat = sl.reshape(*lead, nt, kt, 4096)
+  inv = np.empty(4096, np.int64)
+  inv[(_ROWS * TILE + _COLS).ravel()] = np.arange(4096)
+  tile = flat[..., inv].reshape(*lead, nt, kt, TILE, TILE)
+  return jnp.moveaxis(tile, -3, -2).reshape(*lead, nt * TILE, kt * TILE).astype(jnp.uint8)
+
+
+def _unscale_stream(words: jax.Array, block: int, kb: int) -> jax.Array:
+  """Inverse of `_scale_stream`: [..., nt, kt*2, 32] uint32 -> bytes [..., N, K/block]."""
+  *lead, nt, kr, _ = words.shape
+  kt = kr // 2
+  b = jnp.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1)
+  b = b.reshape(*lead, nt, kt // kb, 128, kb, 2)
+  b = jnp.swapaxes(b, -3, -2).reshape(*lead, nt, kt, 128, 2)
+  t = np.arange(128)
+  w, g, q = t // 32, (t % 32) // 4, t % 4
+  per_tile = TILE // block
+  out = jnp.zeros((*lead, nt, kt, TILE, per_tile), jnp.uint32)
+  blk = (16 * q) // block
+  out = out.at[..., w * 16 + g, blk].set(b[..., 0])
+  out = out.at[..., w * 16 + 8 + g, blk].set(b[..., 1])
+  out = jnp.moveaxis(out, -3, -2)
+  return out.reshape(*lead, nt * TILE, kt * per_tile)
+
+
+@jax.jit
+def decode_parts(pw: PackedWeight) -> tuple[jax.Array, jax.Array]:
+  """(a, factor): a bf16 `[E, K, N]` = `q * scale * 2**-shift` exactly as the kernel's bf16
+  product makes it, and the float32 column factor `[E, N]`; the weight is `a * factor`."""
+  fmt = F.get_format(pw.fmt)
+  codes = _unpack_words(pw.codes)  # [E, N_pad, K_pad]
+  byte = _unscale_stream(pw.scales, fmt.block, pw.kb).astype(jnp.int32)
+  bits = (byte << 4) + NV_BIAS if fmt.scale == "e4m3" else byte << 7
+  c = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16).astype(jnp.float32)
+  q = jnp.asarray(np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
+                           np.float32))[codes.astype(jnp.int32)]
+  # (q * 2**-126) * c in bf16, exact whenever representable (always for realistic scales)
+  a = (q * jnp.repeat(c * np.float32(2.0 ** -126), fmt.block, axis=-1)).astype(jnp.bfloat16)
+  a = jnp.swapaxes(a, -1, -2)[:, :pw.k, :pw.n]
+  return a, pw.factor[:, :pw.n]
+
+
+def decode_packed(pw: PackedWeight, dtype=jnp.float32) -> jax.Array:
+  """Logical weight `[K, N]` / `[E, K, N]` decoded from the kernel layout: `a * factor` in
+  float32 (equals `dequantize` of the source QArray up to float32 rounding of `s * g`)."""
+  a, factor = decode_parts(pw)
+  v = a.astype(jnp.float32) * factor[:, None, :]
+  return (v if pw.experts else v[0]).astype(dtype)
