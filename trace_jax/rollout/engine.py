@@ -266,6 +266,18 @@ def _resync(policy, dtype):
   return jax.jit(fn, donate_argnums=(1,))
 
 
+def _kernel_layout(params):
+  """FP4 weights whose K and N are multiples of 256 (the shapes the Mosaic kernels were validated
+  at on the H200: 30B-A3B attention and expert matrices) move to the kernel layout; smaller ones
+  stay QArrays and take the reference path."""
+  def conv(a):
+    if (isinstance(a, tq.QArray) and a.fmt.is_fp4 and a.ndim in (2, 3) and a.axis == a.ndim - 2
+        and a.shape[-2] % 256 == 0 and a.shape[-1] % 256 == 0):
+      return kernels.prepare_weight(a)
+    return a
+  return jax.tree_util.tree_map(conv, params, is_leaf=lambda a: isinstance(a, tq.QArray))
+
+
 def _prompt_key(seed: int, prompt: Sequence[int], occurrence: int) -> int:
   h = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=4,
                       key=seed.to_bytes(8, "little", signed=True)).digest()
@@ -312,7 +324,7 @@ class RolloutEngine:
       params = _first_sync(self.policy, dtype)(master_params)
     else:
       params = _resync(self.policy, dtype)(master_params, self.params)
-    self.params = kernels.prepare_tree(params) if self.use_kernels else params
+    self.params = _kernel_layout(params) if self.use_kernels else params
 
   @property
   def weight_bytes(self) -> int:
