@@ -8,18 +8,14 @@ next-token distribution (rollout forward: packed FP4 weights, FP4 activations/KV
 """
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from trace_jax import models as M
 from trace_jax import quant as tq
+from trace_jax.provenance import run_info
 
 
 def nll(params, tokens, config, ctx):
@@ -57,16 +53,7 @@ def main():
       rows[policy.name] = dict(nll=v, ppl=float(jnp.exp(v)),
                                ppl_gap_pct=100 * (float(jnp.exp(v - base)) - 1),
                                kl_from_bf16=kl)
-  try:
-    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL,
-                                     cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-  except Exception:  # noqa: BLE001
-    commit = "unknown"
-  out = dict(benchmark="fp4_perplexity", date=datetime.date.today().isoformat(),
-             device=str(jax.devices()[0]), platform=platform.platform(),
-             jax_version=jax.__version__, git_commit=commit,
-             command=" ".join([sys.executable] + sys.argv), model="tiny (random weights)",
+  out = dict(benchmark="fp4_perplexity", **run_info(), model="tiny (random weights)",
              init_std=args.init_std, tokens=[args.batch, args.seq],
              units=dict(nll="nats/token", ppl="perplexity", ppl_gap_pct="% over bf16",
                         kl_from_bf16="nats/token, KL(bf16 || policy) of next-token dists"),

@@ -4,15 +4,9 @@
 """
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
-import sys
 
-import jax
-
+from trace_jax.provenance import run_info
 from trace_jax.quant import error_stats
 
 
@@ -28,16 +22,8 @@ def main():
   for scope in ("row", "tensor"):
     results[scope] = error_stats.error_table(shape=shape, seed=args.seed,
                                              second_level=scope)
-  try:
-    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL,
-                                     cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-  except Exception:  # noqa: BLE001 - not a checkout
-    commit = "unknown"
   out = dict(
-      benchmark="quant_error", date=datetime.date.today().isoformat(),
-      device=str(jax.devices()[0]), platform=platform.platform(), jax_version=jax.__version__,
-      git_commit=commit, command=" ".join([sys.executable] + sys.argv), shape=list(shape),
+      benchmark="quant_error", **run_info(), shape=list(shape),
       unit="relative RMSE = ||Q(x) - x|| / ||x||, blocks along the last axis",
       second_level_note="NVFP4 second-level scale per row ('row') or per tensor ('tensor')",
       relative_rmse=results)

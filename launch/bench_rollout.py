@@ -6,12 +6,8 @@ serving-shaped loads, with HF transformers `generate` as peer columns when torch
       --prompt_len=256 --new_tokens=256 --hf_peer=false --out=$OUT/bench_rollout.json   # H200
 """
 
-import datetime
 import json
 import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -146,9 +142,8 @@ def bench_hf(config, batch):
 
 def main(argv):
   del argv
-  import jax
-
   from trace_jax import models as M
+  from trace_jax.provenance import run_info
   config = M.preset(FLAGS.preset).replace(max_seq_len=FLAGS.prompt_len + FLAGS.new_tokens)
   rows = []
   for b in [int(x) for x in FLAGS.batches]:
@@ -162,16 +157,7 @@ def main(argv):
         rows += bench_hf(config, b)
       except ImportError:
         pass
-  try:
-    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL,
-                                     cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-  except Exception:  # noqa: BLE001
-    commit = "unknown"
-  out = dict(benchmark="bench_rollout", date=datetime.date.today().isoformat(),
-             device=str(jax.devices()[0]), platform=platform.platform(),
-             jax_version=jax.__version__, git_commit=commit,
-             command=" ".join([sys.executable] + sys.argv), preset=FLAGS.preset,
+  out = dict(benchmark="bench_rollout", **run_info(), preset=FLAGS.preset,
              prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
              bandwidth_bytes_per_s=FLAGS.bandwidth,
              note="reference (jnp) path: FP4 weights are dequantized by XLA; the fused kernels "

@@ -1,6 +1,5 @@
 """Execute every notebook so it cannot rot (a cell that raises fails the test)."""
 
-import os
 import pathlib
 
 import pytest

@@ -9,7 +9,7 @@ import pytest
 
 from configs import tiny_arith
 from trace_jax.metrics import read_metrics
-from trace_jax.rl import loop
+from trace_jax.rl import compare, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,13 +23,7 @@ def _small_config(**over):
   c.eval.every = 3
   c.eval.size = 16
   c.checkpoint.every = 2
-  for k, v in over.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return compare.override(c, over)
 
 
 def _comparable(rows):

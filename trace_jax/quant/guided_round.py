@@ -13,7 +13,6 @@ saturated (|x / scale| > 7, the same rule as `fake_quant`, see `Format.saturatio
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

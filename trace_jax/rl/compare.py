@@ -6,15 +6,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 
 from trace_jax.metrics import plot_metrics, read_metrics
+from trace_jax.provenance import run_info
 from trace_jax.rl import loop
 
 VARIANTS = {
@@ -28,7 +26,8 @@ TABLE_KEYS = ("reward/mean", "eval/pass_rate", "mismatch/k3_kl", "mismatch/abs_l
               "mismatch/code_agreement_unguided")
 
 
-def _override(config, changes: dict):
+def override(config, changes: dict):
+  """A copy of `config` with dotted keys set, e.g. {"rl.alignment": "qat"}."""
   c = copy.deepcopy(config)
   for key, value in changes.items():
     node = c
@@ -76,7 +75,7 @@ def compare_alignment(config, workdir: str, variants=None, log=print) -> dict:
   results, runs = {}, {}
   for name in variants:
     log(f"=== {name} ===")
-    cfg = _override(config, VARIANTS[name])
+    cfg = override(config, VARIANTS[name])
     if params is not None:
       cfg.sft.max_steps = 0
     run_dir = os.path.join(workdir, name)
@@ -86,17 +85,8 @@ def compare_alignment(config, workdir: str, variants=None, log=print) -> dict:
     runs[name] = run_dir
   plots = {}
   plots = make_plots(runs, workdir)
-  try:
-    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                     stderr=subprocess.DEVNULL,
-                                     cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-  except Exception:  # noqa: BLE001
-    commit = "unknown"
   report = dict(
-      benchmark="compare_alignment", date=time.strftime("%Y-%m-%d"),
-      device=str(jax.devices()[0]), platform=platform.platform(), jax_version=jax.__version__,
-      git_commit=commit, command=" ".join([sys.executable] + sys.argv),
-      config=config.to_dict(), wall_s=time.time() - t0, results=results, plots=plots,
+      benchmark="compare_alignment", **run_info(), config=config.to_dict(), wall_s=time.time() - t0, results=results, plots=plots,
       units={"time/step_s": "s", "mismatch/k3_kl": "nats/token",
              "mismatch/abs_logp_diff": "nats/token"})
   with open(os.path.join(workdir, "report.json"), "w") as f:

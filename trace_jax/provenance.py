@@ -1,0 +1,27 @@
+"""Where a benchmark or report came from: date, device, versions, git commit, exact command
+(every result JSON carries these, see BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+
+def git_commit() -> str:
+  """HEAD of the checkout holding this package ("unknown" outside a git checkout)."""
+  try:
+    return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                   stderr=subprocess.DEVNULL,
+                                   cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+  except Exception:  # noqa: BLE001 - not a checkout, or git missing
+    return "unknown"
+
+
+def run_info() -> dict:
+  import jax
+  return dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0]),
+              platform=platform.platform(), jax_version=jax.__version__,
+              git_commit=git_commit(), command=" ".join([sys.executable] + sys.argv))
