@@ -74,20 +74,18 @@ def cache_bytes_per_token(config: ModelConfig, kv_format: str | None, dtype=jnp.
   return elems * fmt.bits_per_element / 8 + g
 
 
-def _write(buf, new, index):
-  """Write `new` [B, T, ...] into `buf` [B, S, ...] at slot `index` along axis 1."""
-  if isinstance(buf, tq.QArray):
-    leaves = {}
-    for f in ("codes", "scales", "global_scale"):
-      b, n = getattr(buf, f), getattr(new, f)
-      leaves[f] = None if b is None else jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype),
-                                                                             index, axis=1)
-    return dataclasses.replace(buf, **leaves)
-  return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index, axis=1)
+def update_slice(buf, new, index, axis: int = 1):
+  """Write pytree `new` (leaves `[B, T, ...]`) into `buf` (`[B, S, ...]`) at `index` along
+  `axis`. Arrays, QArrays and Guidance trees alike: the two trees differ only in their static
+  shapes, so they are matched leaf by leaf."""
+  leaves, treedef = jax.tree_util.tree_flatten(buf)
+  out = [jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), index, axis=axis)
+         for b, n in zip(leaves, jax.tree_util.tree_leaves(new))]
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def write_layer(layer: LayerKV, k_new, v_new, index) -> LayerKV:
-  return LayerKV(_write(layer.k, k_new, index), _write(layer.v, v_new, index))
+  return LayerKV(update_slice(layer.k, k_new, index), update_slice(layer.v, v_new, index))
 
 
 def read(buf, dtype) -> jax.Array:

@@ -35,10 +35,16 @@ _NEG = -1e30  # finite "minus infinity": a fully masked row stays finite
 
 def _param(module: nn.Module, name: str, init, shape):
   """A float32 parameter, or whatever the caller put there (a `QArray` at rollout): flax's own
-  `param` would refuse a leaf whose shape is not the initializer's."""
-  if module.has_variable("params", name):
-    return module.get_variable("params", name)
-  return module.param(name, init, shape, jnp.float32)
+  `param` would refuse a leaf whose shape is not the initializer's. `name` may be "dict/key"
+  for a parameter held in a bare dict without a submodule (`embed/embedding`,
+  `router/kernel`, the names HF-style paths and policies expect)."""
+  top, _, key = name.partition("/")
+  if module.has_variable("params", top):
+    value = module.get_variable("params", top)
+    return value[key] if key else value
+  if not key:
+    return module.param(name, init, shape, jnp.float32)
+  return module.param(top, lambda rng: {key: init(rng, shape, jnp.float32)})[key]
 
 
 def _path(module: nn.Module, name: str) -> str:
@@ -191,7 +197,7 @@ class MoE(nn.Module):
     xf = x.reshape(n, d)
 
     # Router (kept in float32: tiny, and routing flips are what R3 guards against).
-    w_r = _router_kernel(self, d, e)
+    w_r = _param(self, "router/kernel", _INIT, (d, e))
     logits = jnp.dot(xf.astype(jnp.float32), w_r.astype(jnp.float32))  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1)
     if replay_routes is None:
@@ -253,13 +259,6 @@ class Experts(nn.Module):
     w_dn = _param(self, "down_proj", _INIT, (e, f, d))
     return (apply_weight(w_gu, _path(self, "gate_up_proj"), self.ctx, dt),
             apply_weight(w_dn, _path(self, "down_proj"), self.ctx, dt))
-
-
-def _router_kernel(module: nn.Module, d: int, e: int):
-  """The router weight lives at `moe/router/kernel` (a bare param dict, no extra module)."""
-  if module.has_variable("params", "router"):
-    return module.get_variable("params", "router")["kernel"]
-  return module.param("router", lambda rng: {"kernel": _INIT(rng, (d, e), jnp.float32)})["kernel"]
 
 
 def _sorted_site(h, order, inverse, canon_lead, guided, ctx, guidance, records):
@@ -329,7 +328,7 @@ class Transformer(nn.Module):
   def __call__(self, tokens, positions, token_mask, cache=None, cache_index=0, guidance=None,
                routes=None):
     c = self.config
-    emb = _embedding(self, c)
+    emb = _param(self, "embed/embedding", _INIT, (c.vocab_size, c.hidden_size))
     x = jnp.take(emb, tokens, axis=0).astype(c.compute_dtype)
     key_mask = token_mask if cache is None else jax.lax.dynamic_update_slice_in_dim(
         cache.valid, token_mask, cache_index, axis=1)
@@ -359,13 +358,6 @@ class Transformer(nn.Module):
     mean = lambda v: jnp.mean(jnp.stack(v)) if v else jnp.float32(0.0)  # noqa: E731
     return ModelOutput(logits.astype(jnp.float32), new_cache,
                        jnp.stack(chosen) if chosen else None, records, mean(aux), mean(z))
-
-
-def _embedding(module: nn.Module, c: ModelConfig):
-  if module.has_variable("params", "embed"):
-    return module.get_variable("params", "embed")["embedding"]
-  return module.param("embed", lambda rng: {"embedding": _INIT(rng, (c.vocab_size, c.hidden_size),
-                                                               jnp.float32)})["embedding"]
 
 
 # --------------------------------------------------------------------------- functional API

@@ -9,7 +9,8 @@ from trace_jax.quant.fake_quant import fake_quant, quantize_grad, stochastic_fak
 from trace_jax.quant.formats import FORMATS, Format, get_format
 from trace_jax.quant.guided_round import (Guidance, concatenate, guidance_bits_per_element,
                                           guided_fake_quant,
-                                          guided_quantize, make_guidance, reshape_rows,
+                                          guided_quantize, make_guidance, map_blocked,
+                                          reshape_rows,
                                           take_rows)
 from trace_jax.quant.policy import PRESETS, QuantPolicy, make_policy
 from trace_jax.quant.qarray import QArray, dequantize, quantize
@@ -17,6 +18,6 @@ from trace_jax.quant.qarray import QArray, dequantize, quantize
 __all__ = [
     "E2M1_GRID", "E2M1_VALUES", "FORMATS", "concatenate", "Format", "Guidance", "PRESETS", "QArray",
     "QuantPolicy", "dequantize", "fake_quant", "get_format", "guidance_bits_per_element",
-    "guided_fake_quant", "guided_quantize", "make_guidance", "make_policy", "quantize",
+    "guided_fake_quant", "guided_quantize", "make_guidance", "make_policy", "map_blocked", "quantize",
     "quantize_grad", "reshape_rows", "stochastic_fake_quant", "take_rows",
 ]

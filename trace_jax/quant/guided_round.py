@@ -164,25 +164,29 @@ def guided_quantize(x: jax.Array, guidance: Guidance) -> Q.QArray:
   return Q.pack_blocked(Q.Blocked(codes, s, gs), guidance.fmt, guidance.axis, guidance.shape)
 
 
+def map_blocked(obj, fn, shape: tuple[int, ...], **meta):
+  """A `QArray`/`Guidance` whose every data leaf is `fn(leaf)` (None stays None) and whose
+  logical shape is `shape`: the one way to reshape, gather, repeat or split these pytrees, whose
+  static shape must follow what is done to their leaves."""
+  data = {f: None if getattr(obj, f) is None else fn(getattr(obj, f)) for f in _data_fields(obj)}
+  return dataclasses.replace(obj, **data, shape=tuple(int(d) for d in shape), **meta)
+
+
 def take_rows(obj, idx: jax.Array):
   """Rows `idx` of a 2-D `QArray`/`Guidance` whose blocks run along the last axis (rows are
   independent under row-local scales, so gathering rows of every leaf is exact)."""
   if obj.axis != 1 or len(obj.shape) != 2:
     raise ValueError(f"take_rows needs a 2-D array blocked along its last axis, got shape "
                      f"{obj.shape} blocked along axis {obj.axis}")
-  data = {f: getattr(obj, f) for f in _data_fields(obj)}
-  data = {f: None if a is None else a[idx] for f, a in data.items()}
-  return dataclasses.replace(obj, **data, shape=(int(idx.shape[0]), obj.shape[1]))
+  return map_blocked(obj, lambda a: a[idx], (idx.shape[0], obj.shape[1]))
 
 
 def reshape_rows(obj, lead: tuple[int, ...]):
   """Reshape the row dimensions of a `QArray`/`Guidance` blocked along its last axis."""
   if obj.axis != len(obj.shape) - 1:
     raise ValueError(f"reshape_rows needs blocks along the last axis, got axis {obj.axis}")
-  data = {f: getattr(obj, f) for f in _data_fields(obj)}
-  data = {f: None if a is None else a.reshape(*lead, a.shape[-1]) for f, a in data.items()}
-  return dataclasses.replace(obj, **data, shape=tuple(lead) + (obj.shape[-1],),
-                             axis=len(lead))
+  return map_blocked(obj, lambda a: a.reshape(*lead, a.shape[-1]), tuple(lead) + obj.shape[-1:],
+                     axis=len(lead))
 
 
 def _data_fields(obj):

@@ -7,11 +7,11 @@ from trace_jax.rl.train_step import (ALIGNMENTS, RLConfig, TrainBatch, TrainStat
                                      batch_from_rollout, code_agreement, init_state, learner,
                                      loss_fn,
                                      make_optimizer, make_train_step, offload_to_host,
-                                     split_microbatches, to_device, trainer_context, tree_nbytes)
+                                     split_microbatches, to_device, trainer_context)
 
 __all__ = [
     "ALIGNMENTS", "RLConfig", "TrainBatch", "TrainState", "batch_from_rollout", "code_agreement",
     "group_advantages", "learner", "init_state", "loss_fn", "make_optimizer", "make_train_step",
     "mismatch_metrics", "offload_to_host", "policy_loss", "split_microbatches", "to_device",
-    "token_weights", "trainer_context", "tree_nbytes",
+    "token_weights", "trainer_context",
 ]

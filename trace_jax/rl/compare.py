@@ -66,11 +66,8 @@ def compare_alignment(config, workdir: str, variants=None, log=print) -> dict:
   params = None
   if config.sft.max_steps:
     from trace_jax import models as M
-    from trace_jax.rollout import RolloutEngine
-    engine = RolloutEngine(setup.rollout_config, setup.policy,
-                           max_new_tokens=setup.max_new_tokens, prompt_bucket=setup.prompt_len)
-    params, info = loop.run_sft(M.init_params(setup.model_config, jax.random.key(config.seed)),
-                                setup, config, engine, log)
+    params, info = loop.warm_start(M.init_params(setup.model_config, jax.random.key(config.seed)),
+                                   setup, config, loop.make_engine(setup), log)
     log(f"shared SFT warm start: {info}")
   results, runs = {}, {}
   for name in variants:

@@ -112,7 +112,7 @@ def step_seed(seed: int, step: int, what: str) -> int:
 def evaluate(engine: RolloutEngine, setup: Setup, examples, max_batch: int = 512) -> dict:
   """Greedy pass rate of the rollout engine (the policy as deployed) on `examples`."""
   tok = setup.tokenizer
-  passed, outputs = 0.0, []
+  passed = 0.0
   for i in range(0, len(examples), max_batch):
     chunk = examples[i:i + max_batch]
     prompts = [tok.encode(e.prompt) for e in chunk]
@@ -124,7 +124,6 @@ def evaluate(engine: RolloutEngine, setup: Setup, examples, max_batch: int = 512
     comps = tok.decode_batch(np.asarray(ro.completion)[:len(chunk)])
     rewards = setup.task.reward([e.prompt for e in chunk], comps, [e.answer for e in chunk])
     passed += float(np.sum(np.asarray(rewards) >= 1.0))
-    outputs += comps
   return {"eval/pass_rate": passed / max(len(examples), 1)}
 
 
@@ -187,6 +186,22 @@ def run_sft(params, setup: Setup, config, engine: RolloutEngine, log=print):
   return params, {"sft/steps": s, "sft/pass_rate": pass_rate}
 
 
+def make_engine(setup: Setup, record_codes: bool = False) -> RolloutEngine:
+  """The rollout engine for `setup`: prompts padded to one bucket, so one program per batch."""
+  return RolloutEngine(setup.rollout_config, setup.policy, max_new_tokens=setup.max_new_tokens,
+                       prompt_bucket=setup.prompt_len, record_codes=record_codes)
+
+
+def warm_start(params, setup: Setup, config, engine: RolloutEngine, log=print):
+  """RL's starting point: `params` (a random init), replaced by `config.init_checkpoint` when
+  set, then the SFT warm start when `config.sft.max_steps`. Returns (params, SFT info or None)."""
+  if config.init_checkpoint:
+    _, params = M.load_hf_checkpoint(config.init_checkpoint, progress=True)
+  if not config.sft.max_steps:
+    return params, None
+  return run_sft(params, setup, config, engine, log)
+
+
 # --------------------------------------------------------------------------- the loop
 
 def _train_state_target(setup: Setup, optimizer, seed: int, stream: TaskStream):
@@ -217,19 +232,15 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
   stream = TaskStream(setup.task, config.seed, int(rc.prompts_per_step))
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=int(config.checkpoint.keep),
                       save_every=int(config.checkpoint.every))
-  engine = RolloutEngine(setup.rollout_config, setup.policy, max_new_tokens=setup.max_new_tokens,
-                         prompt_bucket=setup.prompt_len,
-                         record_codes=bool(config.rl.code_agreement))
+  engine = make_engine(setup, record_codes=bool(config.rl.code_agreement))
   target = _train_state_target(setup, optimizer, config.seed, stream)
   latest = ckpt.latest_step()
   if latest is None:
-    params = target["train"].params
-    if config.init_checkpoint:
-      _, params = M.load_hf_checkpoint(config.init_checkpoint, progress=True)
     if init_params is not None:
-      params = init_params
-    elif config.sft.max_steps:
-      params, info = run_sft(params, setup, config, engine, log)
+      params, info = init_params, None
+    else:
+      params, info = warm_start(target["train"].params, setup, config, engine, log)
+    if info:
       target["sft"] = {"steps": int(info["sft/steps"]), "pass_rate": float(info["sft/pass_rate"])}
     target["train"] = ts.init_state(params, optimizer)
     ckpt.save(0, target, force=True)
@@ -307,12 +318,8 @@ def run_sft_only(config, workdir: str, log=print) -> dict:
   setup = build(config)
   if not config.sft.max_steps:
     raise ConfigError("sft.max_steps is 0: nothing to do (set --config.sft.max_steps)")
-  engine = RolloutEngine(setup.rollout_config, setup.policy, max_new_tokens=setup.max_new_tokens,
-                         prompt_bucket=setup.prompt_len)
-  params = M.init_params(setup.model_config, jax.random.key(config.seed))
-  if config.init_checkpoint:
-    _, params = M.load_hf_checkpoint(config.init_checkpoint)
-  params, info = run_sft(params, setup, config, engine, log)
+  params, info = warm_start(M.init_params(setup.model_config, jax.random.key(config.seed)),
+                            setup, config, make_engine(setup), log)
   out = os.path.join(workdir, "hf")
   M.save_hf_checkpoint(out, params, setup.model_config)
   writer = MetricWriter(workdir)

@@ -223,10 +223,8 @@ def split_microbatches(tree, m: int):
   """Leaves `[R, ...]` -> `[m, R/m, ...]` (QArray/Guidance shapes follow), for `lax.scan`."""
   def split(x):
     if isinstance(x, (tq.QArray, tq.Guidance)):
-      data = {f: None if getattr(x, f) is None else
-              getattr(x, f).reshape(m, -1, *getattr(x, f).shape[1:])
-              for f in tq.guided_round._data_fields(x)}
-      return dataclasses.replace(x, **data, shape=(x.shape[0] // m,) + tuple(x.shape[1:]))
+      return tq.map_blocked(x, lambda a: a.reshape(m, -1, *a.shape[1:]),
+                            (x.shape[0] // m,) + tuple(x.shape[1:]))
     return x.reshape(m, -1, *x.shape[1:])
   return jax.tree_util.tree_map(split, tree,
                                 is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
@@ -276,10 +274,6 @@ def learner(config: M.ModelConfig, policy: tq.QuantPolicy, cfg: RLConfig,
 
 
 # --------------------------------------------------------------------------- guidance memory
-
-def tree_nbytes(tree) -> int:
-  return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree))
-
 
 def offload_to_host(tree):
   """Move guidance (or any pytree) off the device while the rollout of long sequences goes on;

@@ -28,6 +28,7 @@ import numpy as np
 from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import quant as tq
+from trace_jax.models import kv_cache as kvc
 from trace_jax.rollout.sampling import SamplingParams, sample
 
 
@@ -53,7 +54,7 @@ class Rollout:
     return self.tokens[:, self.prompt_len:]
 
   def guidance_bytes(self) -> int:
-    return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.guidance))
+    return tree_bytes(self.guidance)
 
   def guidance_bytes_per_token(self) -> float:
     return self.guidance_bytes() / max(int(np.prod(self.tokens.shape)), 1)
@@ -77,34 +78,19 @@ def _repeat_rows(tree, n: int):
 
   def rep(x):
     if isinstance(x, (tq.QArray, tq.Guidance)):
-      data = {f: None if getattr(x, f) is None else jnp.repeat(getattr(x, f), n, axis=0)
-              for f in tq.guided_round._data_fields(x)}
-      return dataclasses.replace(x, **data, shape=(x.shape[0] * n,) + tuple(x.shape[1:]))
+      return tq.map_blocked(x, lambda a: jnp.repeat(a, n, axis=0),
+                            (x.shape[0] * n,) + tuple(x.shape[1:]))
     return jnp.repeat(x, n, axis=0)
 
   return jax.tree_util.tree_map(rep, tree,
                                 is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
 
 
-def _write_time(buf_tree, new_tree, index):
-  """Write per-step records `[R, 1, ...]` into buffers `[R, N, ...]` at time `index` (the two
-  trees differ only in their static shapes, so they are matched leaf by leaf)."""
-  leaves, treedef = jax.tree_util.tree_flatten(buf_tree)
-  new = jax.tree_util.tree_leaves(new_tree)
-  out = [jax.lax.dynamic_update_slice_in_dim(b, x.astype(b.dtype), index, axis=1)
-         for b, x in zip(leaves, new)]
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def _time_buffers(records_step, steps: int):
   """Zero buffers for `steps` decode steps shaped like one step's records (time axis 1)."""
   def grow(obj):
-    data = {}
-    for f in tq.guided_round._data_fields(obj):
-      a = getattr(obj, f)
-      data[f] = None if a is None else jnp.zeros(a.shape[:1] + (steps,) + a.shape[2:], a.dtype)
-    shape = obj.shape[:1] + (steps,) + obj.shape[2:]
-    return dataclasses.replace(obj, **data, shape=shape)
+    return tq.map_blocked(obj, lambda a: jnp.zeros(a.shape[:1] + (steps,) + a.shape[2:], a.dtype),
+                          obj.shape[:1] + (steps,) + obj.shape[2:])
   return {l: {s: grow(o) for s, o in sites.items()} for l, sites in records_step.items()}
 
 
@@ -134,7 +120,7 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
   tok, lp = sample(logits, step_keys(0), sampling)
   done0 = jnp.zeros((r,), bool)
   out0 = feed(cache, tok, 0)
-  rec_buf = _write_time(_time_buffers(out0.records, steps), out0.records, 0)
+  rec_buf = kvc.update_slice(_time_buffers(out0.records, steps), out0.records, 0)
   routes_buf = None
   if record_routes and out0.routes is not None:
     routes_buf = jnp.zeros(out0.routes.shape[:2] + (steps,) + out0.routes.shape[3:], jnp.int32)
@@ -160,7 +146,7 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
     valid_buf = jax.lax.dynamic_update_slice_in_dim(valid_buf, live[:, None], s, axis=1)
     if routes_buf is not None:
       routes_buf = jax.lax.dynamic_update_slice_in_dim(routes_buf, out.routes, s, axis=2)
-    rec_buf = _write_time(rec_buf, out.records, s)
+    rec_buf = kvc.update_slice(rec_buf, out.records, s)
     done = done | jnp.isin(tok, stop_ids) | (s + 1 >= max_new)
     return (s + 1, done, out.cache, out.logits[:, -1], tokens_buf, logp_buf, valid_buf,
             routes_buf, rec_buf)
