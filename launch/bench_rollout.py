@@ -1,13 +1,20 @@
 """Rollout throughput: BF16 vs FP4 policies side by side on a random-weight model, RL-shaped and
 serving-shaped loads, with HF transformers `generate` as peer columns when torch is present.
 
+On GPU every FP4 policy runs twice: on the Mosaic FP4 kernels (`kernels`, the engine's default)
+and on the XLA path (`xla`: weights decoded to bf16 inside the program, tokamax or XLA grouped
+matmul), and the two paths' tokens are compared. `--isolate` runs each row in its own process so
+that its peak device memory is its own and one row's failure (out of memory) spares the rest.
+
   python launch/bench_rollout.py --preset=tiny --out=/tmp/bench_rollout.json          # CPU
-  python launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=1,32,64 \\
-      --prompt_len=256 --new_tokens=256 --hf_peer=false --out=$OUT/bench_rollout.json   # H200
+  python launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=1,64 --isolate \\
+      --prompt_len=256 --new_tokens=512 --hf_peer=false --out=$OUT/bench_rollout.json   # H200
 """
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -18,12 +25,19 @@ flags.DEFINE_string("preset", "tiny", "Model preset (trace_jax.models.config.PRE
 flags.DEFINE_list("policies", ["bf16", "paper", "w4a16", "kv4"], "Policy presets to compare.")
 flags.DEFINE_string("fp4_format", "nvfp4", "FP4 format of the policies.")
 flags.DEFINE_list("batches", ["1", "8", "32"], "Sequences per batch.")
+flags.DEFINE_list("paths", ["auto"], "FP4 matmul paths: kernels, xla (GPU) / reference (CPU); "
+                  "auto = kernels,xla on GPU, reference elsewhere.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
 flags.DEFINE_integer("new_tokens", 32, "Generated tokens per sequence.")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
 flags.DEFINE_float("bandwidth", 4.27e12, "Device read bandwidth for the floor, bytes/s (H200).")
 flags.DEFINE_boolean("hf_peer", True, "Also time HF transformers generate (eager, static cache).")
 flags.DEFINE_boolean("record_guidance", True, "Record TRACE guidance as RL rollouts do.")
+flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
+flags.DEFINE_boolean("isolate", False, "Run each row in a subprocess (GPU: honest peak memory).")
+flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
+flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")
+flags.DEFINE_string("tokens_dir", "", "Internal: where rows save their last tokens.")
 flags.DEFINE_string("out", "bench_rollout.json", "Output JSON path.")
 FLAGS = flags.FLAGS
 
@@ -44,20 +58,24 @@ def _bytes_floor(config, policy, weight_bytes_by_kind, batch, context):
   return weight_bytes_by_kind["other"] + expert + kv
 
 
-def bench_engine(config, policy_name, batch):
+def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   import jax
   import numpy as np
 
+  from trace_jax import kernels
   from trace_jax import models as M
   from trace_jax import quant as tq
   from trace_jax.rollout import RolloutEngine, SamplingParams, tree_bytes
 
   policy = tq.make_policy(policy_name, FLAGS.fp4_format)
-  params = M.init_params(config, jax.random.key(0))
+  params = M.init_params(config, jax.random.key(0), FLAGS.init_dtype)
   engine = RolloutEngine(config, policy, max_new_tokens=FLAGS.new_tokens,
-                         prompt_bucket=FLAGS.prompt_len,
-                         record_guidance=FLAGS.record_guidance)
+                         prompt_bucket=FLAGS.prompt_len, record_guidance=FLAGS.record_guidance,
+                         use_kernels=path == "kernels")
+  t = time.perf_counter()
   engine.sync(params)
+  jax.block_until_ready(engine.params)
+  sync_s = time.perf_counter() - t
   del params
   weights = engine.params
   experts = sum(tree_bytes(weights[f"layers_{i}"]["moe"]["experts"])
@@ -69,37 +87,44 @@ def bench_engine(config, policy_name, batch):
   s = SamplingParams(temperature=1.0)
 
   def timed(max_new):
+    t = time.perf_counter()
     out = engine.generate(prompts, n=1, sampling=s, seed=1, max_new_tokens=max_new)
     jax.block_until_ready(out.tokens)  # compile + warm up
+    first = time.perf_counter() - t
     ts = []
     for r in range(FLAGS.repeats):
       t = time.perf_counter()
-      out = engine.generate(prompts, n=1, sampling=s, seed=2 + r, max_new_tokens=max_new)
+      out = engine.generate(prompts, n=1, sampling=s, seed=2, max_new_tokens=max_new)
       jax.block_until_ready(out.tokens)
       ts.append(time.perf_counter() - t)
-    return _median(ts), out
+    return _median(ts), first, out
 
-  t_full, out = timed(FLAGS.new_tokens)
-  t_one, _ = timed(1)  # prefill + one step (same compiled program, early exit)
+  t_full, first_call, out = timed(FLAGS.new_tokens)
+  t_one, _, _ = timed(1)  # prefill + one step (same compiled program, early exit)
   gen = int(np.sum(np.asarray(out.completion_mask)))
   step_s = (t_full - t_one) / max(FLAGS.new_tokens - 1, 1)
   ctx = FLAGS.prompt_len + FLAGS.new_tokens // 2
   floor_b = _bytes_floor(config, policy, by_kind, batch, ctx)
+  if tokens_dir:
+    np.save(os.path.join(tokens_dir, f"{policy_name}_{path}_{batch}.npy"),
+            np.asarray(out.completion))
   peak = None
   try:
     peak = jax.devices()[0].memory_stats().get("peak_bytes_in_use")
   except Exception:  # noqa: BLE001 - no stats on this backend
     pass
   return {
-      "policy": policy.name, "batch": batch, "tokens_per_s": gen / t_full,
-      "decode_step_ms": 1e3 * step_s, "prefill_plus_first_step_ms": 1e3 * t_one,
-      "total_s": t_full, "generated_tokens": gen,
+      "policy": policy_name, "policy_full": policy.name, "path": path, "batch": batch,
+      "grouped_backend": kernels.grouped_backend() if path != "kernels" else "fp4_mgpu",
+      "tokens_per_s": gen / t_full, "decode_step_ms": 1e3 * step_s,
+      "prefill_plus_first_step_ms": 1e3 * t_one, "total_s": t_full, "generated_tokens": gen,
+      "first_call_s": first_call, "sync_s": sync_s,
       "weight_bytes": tree_bytes(weights), "expert_weight_bytes": experts,
       "kv_bytes": int(M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
                       * (FLAGS.prompt_len + FLAGS.new_tokens) * batch),
       "guidance_bytes_per_token": out.guidance_bytes_per_token(),
       "floor_bytes_per_step": floor_b, "floor_step_ms": 1e3 * floor_b / FLAGS.bandwidth,
-      "measured_over_floor": step_s / (floor_b / FLAGS.bandwidth),
+      "floor_over_measured": (floor_b / FLAGS.bandwidth) / step_s,
       "peak_device_bytes": peak,
   }
 
@@ -140,43 +165,125 @@ def bench_hf(config, batch):
   return rows
 
 
+def _paths(policy_name):
+  from trace_jax import kernels
+  from trace_jax import quant as tq
+  paths = FLAGS.paths
+  if paths == ["auto"]:
+    paths = ["kernels", "xla"] if kernels.on_gpu() else ["reference"]
+  if not any(f for _, f in tq.make_policy(policy_name, FLAGS.fp4_format).weight_rules):
+    return paths[-1:]  # BF16 weights: no FP4 matmul path to choose
+  return paths
+
+
+def _run_isolated(spec, tokens_dir):
+  """One row in a fresh process: its own peak memory, and an error stays a row."""
+  argv = [a for a in sys.argv[1:] if not a.startswith(("--row", "--isolate", "--tokens_dir"))]
+  cmd = [sys.executable, sys.argv[0], *argv, f"--row={spec}", f"--tokens_dir={tokens_dir}",
+         "--noisolate"]
+  try:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.row_timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {FLAGS.row_timeout} s"}
+  for line in p.stdout.splitlines():
+    if line.startswith("ROW_JSON "):
+      return json.loads(line[len("ROW_JSON "):])
+  tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+  return {"error": f"exit {p.returncode}: " + " | ".join(tail)[-400:]}
+
+
+def _agreement(rows, tokens_dir):
+  """Per FP4 policy and batch: how often the kernel path's sampled tokens equal the XLA path's
+  (same keys; a rounding-level difference can flip one sample, after which the sequence
+  diverges, so whole-sequence equality is the stricter figure)."""
+  import numpy as np
+  out = []
+  for r in rows:
+    if r.get("path") != "kernels" or "error" in r:
+      continue
+    pk = os.path.join(tokens_dir, f"{r['policy']}_kernels_{r['batch']}.npy")
+    px = os.path.join(tokens_dir, f"{r['policy']}_xla_{r['batch']}.npy")
+    if os.path.exists(pk) and os.path.exists(px):
+      a, b = np.load(pk), np.load(px)
+      first = [int(np.argmax(x != y)) if np.any(x != y) else len(x) for x, y in zip(a, b)]
+      out.append({"policy": r["policy"], "batch": r["batch"],
+                  "same_token_frac": float(np.mean(a == b)),
+                  "same_sequence_frac": float(np.mean(np.all(a == b, axis=1))),
+                  "median_first_difference": float(np.median(first))})
+  return out
+
+
 def main(argv):
   del argv
   from trace_jax import models as M
   from trace_jax.provenance import run_info
   config = M.preset(FLAGS.preset).replace(max_seq_len=FLAGS.prompt_len + FLAGS.new_tokens)
+  if FLAGS.row:
+    policy, path, batch = FLAGS.row.split(":")
+    print("ROW_JSON " + json.dumps(bench_engine(config, policy, path, int(batch),
+                                                FLAGS.tokens_dir)), flush=True)
+    return
+  tokens_dir = tempfile.mkdtemp(prefix="bench_rollout_tokens_")
   rows = []
+  head = dict(benchmark="bench_rollout", **run_info(), preset=FLAGS.preset,
+              prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
+              bandwidth_bytes_per_s=FLAGS.bandwidth, record_guidance=FLAGS.record_guidance,
+              note="paths: kernels = Mosaic GPU FP4 kernels (engine default on GPU); xla = "
+                   "weights decoded to bf16 in the program, grouped matmul by grouped_backend; "
+                   "reference = the jnp reference (CPU)",
+              units=dict(tokens_per_s="generated tokens/s (wall)", decode_step_ms="ms (wall)",
+                         weight_bytes="bytes", kv_bytes="bytes at full context",
+                         floor_step_ms="ms at the given bandwidth",
+                         floor_over_measured="fraction of the bytes-moved floor reached"))
+
+  def save():
+    out = dict(head, results=rows, path_agreement=_agreement(rows, tokens_dir))
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+      json.dump(out, f, indent=2)
+    return out
+
+  t0 = time.perf_counter()
   for b in [int(x) for x in FLAGS.batches]:
     for p in FLAGS.policies:
-      rows.append(bench_engine(config, p, b))
-      print(json.dumps({k: rows[-1][k] for k in ("policy", "batch", "tokens_per_s",
-                                                  "decode_step_ms", "measured_over_floor")}))
+      for path in _paths(p):
+        spec = f"{p}:{path}:{b}"
+        if FLAGS.isolate:
+          row = _run_isolated(spec, tokens_dir)
+        else:
+          try:
+            row = bench_engine(config, p, path, b, tokens_dir)
+          except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
+            row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row = {"policy": p, "path": path, "batch": b, **row}
+        rows.append(row)
+        save()
+        print(f"[{time.perf_counter() - t0:7.1f} s] " + json.dumps(
+            {k: row.get(k) for k in ("policy", "path", "batch", "tokens_per_s",
+                                     "decode_step_ms", "floor_over_measured", "error")}),
+            flush=True)
     if FLAGS.hf_peer:
       try:
         import torch  # noqa: F401
         rows += bench_hf(config, b)
       except ImportError:
         pass
-  out = dict(benchmark="bench_rollout", **run_info(), preset=FLAGS.preset,
-             prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
-             bandwidth_bytes_per_s=FLAGS.bandwidth,
-             note="reference (jnp) path: FP4 weights are dequantized by XLA; the fused kernels "
-                  "replace it on GPU",
-             units=dict(tokens_per_s="generated tokens/s (wall)", decode_step_ms="ms (wall)",
-                        weight_bytes="bytes", kv_bytes="bytes at full context",
-                        floor_step_ms="ms at the given bandwidth"),
-             results=rows)
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  with open(FLAGS.out, "w") as f:
-    json.dump(out, f, indent=2)
-  print(f"{'policy':14s} {'B':>4s} {'tok/s':>10s} {'step ms':>9s} {'floor ms':>9s} {'x floor':>8s}")
+  out = save()
+  print(f"{'policy':10s} {'path':9s} {'B':>4s} {'tok/s':>10s} {'step ms':>9s} "
+        f"{'floor ms':>9s} {'of floor':>8s} {'peak GB':>8s}")
   for r in rows:
     if "error" in r:
-      print(f"{r['policy']:14s} {r['batch']:4d} error: {r['error'][:60]}")
+      print(f"{r['policy']:10s} {r.get('path', ''):9s} {r['batch']:4d} error: {r['error'][:70]}")
       continue
-    print(f"{r['policy']:14s} {r['batch']:4d} {r['tokens_per_s']:10.1f} "
-          f"{r.get('decode_step_ms', float('nan')):9.2f} {r.get('floor_step_ms', float('nan')):9.4f} "
-          f"{r.get('measured_over_floor', float('nan')):8.1f}")
+    peak = r.get("peak_device_bytes")
+    print(f"{r['policy']:10s} {r.get('path', ''):9s} {r['batch']:4d} {r['tokens_per_s']:10.1f} "
+          f"{r.get('decode_step_ms', float('nan')):9.2f} "
+          f"{r.get('floor_step_ms', float('nan')):9.3f} "
+          f"{r.get('floor_over_measured', float('nan')):8.2f} "
+          f"{(peak or float('nan')) / 1e9:8.1f}")
+  for a in out["path_agreement"]:
+    print(f"kernels vs xla {a['policy']} B={a['batch']}: same tokens {a['same_token_frac']:.3f}, "
+          f"same sequences {a['same_sequence_frac']:.3f}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ import sys
 
 
 def git_commit() -> str:
-  """HEAD of the checkout holding this package ("unknown" outside a git checkout)."""
+  """HEAD of the checkout holding this package; outside a git checkout (a copy sent to a GPU
+  machine) the `TRACE_JAX_COMMIT` environment variable, else "unknown"."""
+  if os.environ.get("TRACE_JAX_COMMIT"):
+    return os.environ["TRACE_JAX_COMMIT"]
   try:
     return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                    stderr=subprocess.DEVNULL,

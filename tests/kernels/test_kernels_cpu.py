@@ -88,6 +88,34 @@ def test_grouped_ref_vs_numpy(fmt):
   assert np.all(got[gs.sum():] == 0)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "bf16"])
+def test_xla_path_vs_numpy(fmt):
+  """The GPU XLA path (bf16 `q * scale` operand, float32 second-level factor after the product),
+  run here on CPU, against the numpy dequantized product: dense, and grouped with per-expert g,
+  empty groups and a one-row group."""
+  from trace_jax.kernels import dispatch
+  e, k, n = 5, 64, 40
+  w = rand_w((e, k, n), 4)
+  q = w.astype(jnp.bfloat16) if fmt == "bf16" else quantize(w, fmt, axis=1, second_level=(0,))
+  if fmt == "bf16":
+    wd = np.asarray(q, np.float64)
+  else:  # the E2M1 formats decoded independently; MXFP8 by the library's dequantize
+    wd = np_dequant(q) if fmt != "mxfp8" else np.asarray(reference._operand(q), np.float64)
+  parts = dispatch._bf16_parts(q)
+  a, factor = parts
+  assert a.dtype == jnp.bfloat16
+  gs = np.array([3, 0, 1, 6, 0], np.int32)
+  x = jax.random.normal(jax.random.key(5), (10, k), jnp.float32).astype(jnp.bfloat16)
+  got = np.asarray(dispatch.xla_grouped_matmul(x, parts, jnp.asarray(gs), jnp.float32))
+  xn, want, r = np.asarray(x, np.float64), np.zeros_like(got, np.float64), 0
+  for g, size in enumerate(gs):
+    want[r:r + size] = xn[r:r + size] @ wd[g]
+    r += size
+  assert relerr(got, want) < 1e-6  # float32 accumulation order and (q*s)*g vs q*(s*g)
+  dense = jax.tree_util.tree_map(lambda t: t[3] if t is not None else None, parts)
+  assert relerr(dispatch.xla_matmul(x, dense, jnp.float32), xn @ wd[3]) < 1e-6
+
+
 # ------------------------------------------------------------------ layout
 
 @pytest.mark.parametrize("fmt,kb", KB.items())

@@ -4,11 +4,12 @@
 weights (and FP4 `QArray` activations for W4A4), or FP4 weights in the kernel layout
 (`PackedWeight`, made once at weight sync by `prepare_weight(qarray)`, or for a whole parameter
 tree by `prepare_tree(params)`). Dispatch: on a GPU backend with a `PackedWeight`, the Pallas
-Mosaic GPU kernel (`fp4_mgpu.py`); everywhere else the reference in `reference.py`.
+Mosaic GPU kernel (`fp4_mgpu.py`); on a GPU otherwise the XLA path (bf16 decode, tokamax or XLA
+grouped matmul); on CPU the reference in `reference.py`.
 """
 
-from trace_jax.kernels.dispatch import grouped_matmul, matmul, on_gpu
+from trace_jax.kernels.dispatch import grouped_backend, grouped_matmul, matmul, on_gpu
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
-__all__ = ["PackedWeight", "decode_packed", "grouped_matmul", "matmul", "on_gpu",
+__all__ = ["PackedWeight", "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
            "prepare_tree", "prepare_weight"]

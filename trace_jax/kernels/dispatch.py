@@ -3,24 +3,104 @@
 Kernel path (GPU backend, an FP4 `PackedWeight` from `prepare_weight`, bf16/f32 array
 activations): the Mosaic GPU kernel of `fp4_mgpu.py` for decode shapes (dense: <= 64 rows) and
 for grouped expert matmuls of any size; dense prefill (> 64 rows) decodes the weight once to
-bf16 (`q * scale`, exact) and uses XLA's dot, then applies the fp32 column factor. Everything
-else (CPU, plain `QArray` weights, FP4 activations) runs the reference in `reference.py`.
-`use_kernel=False` forces the reference; `use_kernel=True` forces the kernel (errors off-GPU).
+bf16 (`q * scale`, exact) and uses XLA's dot, then applies the fp32 column factor.
+
+XLA path (GPU backend, bf16 activations, bf16 or block-scaled `QArray` weights that are not in
+the kernel layout): the weight is decoded to bf16 `q * scale` (exact: an E2M1/E4M3 element times
+an E4M3/E8M0 scale has at most 8 significant bits) and multiplied in bf16 with float32
+accumulation, the NVFP4 second-level scale applied to the float32 result. It equals the
+reference up to float32 rounding (`(q*s)*g` instead of `q*(s*g)`) and the accumulation order.
+Grouped matmuls use tokamax's Mosaic GPU `ragged_dot` when tokamax is installed (an optional GPU
+dependency), XLA's `ragged_dot` otherwise; `TRACE_JAX_GROUPED=xla` forces XLA's.
+
+Everything else (CPU, float32 activations, FP4 activations) runs the reference in
+`reference.py`. `use_kernel=False` forces the reference on CPU and the XLA path on GPU;
+`use_kernel=True` forces the kernel (errors off-GPU).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
 from trace_jax.kernels import reference
 from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
+from trace_jax.quant import QArray
+from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["grouped_matmul", "matmul", "on_gpu", "prepare_weight"]
+__all__ = ["grouped_backend", "grouped_matmul", "matmul", "on_gpu", "prepare_weight"]
 
 
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
+
+
+@functools.cache
+def _tokamax_ragged_dot():
+  if os.environ.get("TRACE_JAX_GROUPED", "") == "xla":
+    return None
+  try:
+    import tokamax  # optional GPU dependency (Python >= 3.12, jax >= 0.11.1)
+  except Exception:  # noqa: BLE001 - absent or broken: fall back to XLA's ragged_dot
+    return None
+  return tokamax.ragged_dot
+
+
+def grouped_backend() -> str:
+  """Which bf16 grouped matmul the XLA path uses here: 'tokamax' or 'xla'."""
+  return "tokamax" if on_gpu() and _tokamax_ragged_dot() is not None else "xla"
+
+
+def _ragged_bf16(x, a, group_sizes) -> jax.Array:
+  """bf16 grouped matmul with float32 accumulation and output."""
+  group_sizes = group_sizes.astype(jnp.int32)
+  fn = _tokamax_ragged_dot() if on_gpu() else None
+  if fn is not None:
+    return fn(x, a, group_sizes, preferred_element_type=jnp.float32,
+              implementation=("mosaic", "xla"))
+  return jax.lax.ragged_dot(x, a, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _bf16_parts(w):
+  """(a, factor) with `w == a * factor`: a bf16 (exact `q * scale` for a `QArray` whose blocks run
+  along K), factor the float32 second-level scale squeezed over K (or None); None if w has no
+  such form."""
+  if not isinstance(w, QArray):
+    return (w, None) if w.dtype == jnp.bfloat16 else None
+  if w.axis != w.ndim - 2:
+    return None
+  s, g = w.blocked_scales()
+  if g is not None and w.global_scale.shape[w.axis] != 1:
+    return None
+  a = from_blocks(decode_blocks(w.blocked_codes(), s, None if g is None else jnp.float32(1),
+                                w.fmt), w.axis, w.shape[w.axis]).astype(jnp.bfloat16)
+  return a, None if g is None else jnp.squeeze(w.global_scale, w.axis).astype(jnp.float32)
+
+
+def xla_matmul(x, parts, out_dtype) -> jax.Array:
+  """The XLA path's dense matmul: bf16 `x @ a` with float32 accumulation, times the factor."""
+  a, factor = parts
+  y = jnp.einsum("...k,kn->...n", x.astype(jnp.bfloat16), a, preferred_element_type=jnp.float32)
+  return (y if factor is None else y * factor).astype(out_dtype)
+
+
+def xla_grouped_matmul(x, parts, group_sizes, out_dtype) -> jax.Array:
+  """The XLA path's grouped matmul; factor `[E, N]` or `[E, 1]` scales each row by its group's
+  second-level scale."""
+  a, factor = parts
+  y = _ragged_bf16(x.astype(jnp.bfloat16), a, group_sizes)
+  if factor is not None:
+    gid = jnp.repeat(jnp.arange(a.shape[0]), group_sizes, total_repeat_length=x.shape[0])
+    y = y * factor[gid]
+  return y.astype(out_dtype)
+
+
+def _xla_gpu_ok(x, w, use_kernel) -> bool:
+  return (use_kernel is not True and on_gpu() and isinstance(x, jax.Array)
+          and x.dtype == jnp.bfloat16 and not isinstance(w, PackedWeight))
 
 
 def _kernel_ok(x, w, use_kernel) -> bool:
@@ -37,6 +117,8 @@ def _out_dtype(x, out_dtype):
 
 def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None) -> jax.Array:
   """`x @ w`; w `[K, N]` array, FP4 `QArray` (blocks along K) or `PackedWeight`."""
+  if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
+    return xla_matmul(x, parts, _out_dtype(x, out_dtype))
   if not _kernel_ok(x, w, use_kernel) or w.experts:
     return reference.matmul_ref(x, w, out_dtype)
   from trace_jax.kernels import fp4_mgpu
@@ -45,14 +127,14 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
   if rows <= fp4_mgpu.MAX_DECODE_ROWS:
     return fp4_mgpu.matmul(x, w, out_dtype=out_dtype, config=config)
   a, factor = decode_parts(w)  # prefill: one bf16 decode, amortized over the rows
-  y = jnp.einsum("...k,kn->...n", x.astype(jnp.bfloat16), a[0],
-                 preferred_element_type=jnp.float32)
-  return (y * factor[0]).astype(out_dtype)
+  return xla_matmul(x, (a[0], factor[0]), out_dtype)
 
 
 def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None = None,
                    bm: int | None = None, config=None) -> jax.Array:
   """Grouped (ragged) matmul of expert-sorted rows `x [M, K]` with `w [E, K, N]`."""
+  if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
+    return xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
   if not _kernel_ok(x, w, use_kernel) or not w.experts:
     return reference.grouped_matmul_ref(x, w, group_sizes, out_dtype)
   from trace_jax.kernels import fp4_mgpu

@@ -362,18 +362,21 @@ class Transformer(nn.Module):
 
 # --------------------------------------------------------------------------- functional API
 
-def init_params(config: ModelConfig, key: jax.Array) -> dict:
-  """Random float32 parameters (normal, std 0.02; norms at 1)."""
-  return _init_params(config, key)
+def init_params(config: ModelConfig, key: jax.Array, dtype=None) -> dict:
+  """Random parameters (normal, std 0.02; norms at 1), float32 unless `dtype` is given (the cast
+  happens inside the initializing program, so a bf16 30B model never exists in float32)."""
+  return _init_params(config, key, None if dtype is None else jnp.dtype(dtype).name)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _init_params(config: ModelConfig, key: jax.Array) -> dict:
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(config: ModelConfig, key: jax.Array, dtype: str | None) -> dict:
   # Jitted: op-by-op initialization would compile every small op separately.
   tokens = jnp.zeros((1, 2), jnp.int32)
   variables = Transformer(config).init(key, tokens, jnp.zeros((1, 2), jnp.int32),
                                        jnp.ones((1, 2), bool))
-  return variables["params"]
+  if dtype is None:
+    return variables["params"]
+  return jax.tree_util.tree_map(lambda a: a.astype(dtype), variables["params"])
 
 
 def default_positions(tokens: jax.Array, token_mask: jax.Array | None) -> jax.Array:
