@@ -2,14 +2,16 @@
 # The H200 rollout session in one device call (see launch/bench_rollout.py and
 # benchmarks/gpu_engine_smoke.py). Carried wheels in .whl/: tokamax 0.0.17 and what it imports,
 # ml_collections, tensorboardX (the GPU image lacks them).
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: 12l | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 12l | 48l), results under $OUT
+# Compiling the 12-layer generate program takes ~2 min per row on the H200 machine, so the bench
+# compiles all rows in parallel (--parallel) and times them one at a time.
 set -uo pipefail
 stage=${1:-12l}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-python3 - <<'PY' 2>&1 | tail -4
+[ "$stage" = smoke ] && python3 - <<'PY' 2>&1 | tail -4
 import jax, jax.numpy as jnp, numpy as np
 from trace_jax import kernels
 from trace_jax.kernels import dispatch
@@ -24,15 +26,17 @@ r = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), gs,
 print("grouped bf16 vs f32 ragged_dot rel err",
       float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r)))
 PY
-if [ "$stage" = 12l ]; then
+if [ "$stage" = smoke ]; then
   timeout 170 python3 benchmarks/gpu_engine_smoke.py --layers 2 --out $OUT/gpu_engine_smoke.json \
     2>&1 | grep -v "^I1\|^W1" | tail -6
-  timeout 400 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
-    --policies=bf16,paper --isolate --row_timeout=200 --prompt_len=256 --new_tokens=512 \
-    --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l.json 2>&1 | grep -v "^I1\|^W1"
+elif [ "$stage" = 12l ]; then
+  timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
+    --policies=bf16,paper --isolate --parallel --row_timeout=540 --prompt_len=256 \
+    --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l.json \
+    2>&1 | grep -v "^I1\|^W1"
 else
   timeout 560 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b --batches=64,1 \
-    --policies=bf16,paper --paths=kernels --isolate --row_timeout=270 --prompt_len=256 \
+    --policies=bf16,paper --paths=kernels --isolate --parallel --row_timeout=540 --prompt_len=256 \
     --new_tokens=1024 --repeats=1 --hf_peer=false --out=$OUT/bench_rollout_48l.json \
     2>&1 | grep -v "^I1\|^W1"
 fi
