@@ -22,11 +22,12 @@ from absl import app
 from absl import flags
 
 flags.DEFINE_string("preset", "tiny", "Model preset (trace_jax.models.config.PRESETS).")
+flags.DEFINE_integer("num_layers", 0, "Override the preset's layer count (0: keep it).")
 flags.DEFINE_list("policies", ["bf16", "paper", "w4a16", "kv4"], "Policy presets to compare.")
 flags.DEFINE_string("fp4_format", "nvfp4", "FP4 format of the policies.")
 flags.DEFINE_list("batches", ["1", "8", "32"], "Sequences per batch.")
 flags.DEFINE_list("paths", ["auto"], "FP4 matmul paths: kernels, xla (GPU) / reference (CPU); "
-                  "auto = kernels,xla on GPU, reference elsewhere.")
+                  "auto = xla,kernels on GPU, reference elsewhere.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
 flags.DEFINE_integer("new_tokens", 32, "Generated tokens per sequence.")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
@@ -39,7 +40,9 @@ flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row (all rows wit
 flags.DEFINE_boolean("parallel", False, "With --isolate: start every row's process at once so "
                      "their compilations overlap; each compiles ahead of time, waits until all "
                      "have compiled, then runs its timed part alone (a file lock) from JAX's "
-                     "persistent compilation cache.")
+                     "persistent compilation cache. All rows' weights must fit on the device "
+                     "together (on the H200 at the 30B-A3B shape they did not: use it on CPU "
+                     "or for small models).")
 flags.DEFINE_string("barrier", "", "Internal: 'dir:n' of the parallel rows' barrier.")
 flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")
 flags.DEFINE_string("tokens_dir", "", "Internal: where rows save their last tokens.")
@@ -204,7 +207,7 @@ def _paths(policy_name):
   from trace_jax import quant as tq
   paths = FLAGS.paths
   if paths == ["auto"]:
-    paths = ["kernels", "xla"] if kernels.on_gpu() else ["reference"]
+    paths = ["xla", "kernels"] if kernels.on_gpu() else ["reference"]
   if not any(f for _, f in tq.make_policy(policy_name, FLAGS.fp4_format).weight_rules):
     return paths[-1:]  # BF16 weights: no FP4 matmul path to choose
   return paths
@@ -290,6 +293,8 @@ def main(argv):
   from trace_jax import models as M
   from trace_jax.provenance import run_info
   config = M.preset(FLAGS.preset).replace(max_seq_len=FLAGS.prompt_len + FLAGS.new_tokens)
+  if FLAGS.num_layers:
+    config = config.replace(num_layers=FLAGS.num_layers)
   if FLAGS.row:
     policy, path, batch = FLAGS.row.split(":")
     try:
@@ -303,6 +308,7 @@ def main(argv):
   tokens_dir = tempfile.mkdtemp(prefix="bench_rollout_tokens_")
   rows = []
   head = dict(benchmark="bench_rollout", **run_info(), preset=FLAGS.preset,
+              num_layers=config.num_layers,
               prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
               bandwidth_bytes_per_s=FLAGS.bandwidth, record_guidance=FLAGS.record_guidance,
               note="paths: kernels = Mosaic GPU FP4 kernels (engine default on GPU); xla = "
