@@ -26,7 +26,8 @@ def main():
   params = M.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, 4096, 32)) for _ in range(a.batch)]
-  out = {"device": str(jax.devices()[0]), "jax": jax.__version__, "layers": a.layers,
+  from trace_jax.provenance import run_info
+  out = {**run_info(), "layers": a.layers,
          "batch": a.batch, "runs": {}}
   toks = {}
   for use in (False, True):

@@ -3,8 +3,8 @@
 # benchmarks/gpu_engine_smoke.py). Carried wheels in .whl/: tokamax 0.0.17 and what it imports,
 # ml_collections, tensorboardX (the GPU image lacks them).
 #   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 48l), results under $OUT
-# Compiling the 12-layer generate program takes ~2 min per row on the H200 machine, so the bench
-# compiles all rows in parallel (--parallel) and times them one at a time.
+# Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
+# run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
 stage=${1:-12l}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -37,12 +37,12 @@ elif [ "$stage" = 4l ]; then
     2>&1 | grep -v "^I1\|^W1"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
-    --policies=bf16,paper --isolate --parallel --row_timeout=540 --prompt_len=256 \
+    --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \
     --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l.json \
     2>&1 | grep -v "^I1\|^W1"
 else
   timeout 560 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b --batches=64,1 \
-    --policies=bf16,paper --paths=kernels --isolate --parallel --row_timeout=540 --prompt_len=256 \
+    --policies=bf16,paper --paths=kernels --isolate --row_timeout=280 --prompt_len=256 \
     --new_tokens=1024 --repeats=1 --hf_peer=false --out=$OUT/bench_rollout_48l.json \
     2>&1 | grep -v "^I1\|^W1"
 fi

@@ -209,7 +209,7 @@ def _paths(policy_name):
   if paths == ["auto"]:
     paths = ["xla", "kernels"] if kernels.on_gpu() else ["reference"]
   if not any(f for _, f in tq.make_policy(policy_name, FLAGS.fp4_format).weight_rules):
-    return paths[-1:]  # BF16 weights: no FP4 matmul path to choose
+    return ["xla" if kernels.on_gpu() else "reference"]  # BF16 weights: no FP4 path to choose
   return paths
 
 
