@@ -32,7 +32,8 @@ def get_config(variant: str = "cpu"):
       model_name="",  # the name clients send as "model" (default: trace-<arm>)
       trainer_checkpoint="",  # a launch/train_rl.py workdir to serve (else init_checkpoint)
       load_dtype="bfloat16",  # master weights as loaded, before the serving copy is made
-      max_batch=8,  # requests per engine call (padded to powers of two)
+      max_batch=8,  # requests per engine call
+      batch_buckets="",  # padded batch sizes, e.g. "8,32" (default: powers of two to max_batch)
       max_queue=256,  # waiting requests beyond this get 429
       batch_wait_s=0.0,  # how long an idle scheduler waits to fill a batch
       max_body_bytes=1 << 20))
@@ -44,6 +45,7 @@ def get_config(variant: str = "cpu"):
       num_prompts=64,
       repeats=3,  # paired runs (repeat r: the same prompts and seed r on both arms)
       temperature=0.7, top_p=1.0,
+      notes="",  # free text for the report (e.g. how the checkpoint was made)
       isolate=True,  # each arm in its own process (clean peak memory; no shared compile cache)
       report_failures=10))
 
@@ -63,8 +65,9 @@ def get_config(variant: str = "cpu"):
     c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b_12l", dtype="bfloat16",
                                              vocab_size=151936, max_seq_len=1024))
     c.rollout.update(dict(prompt_len=256, max_new_tokens=128))
-    c.serve.update(dict(max_batch=32, max_queue=1024))
-    c.compare.update(dict(num_prompts=256, repeats=3))
+    # One padded batch size: one compile per arm (minutes at this shape), full batches under load.
+    c.serve.update(dict(max_batch=32, batch_buckets="32", max_queue=1024))
+    c.compare.update(dict(num_prompts=128, repeats=3))
     c.load.concurrency = 32
     c.limits.max_p95_latency_s = 30.0
   elif variant != "cpu":

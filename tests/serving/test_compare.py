@@ -109,7 +109,7 @@ def test_run_compare_end_to_end_on_the_tiny_model(tmp_path):
   config = serve_compare.get_config()
   config.compare.update(dict(num_prompts=8, repeats=2, isolate=False))
   config.serve.max_batch = 4
-  config.load.concurrency = 4
+  config.load.rate = 50.0  # open-loop arrivals (the CPU report covers closed-loop clients)
   report = compare.run_compare(config, str(tmp_path), log=lambda *_: None)
   assert report["verdict"]["keep"] in ("baseline", "candidate")
   for arm in ("baseline", "candidate"):

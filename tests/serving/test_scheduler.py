@@ -23,8 +23,11 @@ def test_batch_buckets():
   assert batch_buckets(1) == [1]
   assert batch_buckets(8) == [1, 2, 4, 8]
   assert batch_buckets(12) == [1, 2, 4, 8, 12]
+  assert batch_buckets(32, [32, 8]) == [8, 32]
   with pytest.raises(ValueError, match="max_batch"):
     batch_buckets(0)
+  with pytest.raises(ValueError, match="end at max_batch"):
+    batch_buckets(32, [8, 16])
 
 
 def test_queue_and_token_bounds_and_close():

@@ -136,7 +136,8 @@ def build_serving(config, arm: str = "candidate", *, warm_sampling: Any = None,
   engine.sync(params)
   del params  # only the serving copy stays on the device
   scheduler = BatchScheduler(engine, max_batch=int(sc.max_batch), max_queue=int(sc.max_queue),
-                             batch_wait_s=float(sc.batch_wait_s), prompt_len=setup.prompt_len)
+                             batch_wait_s=float(sc.batch_wait_s), prompt_len=setup.prompt_len,
+                             buckets=[int(b) for b in str(sc.batch_buckets).split(",") if b])
   name = sc.model_name or f"trace-{arm}"
   model = ServingModel(name, arm, setup, engine, scheduler, 0.0, weights_source(cfg))
   if warm_sampling is not None:

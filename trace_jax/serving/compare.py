@@ -99,8 +99,8 @@ def verdict(limits, baseline: dict, candidate: dict) -> dict:
        "detail": f"candidate p95 {p95:.3f} s (limit <= {limits['max_p95_latency_s']:.3f} s)"},
       {"name": "memory saving", "value": saving, "limit": limits["min_memory_saving"],
        "holds": saving >= limits["min_memory_saving"],
-       "detail": f"1 - {candidate['memory_bytes'] / 2**20:.1f} MiB / "
-                 f"{baseline['memory_bytes'] / 2**20:.1f} MiB = {saving:.1%} (limit >= "
+       "detail": f"1 - {candidate['memory_bytes'] / 2**20:.4g} MiB / "
+                 f"{baseline['memory_bytes'] / 2**20:.4g} MiB = {saving:.1%} (limit >= "
                  f"{limits['min_memory_saving']:.1%})"},
   ]
   failed = [c for c in checks if not c["holds"]]
@@ -146,12 +146,21 @@ class MemorySampler:
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._poll, daemon=True)
 
-  def _read(self):
+  def _stats(self):
     try:
-      stats = self.device.memory_stats()
+      return self.device.memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats
       return None
+
+  def _read(self):
+    stats = self._stats()
     return None if not stats else int(stats.get("bytes_in_use", 0))
+
+  def process_peak(self):
+    """The allocator's peak since the process started (load and quantize included)."""
+    stats = self._stats()
+    return None if not stats or "peak_bytes_in_use" not in stats else int(
+        stats["peak_bytes_in_use"])
 
   def _poll(self):
     while not self._stop.wait(self.interval_s):
@@ -291,7 +300,8 @@ def run_arm(config, arm: str, log=print) -> dict:
     return dict(arm=arm, policy=engine.policy.name if engine.policy.quantizes_anything else
                 "bf16", precision=config[arm].precision, fp4_format=config[arm].fp4_format,
                 weights=model.source, setup_s=model.setup_s, weight_bytes=engine.weight_bytes,
-                peak_memory_bytes=mem.peak, estimated_memory_bytes=int(estimate),
+                peak_memory_bytes=mem.peak, process_peak_bytes=mem.process_peak(),
+                estimated_memory_bytes=int(estimate),
                 memory_measured=mem.peak is not None, context_len=context,
                 batches_run=model.scheduler.batches_run, runs=runs, tasks=tasks,
                 device=str(jax.devices()[0]))
@@ -415,7 +425,7 @@ def make_plots(arms: dict, summaries: dict, out_dir: str) -> dict:
 
 
 def _mib(b):
-  return f"{b / 2**20:.1f}"
+  return "–" if b is None else f"{b / 2**20:.4g}"
 
 
 def markdown_report(report: dict) -> str:
@@ -435,7 +445,8 @@ def markdown_report(report: dict) -> str:
       f"paired repeats, sampling temperature {cfg['compare']['temperature']} (repeat r: seed r "
       f"on both arms). Same context length ({arms['baseline']['context_len']} tokens: prompt "
       f"bucket + max_tokens), same offered load ({offered}), max batch "
-      f"{cfg['serve']['max_batch']}.", "",
+      f"{cfg['serve']['max_batch']}." + (f" {cfg['compare']['notes']}" if cfg['compare'].get(
+          'notes') else ""), "",
       f"## Verdict: **{'keep FP4' if v['keep'] == 'candidate' else 'keep the baseline'}**", "",
       v["reason"] + ".", "",
       f"Limits written before the runs ({lim['written_at']}):", "",
@@ -466,6 +477,8 @@ def markdown_report(report: dict) -> str:
       f"| serving memory, MiB ({b['memory_kind']}) | {_mib(b['memory_bytes'])} | "
       f"{_mib(c['memory_bytes'])} |",
       f"| weights, MiB | {_mib(b['weight_bytes'])} | {_mib(c['weight_bytes'])} |",
+      f"| process peak incl. load + quantize, MiB | {_mib(arms['baseline'].get('process_peak_bytes'))}"
+      f" | {_mib(arms['candidate'].get('process_peak_bytes'))} |",
       f"| setup s (load + quantize + compile) | {b['setup_s']:.1f} | {c['setup_s']:.1f} |",
       f"| $ / M generated tokens (setup counted) | {b['usd_per_mtok']:.3f} | "
       f"{c['usd_per_mtok']:.3f} |",
@@ -482,7 +495,11 @@ def markdown_report(report: dict) -> str:
       + ("the device's peak bytes in use while serving (sampled)." if b["memory_kind"] ==
          "measured peak" else "the backend reports no memory statistics, so this is the "
          "capacity planner's estimate: serving weights + KV/working bytes per sequence x max "
-         "batch."), "",
+         "batch.")
+      + (" On CPU, FP4 matmuls are emulated (dequantize, then compute in the rollout dtype), so "
+         "CPU speed says nothing about FP4 speed on a GPU; the pass rates and memory do carry "
+         "over." if report["device"].lower().startswith("cpu") or report["device"].startswith(
+             "TFRT_CPU") else ""), "",
       "![latency CDF](latency_cdf.png) ![memory](memory.png) ![pass rate](pass_rate.png)", ""]
   if report["failures"]:
     lines += ["## Tasks where the arms differ (repeat 0)", "",

@@ -15,7 +15,7 @@ What a batch holds and why:
   each) and their prompt differs from every prompt already in it. The engine derives each
   sequence's PRNG key from (seed, prompt, occurrence of that prompt in the call), so keeping
   prompts distinct within a call makes a request's tokens independent of its batch-mates.
-- Batches are padded to power-of-two sizes (up to `max_batch`) with copies of their first prompt
+- Batches are padded to bucket sizes (default: powers of two up to `max_batch`) with copies of their first prompt
   limited to one new token, and prompts to the engine's prompt bucket, so the number of
   compiled programs stays small.
 - The queue is bounded (`max_queue`, `QueueFullError` beyond it) and so is each request's
@@ -81,10 +81,18 @@ class GenerationResult:
     return self.started_at - self.submitted_at
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-  """Padded batch sizes: powers of two below `max_batch`, then `max_batch`."""
+def batch_buckets(max_batch: int, sizes: Sequence[int] = ()) -> list[int]:
+  """Padded batch sizes: `sizes` (sorted; the largest must be `max_batch`), by default the
+  powers of two below `max_batch`, then `max_batch`. Fewer sizes, fewer compiles (e.g. just
+  `max_batch` on a GPU under steady load), at the price of padding small batches."""
   if max_batch < 1:
     raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+  if sizes:
+    sizes = sorted({int(x) for x in sizes})
+    if sizes[0] < 1 or sizes[-1] != max_batch:
+      raise ValueError(f"batch bucket sizes {sizes} must be >= 1 and end at max_batch "
+                       f"{max_batch}")
+    return sizes
   sizes, b = [], 1
   while b < max_batch:
     sizes.append(b)
@@ -105,14 +113,15 @@ class BatchScheduler:
   """
 
   def __init__(self, engine: RolloutEngine, *, max_batch: int = 8, max_queue: int = 64,
-               batch_wait_s: float = 0.0, prompt_len: int | None = None):
+               batch_wait_s: float = 0.0, prompt_len: int | None = None,
+               buckets: Sequence[int] = ()):
     if engine.params is None:
       raise ValueError("BatchScheduler needs a synced engine (call engine.sync(params) first)")
     if max_queue < 1:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     self.engine = engine
     self.max_batch = int(max_batch)
-    self.buckets = batch_buckets(self.max_batch)
+    self.buckets = batch_buckets(self.max_batch, buckets)
     self.max_queue = int(max_queue)
     self.batch_wait_s = float(batch_wait_s)
     # Prompts pad to one length: one program per batch bucket (and sampling setting).
