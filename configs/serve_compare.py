@@ -45,6 +45,7 @@ def get_config(variant: str = "cpu"):
       num_prompts=64,
       repeats=3,  # paired runs (repeat r: the same prompts and seed r on both arms)
       temperature=0.7, top_p=1.0,
+      only_arm="",  # "baseline" / "candidate": measure just that arm (then rerun for the report)
       notes="",  # free text for the report (e.g. how the checkpoint was made)
       isolate=True,  # each arm in its own process (clean peak memory; no shared compile cache)
       report_failures=10))

@@ -6,7 +6,9 @@ length and offered load; acceptance limits from the config, fixed before the run
       --config.limits.max_pass_rate_drop=0.02 --config.candidate.policy=w4a16
   python launch/compare.py --config=configs/serve_compare.py:gpu --workdir $OUT/ab   # GPU
 
-Writes limits.json (first), report.json, report.md and PNG plots into --workdir.
+Writes limits.json (first), report.json, report.md and PNG plots into --workdir. One arm per
+job: --config.compare.only_arm=baseline, then =candidate, then neither (builds the report from
+the two measurements; limits and config must not change in between).
 """
 
 import os
@@ -32,7 +34,8 @@ def main(argv):
     report = compare.run_compare(FLAGS.config, FLAGS.workdir)
   except loop.ConfigError as e:
     sys.exit(f"error: {e}")
-  print(compare.markdown_report(report))
+  if report is not None:
+    print(compare.markdown_report(report))
 
 
 if __name__ == "__main__":

@@ -97,11 +97,22 @@ def test_report_renders_with_plots_and_verdict(tmp_path):
   assert json.loads((tmp_path / "limits.json").read_text())["limits"]["max_p95_latency_s"] == 2.0
 
 
-def test_limits_must_be_set_before_running(tmp_path):
+def test_limits_are_fixed_once_runs_begin(tmp_path):
   config = serve_compare.get_config()
-  config.limits.min_memory_saving = 1.5
+  bad = serve_compare.get_config()
+  bad.limits.min_memory_saving = 1.5
   with pytest.raises(ValueError, match="min_memory_saving"):
+    compare.write_limits(bad, str(tmp_path))
+  first = compare.write_limits(config, str(tmp_path))
+  config.compare.only_arm = "candidate"  # another job of the same comparison
+  assert compare.write_limits(config, str(tmp_path)) == first
+  config.limits.max_pass_rate_drop = 0.5  # loosening a limit after seeing results: refused
+  with pytest.raises(ValueError, match="limits cannot change"):
     compare.write_limits(config, str(tmp_path))
+  other = serve_compare.get_config()
+  other.load.concurrency = 1
+  with pytest.raises(ValueError, match="another config"):
+    compare.write_limits(other, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -116,3 +127,6 @@ def test_run_compare_end_to_end_on_the_tiny_model(tmp_path):
     assert len(report["arms"][arm]["tasks"]) == 16
     assert report["summary"][arm]["completion_tokens"] > 0
   assert (tmp_path / "report.md").exists()
+  # A second call finds both arms' measurements and only rebuilds the report.
+  again = compare.run_compare(config, str(tmp_path), log=lambda *_: None)
+  assert again["summary"] == report["summary"]

@@ -23,6 +23,7 @@ million generated tokens: `cost.gpu_hour_usd` x (setup + all runs' wall time) / 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -540,33 +541,71 @@ def build_report(config, arms: dict, limits: dict, wall_s: float, out_dir: str) 
   return report
 
 
+def _fingerprint(config) -> str:
+  """What a measurement depends on: the config without `compare.only_arm`/`notes`."""
+  d = config.to_dict()
+  d["compare"] = {k: v for k, v in d["compare"].items() if k not in ("only_arm", "notes")}
+  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def write_limits(config, workdir: str) -> dict:
-  """Fix the acceptance limits on disk before any measurement (refuses unset limits)."""
+  """Fix the acceptance limits on disk before any measurement. Refuses unset limits; in a
+  workdir that already has limits.json (an arm ran there), refuses changed limits or config."""
   limits = dict(config.limits.to_dict())
   for k, val in limits.items():
     if val is None:
       raise loop.ConfigError(f"limits.{k} is not set: choose every limit before the runs")
   if not 0 <= limits["min_memory_saving"] < 1:
     raise loop.ConfigError("limits.min_memory_saving is a fraction in [0, 1)")
+  path = os.path.join(workdir, "limits.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    written = {k: v for k, v in old["limits"].items() if k != "written_at"}
+    if written != limits or old.get("fingerprint") != _fingerprint(config):
+      raise loop.ConfigError(f"{path} holds limits {written} for another config or other "
+                             "limits: limits cannot change once runs began; use a fresh workdir")
+    return old["limits"]
   limits["written_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-  with open(os.path.join(workdir, "limits.json"), "w") as f:
-    json.dump(dict(limits=limits, config=config.to_dict()), f, indent=1)
+  with open(path, "w") as f:
+    json.dump(dict(limits=limits, fingerprint=_fingerprint(config), config=config.to_dict()), f,
+              indent=1)
   return limits
 
 
-def run_compare(config, workdir: str, log=print) -> dict:
-  """The paired A/B end to end (see the module docstring); returns the report dict."""
+def run_compare(config, workdir: str, log=print) -> dict | None:
+  """The paired A/B end to end (see the module docstring); returns the report dict.
+
+  `compare.only_arm`: measure just that arm into `<arm>_raw.json` and return None (e.g. one
+  device job per arm); a later call without it reuses the raw results found in the workdir
+  (same config and limits only) and writes the report."""
   workdir = loop.resolve_workdir(workdir)
   t0 = time.perf_counter()
   config = with_prompts(config)
+  only = config.compare.get("only_arm", "")
+  if only and only not in backend.ARMS:
+    raise loop.ConfigError(f"compare.only_arm must be '' or one of {backend.ARMS}, got {only!r}")
   limits = write_limits(config, workdir)
   arms = {}
   for arm in backend.ARMS:
+    if only and arm != only:
+      continue
+    raw = os.path.join(workdir, f"{arm}_raw.json")
+    if not only and os.path.exists(raw):
+      log(f"=== {arm}: reusing {raw} ===")
+      with open(raw) as f:
+        arms[arm] = json.load(f)
+      continue
     log(f"=== {arm}: {config[arm].precision} {config[arm].policy} ===")
     if config.compare.isolate:
       arms[arm] = run_arm_isolated(config, arm, workdir, log)
     else:
       arms[arm] = run_arm(config, arm, log)
+      with open(raw, "w") as f:
+        json.dump(arms[arm], f)
+  if only:
+    log(f"{only} measured into {workdir}; run again without compare.only_arm for the report")
+    return None
   return build_report(config, arms, limits, time.perf_counter() - t0, workdir)
 
 
