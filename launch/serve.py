@@ -48,7 +48,10 @@ def main(argv):
   app_ = build_app(model, api_key=key, max_body_bytes=int(FLAGS.config.serve.max_body_bytes))
   print(f"serving {model.name!r} on http://{FLAGS.host}:{FLAGS.port}/v1", flush=True)
   try:
-    uvicorn.run(app_, host=FLAGS.host, port=FLAGS.port, log_level="info")
+    # Connections beyond the queue bound get 503 from uvicorn before reaching the app.
+    sc = FLAGS.config.serve
+    uvicorn.run(app_, host=FLAGS.host, port=FLAGS.port, log_level="info",
+                limit_concurrency=int(sc.max_queue) + int(sc.max_batch) + 16)
   finally:
     model.close()
 

@@ -177,7 +177,7 @@ class _Handler:
     if top_p == 0:
       raise HTTPError(400, "'top_p' must be > 0", param="top_p")
     top_k = _number(data, "top_k", 0, int, 0)
-    seed = _number(data, "seed", 0, int, -2**63, 2**63 - 1)
+    seed = _number(data, "seed", 0, int, 0, 2**31 - 1)
     req = GenerationRequest(tuple(ids), max_tokens, SamplingParams(temperature, top_k, top_p),
                             seed, self.model.stop_tokens)
     try:
