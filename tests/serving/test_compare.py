@@ -33,6 +33,8 @@ def test_verdict_keeps_fp4_only_if_every_limit_holds():
     assert v["keep"] == "baseline"
     assert [c["name"] for c in v["checks"] if not c["holds"]] == [failing]
     assert v["reason"].startswith("keep the baseline") and failing in v["reason"]
+  failed = compare.verdict(LIMITS, base, _summary(0.8, None, 600))  # every request errored
+  assert failed["keep"] == "baseline" and "no candidate request succeeded" in failed["reason"]
   both = compare.verdict(LIMITS, base, _summary(0.5, 9.0, 600))
   assert "pass rate drop" in both["reason"] and "p95 latency" in both["reason"]
   with pytest.raises(ValueError, match="max_p95_latency_s is not set"):

@@ -97,7 +97,9 @@ def verdict(limits, baseline: dict, candidate: dict) -> dict:
                  f"{limits['max_pass_rate_drop']:.3f})"},
       {"name": "p95 latency", "value": p95, "limit": limits["max_p95_latency_s"],
        "holds": p95 is not None and p95 <= limits["max_p95_latency_s"],
-       "detail": f"candidate p95 {p95:.3f} s (limit <= {limits['max_p95_latency_s']:.3f} s)"},
+       "detail": (f"candidate p95 {p95:.3f} s" if p95 is not None else
+                  "no candidate request succeeded")
+                 + f" (limit <= {limits['max_p95_latency_s']:.3f} s)"},
       {"name": "memory saving", "value": saving, "limit": limits["min_memory_saving"],
        "holds": saving >= limits["min_memory_saving"],
        "detail": f"1 - {candidate['memory_bytes'] / 2**20:.4g} MiB / "
@@ -232,7 +234,7 @@ def offer_load(model: backend.ServingModel, requests: list[GenerationRequest], l
   return out
 
 
-def _failure_text(task, example, output: str, reason: str, passed: bool) -> str:
+def _failure_text(example, output: str, reason: str, passed: bool) -> str:
   if passed:
     return ""
   text = f"expected {example.answer!r}, got {output!r}"
@@ -284,7 +286,7 @@ def run_arm(config, arm: str, log=print) -> dict:
         for rec, rew in zip(tasks[-len(examples):], rewards):
           if rec["passed"] is None:
             rec["passed"] = bool(rew >= 1.0)
-            rec["failure"] = _failure_text(task, examples[rec["task"]], rec["output"],
+            rec["failure"] = _failure_text(examples[rec["task"]], rec["output"],
                                            rec["finish_reason"], rec["passed"])
         passed = sum(t["passed"] for t in tasks[-len(examples):])
         runs.append(dict(repeat=r, wall_s=wall, requests=len(reqs), completion_tokens=gen,
@@ -375,20 +377,22 @@ def make_plots(arms: dict, summaries: dict, out_dir: str) -> dict:
   colors = {"baseline": "tab:blue", "candidate": "tab:orange"}
   label = {a: f"{a} ({arms[a]['policy']})" for a in arms}
 
+  def save(fig, key):
+    fig.tight_layout()
+    plots[key] = f"{key}.png"
+    fig.savefig(os.path.join(out_dir, plots[key]))
+    plt.close(fig)
+
   fig, ax = plt.subplots(figsize=(5, 3.2), dpi=90)
   for a, arm in arms.items():
-    for key, style in (("latency_s", "-"),):
-      xs = np.sort([t[key] for t in arm["tasks"] if t[key] is not None])
-      ax.step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), style, where="post",
-              color=colors[a], label=label[a])
+    xs = np.sort([t["latency_s"] for t in arm["tasks"] if t["latency_s"] is not None])
+    ax.step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), where="post", color=colors[a],
+            label=label[a])
   ax.set_xlabel("request latency (s) = TTFT (batch-end delivery)")
   ax.set_ylabel("fraction of requests")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  plots["latency_cdf"] = "latency_cdf.png"
-  fig.savefig(os.path.join(out_dir, plots["latency_cdf"]))
-  plt.close(fig)
+  save(fig, "latency_cdf")
 
   fig, ax = plt.subplots(figsize=(4, 3.2), dpi=90)
   names = list(arms)
@@ -401,10 +405,7 @@ def make_plots(arms: dict, summaries: dict, out_dir: str) -> dict:
   ax.set_xticks(x, [label[a] for a in names], fontsize=8)
   ax.set_ylabel("MiB")
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  plots["memory"] = "memory.png"
-  fig.savefig(os.path.join(out_dir, plots["memory"]))
-  plt.close(fig)
+  save(fig, "memory")
 
   fig, ax = plt.subplots(figsize=(4, 3.2), dpi=90)
   for j, a in enumerate(names):
@@ -418,10 +419,7 @@ def make_plots(arms: dict, summaries: dict, out_dir: str) -> dict:
   ax.set_ylabel("pass rate (95% Wilson CI; dots: repeats)")
   ax.set_ylim(0, 1)
   ax.grid(alpha=0.3, axis="y")
-  fig.tight_layout()
-  plots["pass_rate"] = "pass_rate.png"
-  fig.savefig(os.path.join(out_dir, plots["pass_rate"]))
-  plt.close(fig)
+  save(fig, "pass_rate")
   return plots
 
 
