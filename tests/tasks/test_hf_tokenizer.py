@@ -73,11 +73,16 @@ def test_chat_template_wraps_prompts_only_when_asked(chat_dir):
   assert chat.encode("1", add_bos=True).count(chat.bos_id) == 1
   plain = HFTokenizer(chat_dir, chat=False)
   assert plain.render("12+34=") == "12+34="
+  # A whole conversation (what the server's chat endpoint renders), generation prompt last.
+  msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2="}]
+  assert plain.chat_text(msgs) == "<s>system: be brief\n<s>user: 2+2=\nassistant:"
 
 
 def test_chat_without_a_template_encodes_the_prompt_as_is(plain_dir):
   tok = HFTokenizer(plain_dir, chat=True)
   assert not tok.chat
+  with pytest.raises(ValueError, match="no chat template"):
+    tok.chat_text([{"role": "user", "content": "1"}])
   assert tok.decode(tok.encode("12+34=")) == "12+34="
 
 

@@ -159,6 +159,10 @@ class JsonlTask(Task):
     picks = np.random.default_rng(seed).integers(0, len(self._train), size=n)
     return [self._train[i] for i in picks]
 
+  def all_examples(self) -> list[Example]:
+    """Every record of the file(s) in file order (e.g. a fixed prompt set to evaluate on)."""
+    return list(self._all)
+
   def score(self, prompt: str, completion: str, answer: str) -> float:
     return float(self._reward_fn(completion, answer))
 

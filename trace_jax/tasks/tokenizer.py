@@ -159,6 +159,14 @@ class HFTokenizer(_BatchEncodeMixin):
     return self._tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
 
+  def chat_text(self, messages) -> str:
+    """A whole conversation (`[{"role": ..., "content": ...}]`) in the chat template, ending
+    with the generation prompt (for serving chat requests)."""
+    if not self.has_chat_template:
+      raise ValueError(f"tokenizer in {self.path!r} has no chat template")
+    return self._tok.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=True)
+
   def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     """`add_bos` is a no-op for tokenizers without a bos token (e.g. Qwen)."""
     ids = list(self._tok.encode(self.render(text), add_special_tokens=False))

@@ -1,0 +1,170 @@
+"""The HTTP server over a real socket on 127.0.0.1 (uvicorn in a thread, httpx client): tokens
+under concurrent load equal the engine's called directly, SSE streaming, 4xx for bad requests and
+API keys, and the server keeps serving after each."""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+
+from configs import serve_compare  # noqa: E402
+from trace_jax.rollout import SamplingParams  # noqa: E402
+from trace_jax.serving import GenerationRequest, build_serving  # noqa: E402
+from trace_jax.serving.scheduler import generate_direct  # noqa: E402
+from trace_jax.serving.server import build_app  # noqa: E402
+
+KEY = "s3cret-key"
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)
+
+
+class _Server:
+  """uvicorn serving `app` on an ephemeral 127.0.0.1 port in a daemon thread."""
+
+  def __init__(self, app):
+    self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    self.sock.bind(("127.0.0.1", 0))
+    self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+    self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                   daemon=True)
+    self.thread.start()
+    deadline = time.time() + 30
+    while not self.server.started:
+      if time.time() > deadline or not self.thread.is_alive():
+        raise RuntimeError("uvicorn did not start")
+      time.sleep(0.02)
+
+  def close(self):
+    self.server.should_exit = True
+    self.thread.join(10)
+    self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+  config = serve_compare.get_config()
+  # Two batch buckets (1, 2) and one sampling setting: two compiled programs for the module.
+  config.serve.update(dict(max_batch=2, max_queue=64, batch_wait_s=0.2, model_name="tiny"))
+  model = build_serving(config, "baseline", log=lambda *_: None)
+  open_srv = _Server(build_app(model, max_body_bytes=4096))
+  keyed = _Server(build_app(model, api_key=KEY))
+  yield model, open_srv.url, keyed.url
+  open_srv.close()
+  keyed.close()
+  model.close()
+
+
+SAMPLED = {"temperature": 1.0, "seed": 3}
+
+
+def _complete(url, body, **kw):
+  with httpx.Client(timeout=TIMEOUT) as c:
+    return c.post(url + "/v1/completions", json=body, **kw)
+
+
+def test_concurrent_requests_return_the_engines_tokens(served):
+  model, url, _ = served
+  tok = model.tokenizer
+  prompts = [f"{a}+{b}=" for a, b in ((12, 34), (5, 77), (40, 9), (1, 1), (63, 28), (8, 50))]
+  max_tokens = [4, 2, 4, 3, 4, 1]
+  bodies = [dict(model="tiny", prompt=p, max_tokens=m, return_token_ids=True, **SAMPLED)
+            for p, m in zip(prompts, max_tokens)]
+  before = model.scheduler.batches_run
+  with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+    responses = list(pool.map(lambda b: _complete(url, b), bodies))
+  assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
+  batches = model.scheduler.batches_run - before
+  assert batches < len(bodies)  # requests shared engine calls
+  reqs = [GenerationRequest(tuple(tok.encode(p)), m, SamplingParams(1.0), 3, model.stop_tokens)
+          for p, m in zip(prompts, max_tokens)]
+  direct = generate_direct(model.engine, reqs, model.scheduler.prompt_len)
+  for r, want, m in zip(responses, direct, max_tokens):
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want
+    assert choice["text"] == tok.decode(want)
+    assert choice["finish_reason"] == ("length" if len(want) == m else "stop")
+    assert r.json()["usage"]["completion_tokens"] == len(want)
+
+
+def _sse(response) -> list:
+  events = [line[len("data: "):] for line in response.text.split("\n\n") if line]
+  assert events[-1] == "[DONE]"
+  return [json.loads(e) for e in events[:-1]]
+
+
+def test_streaming_sends_openai_sse_with_the_same_text(served):
+  model, url, _ = served
+  body = dict(model="tiny", prompt="21+21=", max_tokens=4, **SAMPLED)
+  whole = _complete(url, body).json()["choices"][0]
+  with httpx.Client(timeout=TIMEOUT) as c:
+    r = c.post(url + "/v1/completions", json=dict(body, stream=True))
+  assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+  chunks = _sse(r)
+  assert "".join(ch["choices"][0]["text"] for ch in chunks) == whole["text"]
+  assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+  # Chat: the char tokenizer's template is the user message's content, so the same prompt.
+  chat = dict(model="tiny", messages=[{"role": "user", "content": "21+21="}], max_tokens=4,
+              **SAMPLED)
+  with httpx.Client(timeout=TIMEOUT) as c:
+    plain = c.post(url + "/v1/chat/completions", json=chat).json()
+    streamed = c.post(url + "/v1/chat/completions", json=dict(chat, stream=True))
+  assert plain["choices"][0]["message"] == {"role": "assistant", "content": whole["text"]}
+  chunks = _sse(streamed)
+  assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+  assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == whole["text"]
+
+
+def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(served):
+  model, url, _ = served
+  limit = model.scheduler.max_prompt_tokens
+  cases = [
+      (dict(content=b"{not json"), 400, "not valid JSON"),
+      (dict(json=[1, 2]), 400, "JSON object"),
+      (dict(json=dict(model="gpt-9", prompt="1+1=")), 404, "does not exist"),
+      (dict(json=dict(prompt="1+1=")), 400, "'model' is required"),
+      (dict(json=dict(model="tiny", prompt="1" * (limit + 1))), 400, "more than this server"),
+      (dict(json=dict(model="tiny", prompt="1+1=", max_tokens=-1)), 400, "max_tokens"),
+      (dict(json=dict(model="tiny", prompt="1+1=", max_tokens=10**6)), 400, "max_tokens"),
+      (dict(json=dict(model="tiny", prompt="1+1=", temperature="hot")), 400, "temperature"),
+      (dict(json=dict(model="tiny", prompt="HELLO")), 400, "cannot tokenize"),
+      (dict(json=dict(model="tiny", prompt=[10**6])), 400, "outside the vocabulary"),
+      (dict(json=dict(model="tiny", prompt="1+1=", n=2)), 400, "n=1"),
+      (dict(content=b'{"model": "tiny", "prompt": "' + b"1" * 5000 + b'"}'), 413, "exceeds"),
+  ]
+  with httpx.Client(timeout=TIMEOUT) as c:
+    for kw, status, words in cases:
+      r = c.post(url + "/v1/completions", **kw)
+      assert r.status_code == status, (kw, r.text)
+      assert words in r.json()["error"]["message"], (words, r.text)
+    r = c.post(url + "/v1/chat/completions", json=dict(model="tiny", messages="hi"))
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert c.get(url + "/v1/nope").status_code == 404
+    assert c.get(url + "/v1/completions").status_code == 405
+    ok = c.post(url + "/v1/completions", json=dict(model="tiny", prompt="1+1=", **SAMPLED))
+  assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+
+
+def test_api_key_is_required_when_set(served):
+  _, _, url = served
+  body = dict(model="tiny", prompt="2+2=", max_tokens=1, **SAMPLED)
+  with httpx.Client(timeout=TIMEOUT) as c:
+    missing = c.post(url + "/v1/completions", json=body)
+    wrong = c.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    basic = c.post(url + "/v1/completions", json=body, headers={"Authorization": f"Basic {KEY}"})
+    models_missing = c.get(url + "/v1/models")
+    good = c.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    models = c.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    health = c.get(url + "/health")
+  for r, code in ((missing, "missing_api_key"), (wrong, "invalid_api_key"),
+                  (basic, "missing_api_key"), (models_missing, "missing_api_key")):
+    assert r.status_code == 401 and r.json()["error"]["code"] == code, r.text
+  assert good.status_code == 200
+  assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+  assert health.status_code == 200
