@@ -99,3 +99,11 @@ def test_stochastic_rounding_neighbours_and_unbiased():
     assert abs(np.mean(np.abs(vals[:, j])) - a) < 4 * sd + 1e-7, v
   # Deterministic given the key.
   np.testing.assert_array_equal(codes, e2m1.encode_stochastic(zz, jax.random.key(0)))
+
+
+def test_decode_bits_equals_table_decode_and_ml_dtypes():
+  codes = jnp.arange(16, dtype=jnp.uint8)
+  got = np.asarray(e2m1.decode_bits(codes))
+  np.testing.assert_array_equal(got.view(np.uint32), np.asarray(e2m1.decode(codes)).view(np.uint32))
+  want = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # -0 included

@@ -1,14 +1,20 @@
-"""Matmul entry points the model calls, with pure-`jnp` references that define their results.
+"""Matmul and attention entry points the model calls, with pure-`jnp` references that define
+their results.
 
 `matmul(x, w)` and `grouped_matmul(x, w, group_sizes)` accept plain arrays, FP4 `QArray`
 weights (and FP4 `QArray` activations for W4A4), or FP4 weights in the kernel layout
 (`PackedWeight`, made once at weight sync by `prepare_weight(qarray)`, or for a whole parameter
 tree by `prepare_tree(params)`). Dispatch: on a GPU backend with a `PackedWeight`, the Pallas
 Mosaic GPU kernel (`fp4_mgpu.py`); everywhere else the reference in `reference.py`.
+
+`decode_attention(q, k, v, valid)` (one query token over a bf16/FP8/FP4 KV cache): the Pallas
+kernel of `attention_pallas.py` on GPU, the reference `attention_ref.decode_attention_ref`
+elsewhere; `attention` is the model's attention formula itself.
 """
 
-from trace_jax.kernels.dispatch import grouped_matmul, matmul, on_gpu
+from trace_jax.kernels.attention_ref import attention, decode_attention_ref
+from trace_jax.kernels.dispatch import decode_attention, grouped_matmul, matmul, on_gpu
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
-__all__ = ["PackedWeight", "decode_packed", "grouped_matmul", "matmul", "on_gpu",
-           "prepare_tree", "prepare_weight"]
+__all__ = ["PackedWeight", "attention", "decode_attention", "decode_attention_ref",
+           "decode_packed", "grouped_matmul", "matmul", "on_gpu", "prepare_tree", "prepare_weight"]
