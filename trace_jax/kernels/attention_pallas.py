@@ -12,11 +12,12 @@ Design:
   writes unnormalized partial outputs with their running max and sum; `combine_splits` (XLA,
   tiny) merges the splits. Splits are chosen so that about two programs per SM run.
 - FP4 codes stay packed: the low nibbles of a byte row are the even head_dim elements, the high
-  nibbles the odd ones, so the kernel decodes the two halves separately (integer ops and one
-  bitcast, `e2m1.decode_bits`) and multiplies them with q's even/odd halves (split outside, once
-  per call); the output halves are interleaved back outside. No shuffle in the kernel.
-- scales are decoded in the kernel from their bytes by the integer rules of `formats`
-  (`e8m0_from_bits`, `e4m3_from_bits`; NVFP4 `d = s * g` formed in float32 as
+  nibbles the odd ones, so the kernel decodes the two halves separately and multiplies them
+  with q's even/odd halves (split outside, once per call); the output halves are interleaved
+  back outside. No shuffle in the kernel. A nibble becomes an e4m3 bit pattern worth
+  `E2M1 * 2**-6` in four integer ops (`e2m1.as_e4m3_bits`), then the hardware e4m3 conversion.
+- scales are decoded in the kernel from their bytes (E8M0 by the integer rule
+  `formats.e8m0_from_bits`, E4M3 by the e4m3 conversion; NVFP4 `d = s * g` formed in float32 as
   `formats.nvfp4_divisor` does), each element `q * d` in float32 then rounded to bf16: exactly
   the bf16 value `dequantize(...).astype(bf16)` gives, so K and V enter the tensor-core products
   with the values the model's reference path uses; only the float32 summation order and the
@@ -116,8 +117,13 @@ def combine_splits(o, m, l):
 
 # --------------------------------------------------------------------------- the kernel
 
+def _e4m3(u8):
+  return lax.bitcast_convert_type(u8, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
 def _decode_tile(ops, fmt: tq.Format | None, parts: int, dtype):
-  """Loaded tile operands -> `parts` arrays `[T, hd / parts]` of K or V values in `dtype`."""
+  """Loaded tile operands -> `parts` arrays `[T, hd / parts]` of K or V values in `dtype`:
+  `code * d` in float32 (d the block scale, NVFP4 `s * g` formed first), rounded once."""
   if fmt is None:
     return [ops[0].astype(dtype)]
   codes, sbytes = ops[0], ops[1]
@@ -125,13 +131,14 @@ def _decode_tile(ops, fmt: tq.Format | None, parts: int, dtype):
   nb = sbytes.shape[1]
   if fmt.scale == "e8m0":
     d = F.e8m0_from_bits(sbytes)
-  else:  # NVFP4: d = s * g in float32 (formats.nvfp4_divisor)
-    d = F.e4m3_from_bits(sbytes) * ops[2][:, None]
-  if fmt.is_fp4:
-    halves = [codes & 15, codes >> 4]  # even, odd head_dim elements
-    vals = [e2m1.decode_bits(c) for c in halves]
   else:
-    vals = [F.e4m3_from_bits(codes)]
+    d = _e4m3(sbytes) * ops[2][:, None]
+  if fmt.is_fp4:  # E2M1 as e4m3 (value code * 2**-6), so the scale carries 2**6: exact while
+    # d * 64 stays finite (MX exponents <= 121)
+    d = d * jnp.float32(e2m1.E4M3_OF_E2M1_SCALE)
+    vals = [_e4m3(e2m1.as_e4m3_bits(codes, high)) for high in (False, True)]  # even, odd
+  else:
+    vals = [_e4m3(codes)]
   per = w // nb  # elements of one block in each part
   return [(x.reshape(t, nb, per) * d[:, :, None]).reshape(t, w).astype(dtype) for x in vals]
 

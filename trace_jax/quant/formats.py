@@ -154,20 +154,6 @@ def e8m0_from_bits(b: jax.Array) -> jax.Array:
   return jnp.where(b == E8M0_NAN_BYTE, jnp.float32(jnp.nan), pow2(b - 127))
 
 
-def e4m3_from_bits(b: jax.Array) -> jax.Array:
-  """float32 value of `float8_e4m3fn` bytes given as integers, from integer and bitcast
-  operations only (kernels read FP8 as `uint8`): bias 7, subnormals `m * 2**-9`, NaN for
-  `s 1111 111`, no Inf. Equal to `astype(float32)` for all 256 bytes (tested)."""
-  b = b.astype(jnp.uint32) & 255
-  sign, e, m = b >> 7, (b >> 3) & 15, b & 7
-  normal = jax.lax.bitcast_convert_type((sign << 31) | ((e + 120) << 23) | (m << 20),
-                                        jnp.float32)
-  sub = m.astype(jnp.float32) * jnp.float32(2.0**-9)
-  sub = jnp.where(sign > 0, -sub, sub)
-  v = jnp.where(e > 0, normal, sub)
-  return jnp.where((e == 15) & (m == 7), jnp.float32(jnp.nan), v)
-
-
 # --------------------------------------------------------------------------- NVFP4 scales
 
 def reciprocal(d: jax.Array) -> jax.Array:
