@@ -47,16 +47,12 @@ def allowed_slots(valid, max_len: int | None = None) -> jax.Array:
                    f"{valid.shape}")
 
 
-def kv_shape(x) -> tuple[int, ...]:
-  return tuple(x.shape)
-
-
 def check_decode_args(q, k, v, valid) -> tuple[int, int, int, int, int]:
   """Shapes (B, H, hd, S, KVH) of a decode attention call, with clear errors."""
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
   b, h, hd = q.shape
-  ks, vs = kv_shape(k), kv_shape(v)
+  ks, vs = tuple(k.shape), tuple(v.shape)
   if len(ks) != 4 or ks != vs:
     raise ValueError(f"k and v must both be [batch, slots, kv_heads, head_dim], got {ks} and {vs}")
   if ks[0] != b or ks[3] != hd:
