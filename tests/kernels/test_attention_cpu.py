@@ -7,7 +7,6 @@ tests/kernels/test_attention_gpu.py runs it on a GPU."""
 
 import functools
 
-import ml_dtypes
 import numpy as np
 import pytest
 
