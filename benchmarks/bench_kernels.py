@@ -28,11 +28,12 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import traceback
 
 import numpy as np
+
+import bench_util
 
 READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
 L2_BYTES = 60e6
@@ -89,17 +90,7 @@ def main():
       json.dump(res, f, indent=1, default=str)
 
   state = {}
-
-  def watchdog():
-    while True:
-      time.sleep(2)
-      if state.get("t") and time.time() - state["t"] > args.hang_s:
-        log("WATCHDOG: hung in", state.get("name"))
-        res["rows"].append(dict(name=state.get("name"), error="HUNG (watchdog)"))
-        save()
-        os._exit(3)
-
-  threading.Thread(target=watchdog, daemon=True).start()
+  bench_util.start_watchdog(state, args.hang_s, res["rows"], save, log)
 
   def relerr(got, ref):
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)

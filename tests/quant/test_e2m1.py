@@ -99,3 +99,12 @@ def test_stochastic_rounding_neighbours_and_unbiased():
     assert abs(np.mean(np.abs(vals[:, j])) - a) < 4 * sd + 1e-7, v
   # Deterministic given the key.
   np.testing.assert_array_equal(codes, e2m1.encode_stochastic(zz, jax.random.key(0)))
+
+
+def test_as_e4m3_bits_is_e2m1_over_64_for_every_code_pair():
+  b = jnp.arange(256, dtype=jnp.uint8)
+  for high, codes in ((False, np.arange(256) & 15), (True, np.arange(256) >> 4)):
+    f8 = jax.lax.bitcast_convert_type(e2m1.as_e4m3_bits(b, high), jnp.float8_e4m3fn)
+    got = np.asarray(f8.astype(jnp.float32)) * e2m1.E4M3_OF_E2M1_SCALE
+    want = np.asarray(e2m1.decode(jnp.asarray(codes)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

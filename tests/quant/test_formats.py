@@ -133,3 +133,16 @@ def test_qarray_is_a_pytree_through_jit():
   qj = jax.jit(lambda x: tq.quantize(x, "nvfp4"))(x)
   np.testing.assert_array_equal(qj.codes, q.codes)
   np.testing.assert_array_equal(qj.scales.astype(jnp.float32), q.scales.astype(jnp.float32))
+
+
+
+def test_e8m0_from_bits_is_the_dtype_value():
+  """The integer E8M0 decoder kernels use (Hopper has no e8m0 type) for every byte."""
+  b = jnp.arange(256, dtype=jnp.uint8)
+  want = np.arange(256, dtype=np.float64)
+  want = np.where(want == 255, np.nan, 2.0 ** (want - 127))
+  got = np.asarray(F.e8m0_from_bits(b), np.float64)
+  np.testing.assert_array_equal(got[1:], want[1:])
+  assert got[0] in (0.0, 2.0**-127)  # subnormal: XLA:CPU flushes it (as `pow2` documents)
+  dtype = np.asarray(jax.lax.bitcast_convert_type(b, jnp.float8_e8m0fnu).astype(jnp.float32))
+  np.testing.assert_array_equal(got[1:], dtype[1:].astype(np.float64))

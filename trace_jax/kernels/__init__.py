@@ -1,4 +1,5 @@
-"""Matmul entry points the model calls, with pure-`jnp` references that define their results.
+"""Matmul and attention entry points the model calls, with pure-`jnp` references that define
+their results.
 
 `matmul(x, w)` and `grouped_matmul(x, w, group_sizes)` accept plain arrays, FP4 `QArray`
 weights (and FP4 `QArray` activations for W4A4), or FP4 weights in the kernel layout
@@ -6,10 +7,17 @@ weights (and FP4 `QArray` activations for W4A4), or FP4 weights in the kernel la
 tree by `prepare_tree(params)`). Dispatch: on a GPU backend with a `PackedWeight`, the Pallas
 Mosaic GPU kernel (`fp4_mgpu.py`); on a GPU otherwise the XLA path (bf16 decode, tokamax or XLA
 grouped matmul); on CPU the reference in `reference.py`.
+
+`decode_attention(q, k, v, valid)` (one query token over a bf16/FP8/FP4 KV cache): the reference
+`attention_ref.decode_attention_ref`, or on GPU with `TRACE_JAX_DECODE_ATTENTION=kernel` the
+Pallas kernel of `attention_pallas.py`; `attention` is the model's attention formula itself.
 """
 
-from trace_jax.kernels.dispatch import grouped_backend, grouped_matmul, matmul, on_gpu
+from trace_jax.kernels.attention_ref import attention, decode_attention_ref
+from trace_jax.kernels.dispatch import (decode_attention, grouped_backend, grouped_matmul, matmul,
+                                        on_gpu)
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
-__all__ = ["PackedWeight", "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
-           "prepare_tree", "prepare_weight"]
+__all__ = ["PackedWeight", "attention", "decode_attention", "decode_attention_ref",
+           "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu", "prepare_tree",
+           "prepare_weight"]

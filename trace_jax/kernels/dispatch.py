@@ -1,4 +1,4 @@
-"""Choose a GPU kernel or the `jnp` reference for each matmul call.
+"""Choose a GPU kernel or the `jnp` reference for each matmul and decode attention call.
 
 Kernel path (GPU backend, an FP4 `PackedWeight` from `prepare_weight`, bf16/f32 array
 activations): the Mosaic GPU kernel of `fp4_mgpu.py` for decode shapes (dense: <= 64 rows) and
@@ -16,6 +16,11 @@ dependency), XLA's `ragged_dot` otherwise; `TRACE_JAX_GROUPED=xla` forces XLA's.
 Everything else (CPU, float32 activations, FP4 activations) runs the reference in
 `reference.py`. `use_kernel=False` forces the reference on CPU and the XLA path on GPU;
 `use_kernel=True` forces the kernel (errors off-GPU).
+
+Decode attention: the reference `attention_ref` by default. The Pallas kernel of
+`attention_pallas.py` (for the operands `attention_pallas.kernel_supported` accepts) is opt-in on
+GPU with the environment variable `TRACE_JAX_DECODE_ATTENTION=kernel` (read at import) until it
+has been validated on a GPU; it has only run in interpret mode on CPU so far.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ import os
 import jax
 import jax.numpy as jnp
 
-from trace_jax.kernels import reference
+from trace_jax.kernels import attention_ref, reference
 from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["grouped_backend", "grouped_matmul", "matmul", "on_gpu", "prepare_weight"]
+__all__ = ["decode_attention", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
+           "prepare_weight"]
+
+_ATTENTION_KERNEL = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "reference") == "kernel"
 
 
 def on_gpu() -> bool:
@@ -140,3 +148,17 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   from trace_jax.kernels import fp4_mgpu
   return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
                                  config=config)
+
+
+def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
+                     use_kernel: bool | None = None, config=None) -> jax.Array:
+  """Attention of one query token per sequence over a KV cache (`[B, H, hd]`), see
+  `attention_ref.decode_attention_ref`; k/v bf16 arrays or FP4/FP8 `QArray`s."""
+  from trace_jax.kernels import attention_pallas
+  if use_kernel is None:
+    use_kernel = (_ATTENTION_KERNEL and on_gpu()
+                  and attention_pallas.kernel_supported(q, k, v) is None)
+  if not use_kernel:
+    return attention_ref.decode_attention_ref(q, k, v, valid, scale, out_dtype)
+  return attention_pallas.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
+                                           config=config)

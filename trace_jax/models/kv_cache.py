@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import quant as tq
+from trace_jax.kernels.attention_ref import read_kv
 from trace_jax.models.config import ModelConfig
 
 
@@ -94,5 +95,4 @@ def write_layer(layer: LayerKV, k_new, v_new, index) -> LayerKV:
   return LayerKV(update_slice(layer.k, k_new, index), update_slice(layer.v, v_new, index))
 
 
-def read(buf, dtype) -> jax.Array:
-  return tq.dequantize(buf, dtype) if isinstance(buf, tq.QArray) else buf.astype(dtype)
+read = read_kv  # K or V as `dtype` values (the definition lives with the attention reference)

@@ -30,7 +30,6 @@ from trace_jax.models.config import ModelConfig
 from trace_jax.models.sites import QuantContext, activation_site, apply_weight, codes_key
 
 _INIT = nn.initializers.normal(stddev=0.02)
-_NEG = -1e30  # finite "minus infinity": a fully masked row stays finite
 
 
 def _param(module: nn.Module, name: str, init, shape):
@@ -140,21 +139,20 @@ class Attention(nn.Module):
       layer = None if cache is None else kvc.write_layer(cache, k, v, cache_index)
 
     if layer is not None:
-      keys, values = kvc.read(layer.k, dt), kvc.read(layer.v, dt)
       q_slot = cache_index + jnp.arange(t)  # query i sits in slot index + i
-      k_slot = jnp.arange(keys.shape[1])
+      k_slot = jnp.arange(key_mask.shape[1])
     else:
-      keys, values = k, v
       q_slot = k_slot = jnp.arange(t)
     allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
 
-    groups = c.num_heads // c.num_kv_heads
-    qg = q.reshape(b, t, c.num_kv_heads, groups, c.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys,
-                        preferred_element_type=jnp.float32) * (c.head_dim ** -0.5)
-    scores = jnp.where(allowed[:, None, None], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    o = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, c.num_heads * c.head_dim)
+    scale = c.head_dim ** -0.5
+    if layer is not None and t == 1:  # one decode token: the decode attention kernel on GPU
+      o = kernels.decode_attention(q[:, 0], layer.k, layer.v, allowed[:, 0], scale=scale,
+                                   out_dtype=dt).reshape(b, t, c.num_heads * c.head_dim)
+    elif layer is not None:
+      o = kernels.attention(q, kvc.read(layer.k, dt), kvc.read(layer.v, dt), allowed, scale, dt)
+    else:
+      o = kernels.attention(q, k, v, allowed, scale, dt)
     o = activation_site(o, "attn/o_in", self.guided, ctx, guidance, records)
     return Linear(c.hidden_size, ctx, dt, c.attention_bias, name="o_proj")(o), layer
 

@@ -77,6 +77,20 @@ def decode(codes: jax.Array) -> jax.Array:
   return jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32) & 15]
 
 
+E4M3_OF_E2M1_SCALE = 64.0  # e4m3 value of `as_e4m3_bits(c)` times this is E2M1(c)
+
+
+def as_e4m3_bits(packed: jax.Array, high: bool) -> jax.Array:
+  """The low (high: the high) E2M1 nibble of packed bytes, re-placed as a `float8_e4m3fn` bit
+  pattern whose value is exactly `E2M1(code) * 2**-6`: sign to bit 7, the three magnitude bits
+  `e1 e0 m` to bits 4..2 (exponent field `e`, bias 7; `e = 0` is the e4m3 subnormal `m/2 *
+  2**-6`). Kernels decode FP4 with these four integer ops and the hardware e4m3 conversion."""
+  b = packed.astype(jnp.uint8)
+  if high:
+    return ((b >> 2) & 0x1C) | (b & 0x80)
+  return ((b & 7) << 2) | ((b & 8) << 4)
+
+
 def mantissa_bit(codes: jax.Array) -> jax.Array:
   """The mantissa bit (0/1) of each code: the compact guidance TRACE records."""
   return (codes & 1).astype(jnp.uint8)

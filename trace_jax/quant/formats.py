@@ -147,6 +147,13 @@ def e8m0_exponent_of(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
   return b - 127, b == E8M0_NAN_BYTE
 
 
+def e8m0_from_bits(b: jax.Array) -> jax.Array:
+  """float32 value of E8M0 scale bytes given as integers (`2**(b - 127)`, NaN for 0xFF): the
+  decode kernels use, where `float8_e8m0fnu` arrays travel as `uint8`."""
+  b = b.astype(jnp.int32)
+  return jnp.where(b == E8M0_NAN_BYTE, jnp.float32(jnp.nan), pow2(b - 127))
+
+
 # --------------------------------------------------------------------------- NVFP4 scales
 
 def reciprocal(d: jax.Array) -> jax.Array:

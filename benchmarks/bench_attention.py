@@ -1,0 +1,222 @@
+"""Decode attention over a bf16 / MXFP8 / NVFP4 / MXFP4 KV cache on the GPU: check, time, one
+JSON file + a table.
+
+  PYTHONPATH=. python benchmarks/bench_attention.py --out bench_attention.json [--quick]
+
+Shape: one Qwen3-30B-A3B attention layer (32 query heads, 4 KV heads, head_dim 128), one query
+token per sequence, batch B in {1, 16, 64} x context S in {1k, 8k, 32k} (combos whose bf16 KV
+would exceed --max_gb are skipped) x KV format. Every slot is valid except a left-padded first
+row, so the kernel streams the whole cache.
+
+Per variant: the kernel path (`trace_jax.kernels.decode_attention`, the Pallas kernel) is
+checked against the reference (`decode_attention_ref`, the definition) on fresh random data
+(max |kernel - ref| / max |ref|), then both are timed. Timing: CUPTI device time from
+`jax.experimental.mosaic.gpu.profiler.measure(f, aggregate=False, iterations=n)` (median over
+iterations, all kernels of the call: q split, the attention kernel, the combine) when it is
+available, else a wall-clock loop with `block_until_ready` (the JSON says which). The cache is
+rotated over enough copies to exceed the 60 MB L2. GB/s are on the KV bytes the call must read
+(codes + block scales + NVFP4 per-token scales, K and V); % is of the 4.27 TB/s read ceiling.
+Speedups: vs the bf16-KV kernel at the same B and S, and vs XLA's attention on the reference
+path (same format, and bf16). Each variant runs in try/except (errors are recorded); a watchdog
+ends a hung run; variants stop at --budget_s of total time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+
+import numpy as np
+
+import bench_util
+
+READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
+L2_BYTES = 60e6
+H, KVH, HD = 32, 4, 128
+FORMATS = ("bf16", "mxfp8", "nvfp4", "mxfp4")
+T0 = time.time()
+
+
+def log(*a):
+  print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default="bench_attention.json", help="result JSON path")
+  ap.add_argument("--quick", action="store_true", help="B 16, S 8k only")
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--max_gb", type=float, default=20.0, help="skip combos with more bf16 KV")
+  ap.add_argument("--budget_s", type=float, default=200.0, help="start no variant after this")
+  ap.add_argument("--hang_s", type=float, default=90.0)
+  ap.add_argument("--dry", action="store_true",
+                  help="CPU with jax-cuda13-plugin: only lower every kernel for cuda")
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax import kernels
+  from trace_jax import provenance
+  from trace_jax import quant as tq
+  from trace_jax.kernels import attention_pallas
+
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    timing = "cupti_device_time(profiler.measure)"
+  except Exception:  # noqa: BLE001 - no Mosaic GPU profiler in this jax
+    profiler, timing = None, "wall_clock(block_until_ready)"
+
+  res = dict(benchmark="decode_attention", **provenance.run_info(), timing=timing,
+             shape=dict(num_heads=H, num_kv_heads=KVH, head_dim=HD),
+             read_ceiling_TBps=READ_CEILING_TBPS,
+             units=dict(us="microseconds per call (median)", GBps="1e9 KV bytes/s",
+                        pct_of_ceiling="GBps / 4270", relerr_max="max|kernel-ref|/max|ref|"),
+             rows=[])
+
+  def save():
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1, default=str)
+
+  state = {}
+  bench_util.start_watchdog(state, args.hang_s, res["rows"], save, log)
+
+  def kernel_fn(q, k, v, valid):
+    return kernels.decode_attention(q, k, v, valid, use_kernel=True)
+
+  def ref_fn(q, k, v, valid):
+    return kernels.decode_attention_ref(q, k, v, valid)
+
+  def time_fn(fn, q, kvs, valid):
+    """Median us per call of fn over the copies `kvs` (one jit, all copies per iteration)."""
+    one = jax.jit(fn)  # one callee: the kernel is lowered (and Triton-compiled) once
+    multi = jax.jit(lambda q, kvs, valid: [one(q, k, v, valid) for k, v in kvs])
+    if args.dry:
+      multi.trace(q, kvs, valid).lower(lowering_platforms=("cuda",))
+      return float("nan"), float("nan")
+    compiled = multi.lower(q, kvs, valid).compile()
+    n = len(kvs)
+    if profiler is not None:
+      try:
+        _, tim = profiler.measure(compiled, aggregate=False, iterations=args.iters)(q, kvs, valid)
+        per_iter, per_kernel = [], []
+        for it in tim:
+          per_iter.append(sum(ms for _, ms in it) * 1e3)
+          per_kernel.append(sum(ms for name, ms in it if "decode_attention" in name) * 1e3)
+        us_kernel = statistics.median(per_kernel) / n
+        return statistics.median(per_iter) / n, us_kernel if us_kernel > 0 else float("nan")
+      except Exception:  # noqa: BLE001 - fall back to wall clock, say so in the row
+        state["timing_fallback"] = traceback.format_exc()[-500:]
+    jax.block_until_ready(compiled(q, kvs, valid))
+    ts = []
+    for _ in range(args.iters):
+      t = time.perf_counter()
+      jax.block_until_ready(compiled(q, kvs, valid))
+      ts.append((time.perf_counter() - t) * 1e6 / n)
+    return statistics.median(ts), float("nan")
+
+  def make_kv(fmt, shape, key):
+    def build(key):
+      x = jax.random.normal(key, shape, jnp.bfloat16)
+      return x if fmt == "bf16" else tq.quantize(x, fmt, second_level="row", validate=False)
+    if args.dry:
+      return jax.eval_shape(build, key)
+    return jax.jit(build)(key)
+
+  def nbytes(x):
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(x))
+
+  def relerr(got, ref):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    if not np.all(np.isfinite(got)):
+      return float("nan")
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+  batches, contexts = ((16,), (8192,)) if args.quick else ((1, 16, 64), (1024, 8192, 32768))
+  key = jax.random.key(int(time.time()) % 100000)  # fresh data every run
+  base = {}  # (b, s) -> bf16 kernel / reference us
+  for b in batches:
+    for s in contexts:
+      if b * s * KVH * HD * 2 * 2 > args.max_gb * 1e9:
+        res["rows"].append(dict(name=f"B{b}_S{s}", skipped=f"bf16 KV over {args.max_gb} GB"))
+        continue
+      for fmt in FORMATS:
+        name = f"B{b}_S{s}_{fmt}"
+        row = dict(name=name, batch=b, context=s, kv=fmt, timing=timing)
+        if time.time() - T0 > args.budget_s:
+          row["skipped"] = f"time budget {args.budget_s} s"
+          res["rows"].append(row)
+          continue
+        state.update(t=time.time(), name=name)
+        try:
+          key, kq, kk, kv = jax.random.split(key, 4)
+          shape = (b, s, KVH, HD)
+          k, v = make_kv(fmt, shape, kk), make_kv(fmt, shape, kv)
+          q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
+               else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
+          valid = np.ones((b, s), bool)
+          valid[0, : s // 10] = False  # a left-padded row
+          valid = jnp.asarray(valid)
+          if not args.dry:
+            why = attention_pallas.kernel_supported(q, k, v)
+            if why:
+              raise ValueError(why)
+          cfg = attention_pallas.default_config(b, KVH, s)
+          kv_bytes = nbytes(k) + nbytes(v)
+          row.update(kv_bytes=kv_bytes, config=cfg)
+          if not args.dry:
+            got = jax.jit(kernel_fn)(q, k, v, valid)
+            want = jax.jit(ref_fn)(q, k, v, valid)
+            row["relerr_max"] = relerr(got, want)
+            del got, want
+          n = int(min(16, max(1, np.ceil(2.5 * L2_BYTES / kv_bytes))))
+          kvs = [(k, v)] + [jax.tree.map(jnp.copy, (k, v)) for _ in range(n - 1)] if (
+              not args.dry) else [(k, v)] * n
+          row["n_copies"] = n
+          us, us_kernel = time_fn(kernel_fn, q, kvs, valid)
+          us_ref, _ = time_fn(ref_fn, q, kvs, valid)
+          del kvs
+          row.update(us_call=us, us_kernel=us_kernel, us_xla_ref=us_ref,
+                     GBps=kv_bytes / us / 1e3, GBps_kernel_only=kv_bytes / us_kernel / 1e3,
+                     pct_of_ceiling=100 * kv_bytes / us / 1e3 / (READ_CEILING_TBPS * 1e3),
+                     speedup_vs_xla_ref=us_ref / us)
+          if state.pop("timing_fallback", None):
+            row["timing"] = "wall_clock(block_until_ready) after profiler error"
+          if fmt == "bf16":
+            base[(b, s)] = (us, us_ref)
+          if (b, s) in base:
+            row["speedup_vs_bf16_kernel"] = base[(b, s)][0] / us
+            row["speedup_vs_xla_ref_bf16"] = base[(b, s)][1] / us
+        except Exception:  # noqa: BLE001 - record and go on
+          row["error"] = traceback.format_exc()[-3000:]
+        state["t"] = None
+        res["rows"].append(row)
+        save()
+        log(f"{name:22s} us={row.get('us_call', float('nan')):9.1f} "
+            f"GB/s={row.get('GBps', float('nan')):7.0f} err={row.get('relerr_max')} "
+            f"{row.get('error', '')[-300:]}")
+
+  res["total_s"] = round(time.time() - T0, 1)
+  save()
+  log("DONE ->", args.out)
+  print(f"\ntiming: {timing}\n{'name':22s} {'us':>8s} {'us_kern':>8s} {'GB/s':>7s} {'%4.27':>6s} "
+        f"{'x_bf16':>6s} {'x_xla':>6s} {'x_xlabf':>7s} {'relerr':>8s}")
+  f = lambda r, k, fmt: format(r[k], fmt) if isinstance(r.get(k), float) else "-"  # noqa: E731
+  for r in res["rows"]:
+    if "error" in r or "skipped" in r:
+      msg = r.get("skipped") or r["error"].strip().splitlines()[-1][:100]
+      print(f"{r['name']:22s} {'SKIP' if 'skipped' in r else 'ERROR'} {msg}")
+      continue
+    print(f"{r['name']:22s} {f(r, 'us_call', '8.1f'):>8s} {f(r, 'us_kernel', '8.1f'):>8s} "
+          f"{f(r, 'GBps', '7.0f'):>7s} {f(r, 'pct_of_ceiling', '6.1f'):>6s} "
+          f"{f(r, 'speedup_vs_bf16_kernel', '6.2f'):>6s} {f(r, 'speedup_vs_xla_ref', '6.2f'):>6s} "
+          f"{f(r, 'speedup_vs_xla_ref_bf16', '7.2f'):>7s} {f(r, 'relerr_max', '8.1e'):>8s}")
+
+
+if __name__ == "__main__":
+  main()

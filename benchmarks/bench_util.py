@@ -1,0 +1,25 @@
+"""Helpers shared by the GPU benchmark scripts (imported as a sibling module: the scripts run as
+`python benchmarks/<name>.py`, which puts this folder on `sys.path`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
+  """End the process (exit code 3) when the variant in `state` ("name", started at "t"; "t"
+  None between variants) runs past `hang_s`, after recording it in `rows` and saving: a hung
+  Mosaic GPU kernel stalls the whole GPU job otherwise."""
+
+  def watch():
+    while True:
+      time.sleep(2)
+      if state.get("t") and time.time() - state["t"] > hang_s:
+        log("WATCHDOG: hung in", state.get("name"))
+        rows.append(dict(name=state.get("name"), error="HUNG (watchdog)"))
+        save()
+        os._exit(3)
+
+  threading.Thread(target=watch, daemon=True).start()

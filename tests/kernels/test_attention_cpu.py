@@ -1,0 +1,238 @@
+"""CPU tests of decode attention: the reference against numpy over independently dequantized
+K/V and against the model's own attention, the in-kernel scale decode against `dequantize`, the
+split-K combine against a plain softmax, and the Pallas kernel itself in interpret mode against
+the reference (ragged masks, lengths 1 and non-multiples of the tile, several splits).
+`test_lowers_for_cuda` lowers the GPU kernel where `jax-cuda13-plugin` is installed;
+tests/kernels/test_attention_gpu.py runs it on a GPU."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import kernels
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.kernels import attention_pallas as AP
+from trace_jax.kernels import attention_ref as R
+
+FORMATS = [None, "mxfp8", "nvfp4", "mxfp4"]
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def np_dequant(x) -> np.ndarray:
+  """Independent numpy decode of a K/V QArray `[B, S, KVH, hd]` (blocks along hd), float64."""
+  if not isinstance(x, tq.QArray):
+    return np.asarray(x, np.float64)
+  codes = np.asarray(x.codes)
+  if x.fmt.is_fp4:
+    c = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    q = E2M1[c]
+  else:
+    q = codes.astype(np.float64)  # float8_e4m3fn -> exact
+  if x.fmt.scale == "e8m0":
+    b = np.asarray(x.scales).view(np.uint8).astype(np.float64)
+    s = np.where(b == 255, np.nan, 2.0 ** (b - 127))
+  else:  # d = s * g rounded to float32, as NUMERICS defines the NVFP4 block scale
+    s = np.asarray(x.scales).astype(np.float32) * np.asarray(x.global_scale, np.float32)
+    s = s.astype(np.float64)
+  return (q * np.repeat(s, x.fmt.block, axis=-1))[..., :x.shape[-1]]
+
+
+def np_attention(q, k, v, allowed, scale):
+  """float64 softmax attention, GQA: q `[B, H, hd]`, k/v `[B, S, KVH, hd]`."""
+  b, h, hd = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, kvh, h // kvh, hd)
+  s = np.einsum("bkgd,bskd->bkgs", qg, k) * scale
+  s = np.where(allowed[:, None, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bkgs,bskd->bkgd", p, v).reshape(b, h, hd)
+
+
+def make_kv(fmt, shape, seed):
+  """Random K/V with a spread of per-token magnitudes, in `fmt` (None: bf16 arrays)."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.exp(rng.normal(size=shape[:-1] + (1,)))
+  x = jnp.asarray(x, jnp.float32)
+  if fmt is None:
+    return x.astype(jnp.bfloat16)
+  return tq.quantize(x, fmt, second_level="row")
+
+
+def ragged_valid(b, s):
+  """Left padding, a hole, a single valid slot (the last row: only slot 0)."""
+  v = np.ones((b, s), bool)
+  v[0, : s // 3] = False
+  if b > 1:
+    v[1, s // 2: s // 2 + 2] = False
+    v[-1, 1:] = False
+  return jnp.asarray(v)
+
+
+def relerr(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)), "non-finite output"
+  return np.max(np.abs(a - b)) / np.max(np.abs(b))
+
+
+# ------------------------------------------------------------------ reference
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_vs_numpy(fmt):
+  b, s, kvh, g, hd = 3, 23, 2, 3, 64
+  k, v = make_kv(fmt, (b, s, kvh, hd), 0), make_kv(fmt, (b, s, kvh, hd), 1)
+  q = jax.random.normal(jax.random.key(2), (b, kvh * g, hd), jnp.float32)
+  valid = ragged_valid(b, s)
+  ref = jax.jit(R.decode_attention_ref, static_argnames="scale")
+  got = ref(q, k, v, valid, scale=0.3)
+  want = np_attention(np.asarray(q, np.float64), np_dequant(k), np_dequant(v),
+                      np.asarray(valid), 0.3)
+  assert relerr(got, want) < 1e-5
+  lengths = jnp.asarray([s, 7, 1])  # lengths: slots 0 .. n-1
+  got = ref(q, k, v, lengths, scale=0.3)
+  want = np_attention(np.asarray(q, np.float64), np_dequant(k), np_dequant(v),
+                      np.arange(s)[None] < np.asarray(lengths)[:, None], 0.3)
+  assert relerr(got, want) < 1e-5
+
+
+def test_reference_is_the_models_decode_attention():
+  """One decode token through the model's decode path (decode_attention, on CPU the reference)
+  equals the same token through the model's general attention (a 2-token step whose second
+  token is padding), bit for bit, for an FP4 (NVFP4) cache on the tiny preset (bf16 caches:
+  tests/models/test_transformer.py::test_decode_with_cache_equals_full_forward)."""
+  cfg = M.tiny(num_layers=1, dtype="bfloat16")
+  params = M.init_params(cfg, jax.random.key(0))
+  apply = jax.jit(M.apply, static_argnums=(2, 3))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+  mask = jnp.asarray(np.arange(7)[None] >= np.array([[2], [0]]))  # row 0 left-padded
+  for policy in (tq.make_policy("kv4", "nvfp4"),):
+    ctx = M.QuantContext(policy, "rollout")
+    cache = M.init_cache(cfg, 2, 16, policy.kv)
+    out = apply(params, tokens[:, :6], cfg, ctx, token_mask=mask[:, :6], cache=cache)
+    pos = M.default_positions(tokens, mask)[:, 6:]
+    one = apply(params, tokens[:, 6:], cfg, ctx, positions=pos, cache=out.cache, cache_index=6)
+    two = apply(params, jnp.pad(tokens[:, 6:], ((0, 0), (0, 1))), cfg, ctx,
+                  positions=jnp.pad(pos, ((0, 0), (0, 1))),
+                  token_mask=jnp.asarray([[True, False]] * 2), cache=out.cache, cache_index=6)
+    np.testing.assert_array_equal(np.asarray(one.logits[:, 0]), np.asarray(two.logits[:, 0]))
+
+
+# ------------------------------------------------------------------ kernel pieces
+
+@pytest.mark.parametrize("fmt", FORMATS[1:])
+def test_in_kernel_scale_decode_equals_dequantize(fmt):
+  """The kernel's tile decode (scale bytes, E2M1/E4M3 codes, NVFP4 s * g) gives exactly the
+  bf16 values `dequantize(...).astype(bf16)` gives, including a NaN block scale."""
+  x = make_kv(None, (1, 40, 1, 64), 3).astype(jnp.float32) * 1e3
+  x = x.at[0, 5, 0, 7].set(jnp.nan)
+  q = tq.quantize(x, fmt, second_level="row", validate=False)
+
+  @jax.jit
+  def decode(q):
+    ops, f = AP._kv_operands(q)
+    ops = [o[0, :, 0] for o in ops]  # one head's tile [S, ...]
+    parts = AP._decode_tile(ops, f, 2 if f.is_fp4 else 1, jnp.bfloat16)
+    return jnp.stack(parts, -1).reshape(40, 64) if f.is_fp4 else parts[0]
+
+  got = decode(q)
+  want = jax.jit(tq.dequantize, static_argnums=1)(q, jnp.bfloat16)[0, :, 0]
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+  assert np.isnan(np.asarray(got, np.float32)[5]).any()
+
+
+def test_combine_splits_equals_softmax():
+  rng = np.random.default_rng(4)
+  g, n, d, width = 5, 40, 8, 10  # 4 splits of 10 slots
+  s = rng.standard_normal((g, n)) * 3
+  vals = rng.standard_normal((n, d))
+  allowed = np.ones((g, n), bool)
+  allowed[1, :] = False  # a row with nothing valid -> 0
+  allowed[2, 10:20] = False  # an empty split for one row
+  o, m, l = [], [], []
+  for j in range(0, n, width):
+    sj = np.where(allowed[:, j:j + width], s[:, j:j + width], -np.inf)
+    mj = np.where(np.isfinite(sj.max(1)), sj.max(1), R.NEG)
+    pj = np.where(allowed[:, j:j + width], np.exp(sj - mj[:, None]), 0.0)
+    o.append(pj @ vals[j:j + width])
+    m.append(mj)
+    l.append(pj.sum(1))
+  got = np.asarray(AP.combine_splits(jnp.asarray(np.stack(o)), jnp.asarray(np.stack(m)),
+                                     jnp.asarray(np.stack(l))))
+  sm = np.where(allowed, s, -1e300)
+  p = np.where(allowed, np.exp(sm - sm.max(1, keepdims=True)), 0.0)
+  want = (p / np.maximum(p.sum(1, keepdims=True), 1e-300)) @ vals  # row 1: 0
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the kernel (interpret mode)
+
+@functools.lru_cache(maxsize=None)
+def _interpreted(cfg):
+  return jax.jit(functools.partial(AP.decode_attention, interpret=True, out_dtype=jnp.float32,
+                                   config=dict(cfg)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_interpret_matches_reference(fmt):
+  """S = 37 (not a multiple of the 16-slot tile), 3 splits of 16 + 16 + 5 slots, GQA 3 query
+  heads per KV head (padded to 16 rows), ragged rows (left padding, a hole, one valid slot);
+  for NVFP4 also one tile per split (no split-K). All match the reference to bf16 rounding
+  (the kernel rounds probabilities to bf16 against its running max)."""
+  b, s, kvh, g, hd = 3, 37, 2, 3, 64
+  k, v = make_kv(fmt, (b, s, kvh, hd), 5), make_kv(fmt, (b, s, kvh, hd), 6)
+  q = jax.random.normal(jax.random.key(7), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  valid = ragged_valid(b, s)
+  want = jax.jit(R.decode_attention_ref)(q, k, v, valid)
+  split = _interpreted((("block_k", 16), ("splits", 3)))(q, k, v, valid)
+  assert relerr(split, want) < 1e-2
+  if fmt == "nvfp4":
+    whole = _interpreted((("block_k", 64), ("splits", 1)))(q, k, v, valid)
+    assert relerr(whole, want) < 1e-2 and relerr(split, whole) < 1e-2
+
+
+# ------------------------------------------------------------------ dispatch, errors, lowering
+
+def test_dispatch_cpu_uses_the_reference():
+  k, v = make_kv("mxfp4", (2, 9, 2, 32), 11), make_kv("mxfp4", (2, 9, 2, 32), 12)
+  q = jax.random.normal(jax.random.key(13), (2, 4, 32), jnp.float32).astype(jnp.bfloat16)
+  valid = ragged_valid(2, 9)
+  assert not kernels.on_gpu()
+  np.testing.assert_array_equal(np.asarray(jax.jit(kernels.decode_attention)(q, k, v, valid)),
+                                np.asarray(jax.jit(R.decode_attention_ref)(q, k, v, valid)))
+
+
+def test_bad_inputs_are_named():
+  k = make_kv(None, (2, 9, 2, 32), 0)
+  q = jnp.zeros((2, 4, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="q must be"):
+    R.decode_attention_ref(q[0], k, k, jnp.ones((2, 9), bool))
+  with pytest.raises(ValueError, match="not a multiple"):
+    R.decode_attention_ref(jnp.zeros((2, 3, 32), jnp.bfloat16), k, k, jnp.ones((2, 9), bool))
+  with pytest.raises(ValueError, match="valid must be"):
+    R.decode_attention_ref(q, k, k, jnp.ones((2, 8), bool))
+  with pytest.raises(ValueError, match="head_dim 16"):
+    AP.decode_attention(jnp.zeros((2, 4, 16), jnp.bfloat16), k[..., :16], k[..., :16],
+                        jnp.ones((2, 9), bool))
+  with pytest.raises(ValueError, match="float32"):
+    AP.decode_attention(q.astype(jnp.float32), k, k, jnp.ones((2, 9), bool))
+
+
+def test_lowers_for_cuda():
+  """The kernel's GPU lowering (Pallas -> Triton IR: shapes, masks, dots) runs on CPU with the
+  plugin, for every KV format at a Qwen3-30B-A3B head shape and a cache length of 1000."""
+  pytest.importorskip("jax_cuda13_plugin")
+  sds = jax.ShapeDtypeStruct
+  b, s, kvh, h, hd = 2, 1000, 4, 32, 128
+  for fmt in FORMATS:
+    kv = sds((b, s, kvh, hd), jnp.bfloat16) if fmt is None else jax.eval_shape(
+        lambda x, f=fmt: tq.quantize(x, f, second_level="row", validate=False),
+        sds((b, s, kvh, hd), jnp.float32))
+    lowered = jax.jit(AP.decode_attention).trace(
+        sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
+            lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
