@@ -48,6 +48,7 @@ flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and pr
 flags.DEFINE_string("tokens_dir", "", "Internal: where rows save their last tokens.")
 flags.DEFINE_string("out", "bench_rollout.json", "Output JSON path.")
 FLAGS = flags.FLAGS
+_HELD = []  # the timing lock's file, held until the row's process exits
 
 
 def _median(xs):
@@ -104,7 +105,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
     engine.compile(batch, FLAGS.prompt_len, sampling=s)
     compile_s = time.perf_counter() - t
     _log(f"compiled in {compile_s:.1f} s")
-    lock = _barrier_then_lock(FLAGS.barrier, f"{policy_name}_{path}_{batch}")
+    _HELD.append(_barrier_then_lock(FLAGS.barrier, f"{policy_name}_{path}_{batch}"))
 
   def timed(max_new):
     t = time.perf_counter()
