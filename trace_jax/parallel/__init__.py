@@ -12,3 +12,12 @@ __all__ = [
     "cache_shardings", "logical_to_spec", "make_mesh", "param_logical_axes", "param_shardings",
     "replicated", "routes_shardings", "shard_params",
 ]
+
+
+def __getattr__(name):
+  # train.py imports the RL layer, which imports the rollout engine, which imports this
+  # package: load it on first use.
+  if name in ("sharded_learner", "state_shardings"):
+    from trace_jax.parallel import train
+    return getattr(train, name)
+  raise AttributeError(name)
