@@ -21,3 +21,5 @@ def __getattr__(name):
     from trace_jax.parallel import train
     return getattr(train, name)
   raise AttributeError(name)
+
+from trace_jax.parallel.distributed import initialize, is_primary, to_host  # noqa: E402
