@@ -56,10 +56,12 @@ def get_config():
       aux_loss_coef=0.01, z_loss_coef=0.0, micro_batches=1,
       code_agreement=True))  # record full codes at every site for mismatch/code_agreement
 
-  # Device mesh (trace_jax.parallel): axis sizes, -1 = fill with the remaining devices; all 1
-  # runs on one device. `expert_capacity_factor` 0 = never drop (capacity = all local tokens).
+  # Device mesh (trace_jax.parallel), rollout and trainer colocated: axis sizes, -1 = fill with
+  # the remaining devices; all 1 runs on one device. With expert > 1 the MoE layer is expert
+  # parallel: expert_parallel "auto" (ragged_all_to_all on GPU, fixed capacity elsewhere),
+  # "fixed", "ragged" or "off" (GSPMD); expert_capacity_factor 0 = never drop.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1,
-                                          expert_capacity_factor=0.0))
+                                          expert_parallel="auto", expert_capacity_factor=0.0))
 
   c.eval = ml_collections.ConfigDict(dict(every=25, size=500))
   c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))

@@ -19,7 +19,14 @@ ROLL_CFG = TRAIN_CFG.replace(dtype="bfloat16")
 POLICY = tq.make_policy("paper", "nvfp4").replace(guided_layers=0.5)
 RL_CFG = rl.RLConfig(alignment="trace", warmup_steps=1)
 GROUP = 4
-LAYOUT = "fsdp2_expert2_tensor2"  # every axis at once
+LAYOUT = "fsdp2_expert2_tensor2"  # every axis at once (GSPMD)
+EP_LAYOUT = "data2_expert4"  # expert parallel: all_to_all dispatch (fixed capacity on CPU)
+EP_CFG = dict(expert_parallel="fixed", expert_capacity_factor=0.0)
+
+
+def _cfgs(layout):
+  extra = EP_CFG if layout == EP_LAYOUT else {}
+  return TRAIN_CFG.replace(**extra), ROLL_CFG.replace(**extra)
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,7 +43,7 @@ def _prompts():
 @functools.lru_cache(maxsize=None)
 def _engine(layout=None):
   mesh = None if layout is None else par.make_mesh(MESH_LAYOUTS[layout])
-  eng = RolloutEngine(ROLL_CFG, POLICY, max_new_tokens=8, mesh=mesh)
+  eng = RolloutEngine(_cfgs(layout)[1], POLICY, max_new_tokens=8, mesh=mesh)
   eng.sync(_params())
   return eng
 
@@ -55,7 +62,7 @@ def _two_steps(step, state, batch):
   return state, metrics
 
 
-@pytest.mark.parametrize("layout", [LAYOUT])
+@pytest.mark.parametrize("layout", [LAYOUT, EP_LAYOUT])
 def test_sharded_train_step_equals_single_device(layout):
   rewards = (np.arange(16) % 3 == 0).astype(np.float32)
   batch = rl.batch_from_rollout(_rollout(), rewards, GROUP, RL_CFG)
@@ -63,11 +70,12 @@ def test_sharded_train_step_equals_single_device(layout):
   ref_state, ref_m = _two_steps(step, rl.init_state(_params(), opt), batch)
 
   mesh = par.make_mesh(MESH_LAYOUTS[layout])
-  opt, sstep, place = par.sharded_learner(TRAIN_CFG, POLICY, RL_CFG, mesh, True)
+  opt, sstep, place = par.sharded_learner(_cfgs(layout)[0], POLICY, RL_CFG, mesh, True)
   state, m = _two_steps(sstep, place(rl.init_state(_params(), opt)), batch)
-  # The state keeps the rules' shardings: FSDP+expert+tensor weights and moments.
+  # The state keeps the rules' shardings (weights and moments alike).
   gu = state.params["layers_0"]["moe"]["experts"]["gate_up_proj"]
-  assert gu.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
+  assert gu.sharding == par.param_shardings(_params(), mesh)["layers_0"]["moe"]["experts"][
+      "gate_up_proj"]
   assert state.opt_state[1][0].mu["layers_0"]["moe"]["experts"]["gate_up_proj"].sharding == (
       gu.sharding)
   # Float32 sums in another order (sharded matmuls, all-reduced gradients): measured max
@@ -81,8 +89,9 @@ def test_sharded_train_step_equals_single_device(layout):
       np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
-def test_sharded_rollout_equals_single_device():
-  ref, ro = _rollout(), _rollout(LAYOUT)
+@pytest.mark.parametrize("layout", [LAYOUT, EP_LAYOUT])
+def test_sharded_rollout_equals_single_device(layout):
+  ref, ro = _rollout(), _rollout(layout)
   assert len(ro.tokens.sharding.device_set) == 8
   np.testing.assert_array_equal(np.asarray(ro.tokens), np.asarray(ref.tokens))
   # bf16 compute with tensor-parallel partial sums rounded to bf16 before the all-reduce:

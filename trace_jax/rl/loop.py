@@ -77,6 +77,11 @@ def build(config) -> Setup:
   if model_config.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size {model_config.vocab_size} < tokenizer vocab "
                       f"{tokenizer.vocab_size}: raise --config.model.vocab_size")
+  mesh_cfg = _plain(config.get("mesh") or {})
+  if int(mesh_cfg.get("expert", 1)) != 1:  # expert axis: the MoE layer exchanges tokens
+    model_config = model_config.replace(
+        expert_parallel=str(mesh_cfg.get("expert_parallel", "auto")),
+        expert_capacity_factor=float(mesh_cfg.get("expert_capacity_factor", 0.0)))
   r = config.rollout
   if r.precision == "bf16":
     policy = tq.make_policy("bf16")
