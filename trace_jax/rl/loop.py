@@ -261,6 +261,9 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
   engine = make_engine(setup, record_codes=bool(config.rl.code_agreement), mesh=mesh)
   target = _train_state_target(setup, optimizer, config.seed, stream)
   target["train"] = place(target["train"])  # restored straight onto the mesh
+  if mesh is not None:  # every checkpointed array must be global when processes share a save
+    target["rng"] = jax.jit(lambda: jax.random.key(config.seed),
+                            out_shardings=parallel.replicated(mesh))()
   latest = ckpt.latest_step()
   if latest is None:
     if init_params is not None:

@@ -414,10 +414,14 @@ class RolloutEngine:
             jnp.asarray(np.repeat(per_prompt, n)))
     if self.mesh is None:
       return self._program(key)(self.params, *args, jnp.asarray(stop))
+    # Typed keys travel as their raw data (a key array cannot be device_put onto devices of
+    # other processes).
+    args = args[:2] + (jax.random.key_data(seq_keys),) + args[3:]
     try:
       args = jax.device_put(args, parallel.batch_shardings(args, self.mesh))
     except ValueError:  # prompts do not divide over the batch axes: replicate them
       args = jax.device_put(args, parallel.replicated(self.mesh))
+    args = args[:2] + (jax.random.wrap_key_data(args[2], impl=jax.random.key_impl(seq_keys)),) + args[3:]
     with jax.set_mesh(self.mesh):
       return self._program(key)(self.params, *args,
                                 jax.device_put(stop, parallel.replicated(self.mesh)))
