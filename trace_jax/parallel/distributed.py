@@ -84,8 +84,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                      f"{', '.join(_ENV[m][0] for m in missing)})")
   if not 0 <= s["process_id"] < n:
     raise ValueError(f"process_id {s['process_id']} is not in [0, num_processes={n})")
-  if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or jax.config.jax_platforms == "cpu":
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Cross-process collectives of CPU devices (the only kind on a CPU run; harmless on GPU).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(s["coordinator_address"], n, s["process_id"],
                              initialization_timeout=timeout_s)
   return True
