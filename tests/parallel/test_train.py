@@ -89,7 +89,7 @@ def test_sharded_train_step_equals_single_device(layout):
       np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, EP_LAYOUT])
+@pytest.mark.parametrize("layout", [pytest.param(LAYOUT, marks=pytest.mark.slow), EP_LAYOUT])
 def test_sharded_rollout_equals_single_device(layout):
   ref, ro = _rollout(), _rollout(layout)
   assert len(ro.tokens.sharding.device_set) == 8

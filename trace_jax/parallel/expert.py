@@ -50,6 +50,19 @@ def _map_rows(tree, fn, rows: int):
   return jax.tree_util.tree_map(one, tree, is_leaf=_is_blocked)
 
 
+def _wire(collective):
+  """`collective` applied to bytes for bool and 1-byte float leaves (FP8 scales, masks): what
+  the GPU collectives move for sure, and bit-exact."""
+  def run(a):
+    if a.dtype == jnp.bool_:
+      return collective(a.astype(jnp.uint8)).astype(jnp.bool_)
+    if a.dtype.itemsize == 1 and not jnp.issubdtype(a.dtype, jnp.integer):
+      out = collective(jax.lax.bitcast_convert_type(a, jnp.uint8))
+      return jax.lax.bitcast_convert_type(out, a.dtype)
+    return collective(a)
+  return run
+
+
 def _local_weight(w):
   """A shard of stacked expert weights; a QArray's static shape follows its local leaves."""
   if isinstance(w, tq.QArray):
@@ -159,16 +172,17 @@ def _fixed_dispatch(pair_rows, target, n_ep: int, cap: int):
   slot = jnp.where(keep, target * cap + rank, n_ep * cap)  # out of range: dropped
   rows = n_ep * cap
 
+  a2a = _wire(lambda a: jax.lax.all_to_all(a, "expert", 0, 0, tiled=True))
+
   def send(a):
-    buf = jnp.zeros((rows,) + a.shape[1:], a.dtype).at[slot].set(a, mode="drop")
-    return jax.lax.all_to_all(buf, "expert", 0, 0, tiled=True)
+    return a2a(jnp.zeros((rows,) + a.shape[1:], a.dtype).at[slot].set(a, mode="drop"))
 
   payload = dict(pair_rows, valid=jnp.ones((pairs,), bool))
   recv = _map_rows(payload, send, rows)
 
   def back(out):
     def ret(a):
-      a = jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)
+      a = a2a(a)
       safe = jnp.minimum(slot, rows - 1)
       got = a[safe]
       mask = keep.reshape((pairs,) + (1,) * (got.ndim - 1))
@@ -194,10 +208,9 @@ def _ragged_dispatch(pair_rows, target, n_ep: int):
   rows = n_ep * pairs
 
   def send(a):
-    a = a[order]
-    out = jnp.zeros((rows,) + a.shape[1:], a.dtype)
-    return jax.lax.ragged_all_to_all(a, out, in_off, send_sizes, out_off, recv_sizes,
-                                     axis_name="expert")
+    return _wire(lambda a: jax.lax.ragged_all_to_all(
+        a, jnp.zeros((rows,) + a.shape[1:], a.dtype), in_off, send_sizes, out_off, recv_sizes,
+        axis_name="expert"))(a[order])
 
   payload = dict(pair_rows, valid=jnp.ones((pairs,), bool))
   recv = _map_rows(payload, send, rows)
@@ -208,9 +221,9 @@ def _ragged_dispatch(pair_rows, target, n_ep: int):
 
   def back(out):
     def ret(a):
-      buf = jnp.zeros((pairs,) + a.shape[1:], a.dtype)
-      got = jax.lax.ragged_all_to_all(a, buf, back_in_off, recv_sizes, back_out_off, send_sizes,
-                                      axis_name="expert")
+      got = _wire(lambda a: jax.lax.ragged_all_to_all(
+          a, jnp.zeros((pairs,) + a.shape[1:], a.dtype), back_in_off, recv_sizes, back_out_off,
+          send_sizes, axis_name="expert"))(a)
       return got[inv]
     return _map_rows(out, ret, pairs), jnp.int32(0)
 
