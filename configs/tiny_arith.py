@@ -7,6 +7,14 @@ FP4 TRACE rollouts). About 5 minutes on 2 CPU cores.
 
 import ml_collections
 
+# Mesh layouts the 8-device tests run (every one divides this config's model dimensions).
+MESH_LAYOUTS = {
+    "data8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "data2_expert4": dict(data=2, expert=4),
+    "fsdp2_expert2_tensor2": dict(fsdp=2, expert=2, tensor=2),
+}
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -47,6 +55,13 @@ def get_config():
       aggregation="token_mean", normalize_std=True, kl_coef=0.0,
       aux_loss_coef=0.01, z_loss_coef=0.0, micro_batches=1,
       code_agreement=True))  # record full codes at every site for mismatch/code_agreement
+
+  # Device mesh (trace_jax.parallel), rollout and trainer colocated: axis sizes, -1 = fill with
+  # the remaining devices; all 1 runs on one device. With expert > 1 the MoE layer is expert
+  # parallel: expert_parallel "auto" (ragged_all_to_all on GPU, fixed capacity elsewhere),
+  # "fixed", "ragged" or "off" (GSPMD); expert_capacity_factor 0 = never drop.
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1,
+                                          expert_parallel="auto", expert_capacity_factor=0.0))
 
   c.eval = ml_collections.ConfigDict(dict(every=25, size=500))
   c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))

@@ -43,6 +43,13 @@ class ModelConfig:
   max_seq_len: int = 4096
   dtype: str = "bfloat16"  # activation/compute dtype; params are kept in float32
   layout: Layout = "qwen3_moe"  # which HF layout import/export uses
+  # Expert parallelism (`trace_jax.parallel.expert`), used when the mesh set by `jax.set_mesh`
+  # has an `expert` axis > 1: "off" (GSPMD over the dropless dispatch), "fixed" (all_to_all with
+  # a fixed capacity), "ragged" (ragged_all_to_all, GPU), "auto" (ragged on GPU, else fixed).
+  expert_parallel: Literal["off", "auto", "fixed", "ragged"] = "off"
+  # Fixed capacity per (source, target) shard pair, as a multiple of the even share of local
+  # (token, slot) pairs; <= 0: room for all of them (never drops).
+  expert_capacity_factor: float = 0.0
 
   def __post_init__(self):
     problems = []
@@ -58,6 +65,9 @@ class ModelConfig:
       problems.append("dense_layers are set but dense_ffn_size is 0")
     if any(not 0 <= l < self.num_layers for l in self.dense_layers):
       problems.append(f"dense_layers {self.dense_layers} out of range for {self.num_layers}")
+    if self.expert_parallel not in ("off", "auto", "fixed", "ragged"):
+      problems.append(f"expert_parallel {self.expert_parallel!r} must be one of 'off', 'auto', "
+                      "'fixed', 'ragged'")
     if problems:
       raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 

@@ -217,19 +217,27 @@ class MoE(nn.Module):
 
     # Expert input site: quantized once per token (row-local), before dispatch.
     x_in = activation_site(x, "experts/in", self.guided, ctx, guidance, records).reshape(n, d)
-
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
-    inverse = jnp.argsort(order)
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    xs = x_in[order // k].astype(dt)
-
     w_gu, w_dn = Experts(c, ctx, name="experts")()
-    gu = kernels.grouped_matmul(xs, w_gu, group_sizes, out_dtype=dt)
-    h = nn.silu(gu[:, :f]) * gu[:, f:]
-    h = _sorted_site(h, order, inverse, (b, t, k), self.guided, ctx, guidance, records)
-    ys = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt)
-    y = ys[inverse].reshape(n, k, d)
+
+    ep_mesh = None
+    if c.expert_parallel != "off" and not isinstance(w_gu, kernels.PackedWeight):
+      from trace_jax.parallel import expert as ep  # noqa: PLC0415 - parallel is a later layer
+      ep_mesh = ep.context_mesh()
+    if ep_mesh is not None:
+      y, dropped = self._expert_parallel(ep, ep_mesh, x_in, idx, w_gu, w_dn, (b, t, k), guidance,
+                                         records)
+    else:
+      flat = idx.reshape(-1)
+      order = jnp.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+      inverse = jnp.argsort(order)
+      group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+      xs = x_in[order // k].astype(dt)
+      gu = kernels.grouped_matmul(xs, w_gu, group_sizes, out_dtype=dt)
+      h = nn.silu(gu[:, :f]) * gu[:, f:]
+      h = _sorted_site(h, order, inverse, (b, t, k), self.guided, ctx, guidance, records)
+      ys = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt)
+      y = ys[inverse].reshape(n, k, d)
+      dropped = jnp.int32(0)
     out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
 
     if c.shared_ffn_size:
@@ -240,7 +248,29 @@ class MoE(nn.Module):
                        _param(self, "shared_gate", _INIT, (d, 1)).astype(jnp.float32))
         shared = shared * jax.nn.sigmoid(gate).astype(dt)
       out = out + shared
-    return out.reshape(b, t, d), idx.reshape(b, t, k), aux_loss, z_loss
+    return out.reshape(b, t, d), idx.reshape(b, t, k), aux_loss, z_loss, dropped
+
+  def _expert_parallel(self, ep, mesh, x_in, idx, w_gu, w_dn, canon_lead, guidance, records):
+    """Routed experts over the mesh's `expert` axis (`parallel.expert`); the down-projection
+    input site runs on the expert's shard, its guidance and records in (token, slot) order."""
+    c, ctx = self.config, self.ctx
+    n, k = idx.shape
+    site = "experts/down_in"
+    g = None if guidance is None else guidance.get(site)
+    g_rows = None if g is None else tq.reshape_rows(g, (n * k,))
+
+    def site_fn(h, rows_guidance):
+      rec: dict = {}
+      local = None if rows_guidance is None else {site: rows_guidance}
+      return activation_site(h, site, self.guided, ctx, local, rec), rec
+
+    y, rec, dropped = ep.routed_experts(
+        x_in, idx, w_gu, w_dn, mesh=mesh, ffn=c.moe_ffn_size, dtype=c.compute_dtype,
+        capacity_factor=c.expert_capacity_factor, mode=c.expert_parallel, site_fn=site_fn,
+        site_guidance=g_rows)
+    for key, r in rec.items():
+      records[key] = tq.reshape_rows(r, canon_lead)
+    return y, dropped
 
 
 class Experts(nn.Module):
@@ -293,12 +323,12 @@ class Block(nn.Module):
     x = x + h
     hn = RMSNorm(c.rms_norm_eps, name="post_attn_norm")(x)
     if c.is_moe_layer(self.layer):
-      h, chosen, aux, z = MoE(c, self.ctx, guided, name="moe")(hn, token_mask, guidance, records,
-                                                            routes)
+      h, chosen, aux, z, dropped = MoE(c, self.ctx, guided, name="moe")(
+          hn, token_mask, guidance, records, routes)
     else:
       h = SwiGLU(c.dense_ffn_size, c, self.ctx, guided, "mlp", name="mlp")(hn, guidance, records)
-      chosen, aux, z = None, jnp.float32(0.0), jnp.float32(0.0)
-    return x + h, new_cache, chosen, aux, z, records
+      chosen, aux, z, dropped = None, jnp.float32(0.0), jnp.float32(0.0), jnp.int32(0)
+    return x + h, new_cache, chosen, aux, z, records, dropped
 
 
 @dataclasses.dataclass
@@ -311,11 +341,14 @@ class ModelOutput:
   records: dict  # {layer: {site: Guidance | QArray}}
   aux_loss: jax.Array  # mean over MoE layers
   z_loss: jax.Array
+  # (token, slot) pairs dropped by a fixed-capacity expert-parallel dispatch, over all layers
+  # (0 for the dropless dispatch).
+  dropped_pairs: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
-    ModelOutput, data_fields=["logits", "cache", "routes", "records", "aux_loss", "z_loss"],
-    meta_fields=[])
+    ModelOutput, data_fields=["logits", "cache", "routes", "records", "aux_loss", "z_loss",
+                              "dropped_pairs"], meta_fields=[])
 
 
 class Transformer(nn.Module):
@@ -330,15 +363,16 @@ class Transformer(nn.Module):
     x = jnp.take(emb, tokens, axis=0).astype(c.compute_dtype)
     key_mask = token_mask if cache is None else jax.lax.dynamic_update_slice_in_dim(
         cache.valid, token_mask, cache_index, axis=1)
-    new_layers, chosen, aux, z, records = [], [], [], [], {}
+    new_layers, chosen, aux, z, records, dropped = [], [], [], [], {}, jnp.int32(0)
     moe_i = 0
     for i in range(c.num_layers):
       layer_routes = None
       if routes is not None and c.is_moe_layer(i):
         layer_routes = routes[moe_i]
-      x, lc, ch, a, zz, rec = Block(c, self.ctx, i, name=f"layers_{i}")(
+      x, lc, ch, a, zz, rec, drop = Block(c, self.ctx, i, name=f"layers_{i}")(
           x, positions, token_mask, key_mask, None if cache is None else cache.layers[i],
           cache_index, None if guidance is None else guidance.get(i), layer_routes)
+      dropped = dropped + drop
       new_layers.append(lc)
       if ch is not None:
         chosen.append(ch)
@@ -355,7 +389,8 @@ class Transformer(nn.Module):
     new_cache = None if cache is None else kvc.KVCache(tuple(new_layers), key_mask)
     mean = lambda v: jnp.mean(jnp.stack(v)) if v else jnp.float32(0.0)  # noqa: E731
     return ModelOutput(logits.astype(jnp.float32), new_cache,
-                       jnp.stack(chosen) if chosen else None, records, mean(aux), mean(z))
+                       jnp.stack(chosen) if chosen else None, records, mean(aux), mean(z),
+                       dropped)
 
 
 # --------------------------------------------------------------------------- functional API

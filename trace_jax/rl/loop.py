@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from trace_jax import models as M
+from trace_jax import parallel
 from trace_jax import quant as tq
 from trace_jax.checkpoint import CheckpointMismatchError, Checkpointer
 from trace_jax.metrics import MetricWriter, Progress
@@ -76,6 +77,11 @@ def build(config) -> Setup:
   if model_config.vocab_size < tokenizer.vocab_size:
     raise ConfigError(f"model vocab_size {model_config.vocab_size} < tokenizer vocab "
                       f"{tokenizer.vocab_size}: raise --config.model.vocab_size")
+  mesh_cfg = _plain(config.get("mesh") or {})
+  if int(mesh_cfg.get("expert", 1)) != 1:  # expert axis: the MoE layer exchanges tokens
+    model_config = model_config.replace(
+        expert_parallel=str(mesh_cfg.get("expert_parallel", "auto")),
+        expert_capacity_factor=float(mesh_cfg.get("expert_capacity_factor", 0.0)))
   r = config.rollout
   if r.precision == "bf16":
     policy = tq.make_policy("bf16")
@@ -121,7 +127,7 @@ def evaluate(engine: RolloutEngine, setup: Setup, examples, max_batch: int = 512
     ro = engine.generate(prompts + prompts[:1] * pad, n=1,
                          sampling=SamplingParams(temperature=0.0), seed=0,
                          stop_tokens=[tok.eos_id], prompt_len=setup.prompt_len)
-    comps = tok.decode_batch(np.asarray(ro.completion)[:len(chunk)])
+    comps = tok.decode_batch(parallel.to_host(ro.completion)[:len(chunk)])
     rewards = setup.task.reward([e.prompt for e in chunk], comps, [e.answer for e in chunk])
     passed += float(np.sum(np.asarray(rewards) >= 1.0))
   return {"eval/pass_rate": passed / max(len(examples), 1)}
@@ -186,10 +192,22 @@ def run_sft(params, setup: Setup, config, engine: RolloutEngine, log=print):
   return params, {"sft/steps": s, "sft/pass_rate": pass_rate}
 
 
-def make_engine(setup: Setup, record_codes: bool = False) -> RolloutEngine:
+def make_engine(setup: Setup, record_codes: bool = False, mesh=None) -> RolloutEngine:
   """The rollout engine for `setup`: prompts padded to one bucket, so one program per batch."""
   return RolloutEngine(setup.rollout_config, setup.policy, max_new_tokens=setup.max_new_tokens,
-                       prompt_bucket=setup.prompt_len, record_codes=record_codes)
+                       prompt_bucket=setup.prompt_len, record_codes=record_codes, mesh=mesh)
+
+
+def make_mesh(config):
+  """The run's device mesh from `config.mesh` (rollout and training colocated on it), or None
+  for a single-device run. Several processes with an all-1 mesh config: data parallel over
+  every device."""
+  mc = parallel.MeshConfig.from_config(config.get("mesh"))
+  if mc.is_trivial:
+    if jax.process_count() == 1:
+      return None
+    mc = parallel.MeshConfig(data=-1)
+  return parallel.make_mesh(mc)
 
 
 def warm_start(params, setup: Setup, config, engine: RolloutEngine, log=print):
@@ -227,13 +245,25 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
   workdir = resolve_workdir(workdir)
   setup = build(config)
   rc, ec = config.rollout, config.eval
-  optimizer, step_fn = ts.learner(setup.model_config, setup.policy, setup.rl_config,
-                                  bool(config.rl.code_agreement))
+  mesh = make_mesh(config)
+  if mesh is None:
+    optimizer, step_fn = ts.learner(setup.model_config, setup.policy, setup.rl_config,
+                                    bool(config.rl.code_agreement))
+    place = lambda state: state  # noqa: E731
+  else:  # rollout and train step colocated on one mesh; sync reshards to the rollout rules
+    optimizer, step_fn, place = parallel.sharded_learner(
+        setup.model_config, setup.policy, setup.rl_config, mesh, bool(config.rl.code_agreement))
+  if not parallel.is_primary():  # process 0 logs (and writes metrics: MetricWriter)
+    log = lambda *_: None  # noqa: E731
   stream = TaskStream(setup.task, config.seed, int(rc.prompts_per_step))
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=int(config.checkpoint.keep),
                       save_every=int(config.checkpoint.every))
-  engine = make_engine(setup, record_codes=bool(config.rl.code_agreement))
+  engine = make_engine(setup, record_codes=bool(config.rl.code_agreement), mesh=mesh)
   target = _train_state_target(setup, optimizer, config.seed, stream)
+  target["train"] = place(target["train"])  # restored straight onto the mesh
+  if mesh is not None:  # every checkpointed array must be global when processes share a save
+    target["rng"] = jax.jit(lambda: jax.random.key(config.seed),
+                            out_shardings=parallel.replicated(mesh))()
   latest = ckpt.latest_step()
   if latest is None:
     if init_params is not None:
@@ -242,7 +272,7 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
       params, info = warm_start(target["train"].params, setup, config, engine, log)
     if info:
       target["sft"] = {"steps": int(info["sft/steps"]), "pass_rate": float(info["sft/pass_rate"])}
-    target["train"] = ts.init_state(params, optimizer)
+    target["train"] = place(ts.init_state(params, optimizer))
     ckpt.save(0, target, force=True)
     ckpt.wait()
     saved, start = target, 0
@@ -272,7 +302,7 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
     ro = engine.generate(prompts, n=g, sampling=setup.sampling,
                          seed=step_seed(config.seed, step, "rollout"), stop_tokens=[tok.eos_id],
                          prompt_len=setup.prompt_len)
-    completions = tok.decode_batch(np.asarray(ro.completion))
+    completions = tok.decode_batch(parallel.to_host(ro.completion))
     t_roll = time.time() - t0
     rewards = setup.task.reward([e.prompt for e in examples for _ in range(g)], completions,
                                 [e.answer for e in examples for _ in range(g)])
@@ -282,7 +312,7 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
     engine.sync(state.params)
     m = jax.device_get(m)
     t_train = time.time() - t1
-    gen_tokens = int(np.sum(np.asarray(ro.completion_mask)))
+    gen_tokens = int(np.sum(parallel.to_host(ro.completion_mask)))
     record = {k: float(v) for k, v in m.items()}
     record.update({
         "reward/mean": float(np.mean(rewards)),

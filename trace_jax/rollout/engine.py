@@ -27,6 +27,7 @@ import numpy as np
 
 from trace_jax import kernels
 from trace_jax import models as M
+from trace_jax import parallel
 from trace_jax import quant as tq
 from trace_jax.models import kv_cache as kvc
 from trace_jax.rollout.sampling import SamplingParams, sample
@@ -285,7 +286,7 @@ class RolloutEngine:
                max_new_tokens: int = 64, prompt_bucket: int = 16,
                record_guidance: bool = True, record_routes: bool = True,
                record_codes: bool = False, device_bytes: int | None = None,
-               use_kernels: bool | None = None):
+               use_kernels: bool | None = None, mesh: jax.sharding.Mesh | None = None):
     self.config = config
     self.policy = policy or tq.make_policy("bf16")
     self.max_new_tokens = int(max_new_tokens)
@@ -297,8 +298,14 @@ class RolloutEngine:
                               record_guidance=record_guidance and quantized,
                               record_codes=record_codes and quantized)
     self.device_bytes = device_bytes
-    # FP4 weights in the Mosaic GPU kernels' layout (made once per sync): default on GPU.
-    self.use_kernels = kernels.on_gpu() if use_kernels is None else use_kernels
+    # mesh: weights sharded per `parallel.param_shardings` (sync reshards the master weights
+    # onto it, e.g. from a disjoint train submesh), prompts over its batch axes.
+    self.mesh = mesh
+    # FP4 weights in the Mosaic GPU kernels' layout (made once per sync): default on GPU, one
+    # device (the kernel-layout weights have no sharding rules).
+    if use_kernels is None:
+      use_kernels = kernels.on_gpu() and mesh is None
+    self.use_kernels = use_kernels
     self.params = None
 
   # -- weights
@@ -306,10 +313,14 @@ class RolloutEngine:
     """Requantize the rollout weights from `master_params` on device, replacing the old copy
     (whose buffers are donated to the new one)."""
     dtype = self.config.compute_dtype
+    if self.mesh is not None:
+      master_params = parallel.shard_params(master_params, self.mesh)
     if self.params is None:
       params = _first_sync(self.policy, dtype)(master_params)
     else:
       params = _resync(self.policy, dtype)(master_params, self.params)
+    if self.mesh is not None:  # whole quantization blocks per shard
+      params = parallel.shard_params(params, self.mesh)
     self.params = _kernel_layout(params) if self.use_kernels else params
 
   @property
@@ -324,7 +335,7 @@ class RolloutEngine:
   # -- generation
   def _program(self, key):
     # Shared across engines: a new engine with the same config reuses compiled programs.
-    full = (self.config, self.ctx, self.record_routes) + key
+    full = (self.config, self.ctx, self.record_routes, self.mesh) + key
     if full not in _PROGRAMS:
       n, steps, sampling = key[2], key[3], key[4]
       fn = functools.partial(generate_program, config=self.config, ctx=self.ctx, n=n,
@@ -414,5 +425,18 @@ class RolloutEngine:
     seq_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(ids, jnp.uint32))
     stop = np.asarray(list(stop_tokens) or [-1], np.int32)
     key = (p, len(prompts), n, self.max_new_tokens, sampling, len(stop))
-    return self._program(key)(self.params, jnp.asarray(tokens), jnp.asarray(mask), seq_keys,
-                              jnp.asarray(np.repeat(per_prompt, n)), jnp.asarray(stop))
+    args = (jnp.asarray(tokens), jnp.asarray(mask), seq_keys,
+            jnp.asarray(np.repeat(per_prompt, n)))
+    if self.mesh is None:
+      return self._program(key)(self.params, *args, jnp.asarray(stop))
+    # Typed keys travel as their raw data (a key array cannot be device_put onto devices of
+    # other processes).
+    args = args[:2] + (jax.random.key_data(seq_keys),) + args[3:]
+    try:
+      args = jax.device_put(args, parallel.batch_shardings(args, self.mesh))
+    except ValueError:  # prompts do not divide over the batch axes: replicate them
+      args = jax.device_put(args, parallel.replicated(self.mesh))
+    args = args[:2] + (jax.random.wrap_key_data(args[2], impl=jax.random.key_impl(seq_keys)),) + args[3:]
+    with jax.set_mesh(self.mesh):
+      return self._program(key)(self.params, *args,
+                                jax.device_put(stop, parallel.replicated(self.mesh)))
