@@ -7,7 +7,7 @@ and a mid-size MoE (the `configs/tiny_arith.py` and `configs/gpu_arith.py` model
 Settings (each timed after a warm-up call that compiles; an error is recorded, not fatal):
   1dev           one device, reference matmuls (what the mesh runs use: the comparison)
   1dev_kernels   one device, Mosaic FP4 kernels where shapes allow (GPU only)
-  2dev_ep_auto   mesh expert=2, expert parallel ("auto": ragged_all_to_all on GPU)
+  2dev_ep_ragged mesh expert=2, expert parallel with ragged_all_to_all (GPU only)
   2dev_ep_fixed  mesh expert=2, expert parallel with all_to_all, capacity for every pair
   2dev_data      mesh data=2 (GSPMD data parallel, weights replicated)
 CPU check with fake devices: --cpu_devices 2 --presets tiny --prompts 4 --samples 2 --max_new 4
@@ -27,7 +27,7 @@ def _args():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", required=True)
   ap.add_argument("--presets", default="tiny,mid")
-  ap.add_argument("--settings", default="1dev,1dev_kernels,2dev_ep_auto,2dev_ep_fixed,2dev_data")
+  ap.add_argument("--settings", default="1dev,1dev_kernels,2dev_ep_ragged,2dev_ep_fixed,2dev_data")
   ap.add_argument("--prompts", type=int, default=64)
   ap.add_argument("--samples", type=int, default=8)
   ap.add_argument("--prompt_len", type=int, default=16)
@@ -63,7 +63,7 @@ PRESETS = {  # trainer float32, rollout bf16 (as in the configs)
 SETTINGS = {
     "1dev": dict(mesh=None, kernels=False),
     "1dev_kernels": dict(mesh=None, kernels=True),
-    "2dev_ep_auto": dict(mesh=dict(expert=2), ep="auto"),
+    "2dev_ep_ragged": dict(mesh=dict(expert=2), ep="ragged"),
     "2dev_ep_fixed": dict(mesh=dict(expert=2), ep="fixed"),
     "2dev_data": dict(mesh=dict(data=2)),
 }

@@ -1,4 +1,5 @@
-"""The RL loop: kill/resume equality, reward rises on the tiny task, launcher errors."""
+"""The RL loop: reward rises on the tiny task, launcher errors, refused checkpoints (kill/resume:
+test_loop_resume.py)."""
 
 import json
 import os
@@ -7,40 +8,10 @@ import sys
 
 import pytest
 
-from configs import tiny_arith
-from trace_jax.metrics import read_metrics
-from trace_jax.rl import compare, loop
+from tests.rl.loop_configs import _small_config
+from trace_jax.rl import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _small_config(**over):
-  c = tiny_arith.get_config()
-  c.sft.max_steps = 0
-  c.total_steps = 6
-  c.rollout.prompts_per_step = 4
-  c.rollout.samples_per_prompt = 4
-  c.eval.every = 3
-  c.eval.size = 16
-  c.checkpoint.every = 2
-  return compare.override(c, over)
-
-
-def _comparable(rows):
-  return [{k: v for k, v in r.items() if k not in loop.TIMING_KEYS} for r in rows]
-
-
-def test_killed_run_resumes_with_identical_metrics(tmp_path):
-  cfg = _small_config()
-  loop.run(cfg, str(tmp_path / "a"), log=lambda *_: None)
-  # Killed after 3 steps: the last checkpoint is step 2, so step 3 is redone on restart.
-  loop.run(cfg, str(tmp_path / "b"), log=lambda *_: None, stop_after=3)
-  assert len(read_metrics(str(tmp_path / "b"))) == 4  # steps 0..3 written before the "kill"
-  loop.run(cfg, str(tmp_path / "b"), log=lambda *_: None)
-  a, b = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
-  assert [r["step"] for r in b] == list(range(7))
-  assert _comparable(a) == _comparable(b)
-  assert "eval/pass_rate" in a[3] and "mismatch/k3_kl" in a[1]
 
 
 def test_checkpoint_of_another_model_shape_is_refused(tmp_path):

@@ -10,7 +10,8 @@ from trace_jax.parallel.rules import (LOGICAL_RULES, PARAM_AXES, batch_shardings
 __all__ = [
     "AXES", "LOGICAL_RULES", "MeshConfig", "PARAM_AXES", "axis_size", "batch_shardings",
     "cache_shardings", "logical_to_spec", "make_mesh", "param_logical_axes", "param_shardings",
-    "replicated", "routes_shardings", "shard_params",
+    "replicated", "routes_shardings", "shard_params", "initialize", "is_primary", "to_host",
+    "sharded_learner", "state_shardings",
 ]
 
 
