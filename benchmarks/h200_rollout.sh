@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # The H200 rollout session in one device call (see launch/bench_rollout.py and
 # benchmarks/gpu_engine_smoke.py). Carried wheels in .whl/: tokamax 0.0.17 and what it imports,
-# ml_collections, tensorboardX (the GPU image lacks them).
+# ml_collections, tensorboardX (the GPU image lacks them). Made here (cp312 wheels, --no-deps):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     tokamax==0.0.17 einshape pydantic pydantic-core annotated-types typing-inspection \
+#     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
+#     ml_collections==1.1.0
+# (.whl/ is listed in .git/info/exclude; about 37 MB.)
 #   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
