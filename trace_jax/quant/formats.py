@@ -148,8 +148,9 @@ def e8m0_exponent_of(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def e8m0_from_bits(b: jax.Array) -> jax.Array:
-  """float32 value of E8M0 scale bytes given as integers (`2**(b - 127)`, NaN for 0xFF): the
-  decode kernels use, where `float8_e8m0fnu` arrays travel as `uint8`."""
+  """float32 value of E8M0 scale bytes given as integers (`2**(b - 127)`, NaN for 0xFF): the one
+  E8M0 value rule (`qarray.block_divisor` bitcasts stored scales to bytes and calls this; the
+  decode kernels get `uint8` bytes directly)."""
   b = b.astype(jnp.int32)
   return jnp.where(b == E8M0_NAN_BYTE, jnp.float32(jnp.nan), pow2(b - 127))
 

@@ -98,8 +98,7 @@ class Blocked:
 def block_divisor(scales: jax.Array, g: jax.Array | None, fmt: F.Format) -> jax.Array:
   """float32 per-block scale value that elements are divided by (NaN for NaN scales)."""
   if fmt.scale == "e8m0":
-    e, is_nan = F.e8m0_exponent_of(scales)
-    return jnp.where(is_nan, jnp.float32(jnp.nan), F.pow2(e))
+    return F.e8m0_from_bits(jax.lax.bitcast_convert_type(scales, jnp.uint8))
   return F.nvfp4_divisor(scales, g)
 
 
@@ -117,11 +116,7 @@ def scaled_blocks(xb: jax.Array, scales: jax.Array, g: jax.Array | None, fmt: F.
 def decode_blocks(codes: jax.Array, scales: jax.Array, g: jax.Array | None, fmt: F.Format) -> jax.Array:
   """float32 values `q * scale` in the blocked layout (the one decode rule)."""
   q = e2m1.decode(codes) if fmt.is_fp4 else codes.astype(jnp.float32)
-  if fmt.scale == "e8m0":
-    e, is_nan = F.e8m0_exponent_of(scales)
-    v = q * F.pow2(e)[..., None]
-    return jnp.where(is_nan[..., None], jnp.float32(jnp.nan), v)
-  return q * F.nvfp4_divisor(scales, g)[..., None]
+  return q * block_divisor(scales, g, fmt)[..., None]  # a NaN scale makes the block NaN
 
 
 def _encode_elements(z: jax.Array, fmt: F.Format, key: jax.Array | None) -> jax.Array:
