@@ -33,8 +33,8 @@ import numpy as np
 
 import bench_util
 
-READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
-L2_BYTES = 60e6
+READ_CEILING_TBPS = bench_util.READ_CEILING_TBPS
+L2_BYTES = bench_util.L2_BYTES
 H, KVH, HD = 32, 4, 128
 FORMATS = ("bf16", "mxfp8", "nvfp4", "mxfp4")
 T0 = time.time()

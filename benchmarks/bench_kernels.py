@@ -35,9 +35,17 @@ import numpy as np
 
 import bench_util
 
-READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
-L2_BYTES = 60e6
+READ_CEILING_TBPS = bench_util.READ_CEILING_TBPS
+L2_BYTES = bench_util.L2_BYTES
 T0 = time.time()
+
+
+def add_bandwidth(row, nbytes):
+  """TB/s of the kernel and of the call, the bytes-moved floor and the kernel's ratio to it."""
+  row["TBps_kernel"] = nbytes / (row["us_kernel"] * 1e-6) / 1e12
+  row["TBps_call"] = nbytes / (row["us_call"] * 1e-6) / 1e12
+  row["floor_us"] = nbytes / (READ_CEILING_TBPS * 1e12) * 1e6
+  row["measured_over_floor_kernel"] = row["us_kernel"] / row["floor_us"]
 
 
 def log(*a):
@@ -202,10 +210,7 @@ def main():
           nbytes = wbytes + b * k * 2 + b * n * 2
           row["bytes_total"] = nbytes
           row.update(time_fn(fn, (x,), copies_of(wt, n_copies(wbytes))))
-          row["TBps_kernel"] = nbytes / (row["us_kernel"] * 1e-6) / 1e12
-          row["TBps_call"] = nbytes / (row["us_call"] * 1e-6) / 1e12
-          row["floor_us"] = nbytes / (READ_CEILING_TBPS * 1e12) * 1e6
-          row["measured_over_floor_kernel"] = row["us_kernel"] / row["floor_us"]
+          add_bandwidth(row, nbytes)
           if var == "xla_bf16":
             base = row
           elif base is not None:
@@ -271,11 +276,8 @@ def main():
           row.update(bytes_weights=wbytes, bytes_weights_touched=touched, bytes_total=nbytes)
           row["flops"] = 2 * m * k * n
           row.update(time_fn(fn, (x, gs), copies_of(wt, n_copies(wbytes))))
-          row["TBps_kernel"] = nbytes / (row["us_kernel"] * 1e-6) / 1e12
-          row["TBps_call"] = nbytes / (row["us_call"] * 1e-6) / 1e12
+          add_bandwidth(row, nbytes)
           row["TFLOPs_call"] = row["flops"] / (row["us_call"] * 1e-6) / 1e12
-          row["floor_us"] = nbytes / (READ_CEILING_TBPS * 1e12) * 1e6
-          row["measured_over_floor_kernel"] = row["us_kernel"] / row["floor_us"]
           if var == "xla_bf16":
             base = row
           elif base is not None:

@@ -7,6 +7,9 @@ import os
 import threading
 import time
 
+READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
+L2_BYTES = 60e6  # H200 L2: timed inputs rotate through copies larger than this
+
 
 def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
   """End the process (exit code 3) when the variant in `state` ("name", started at "t"; "t"

@@ -36,19 +36,11 @@ flags.DEFINE_boolean("hf_peer", True, "Also time HF transformers generate (eager
 flags.DEFINE_boolean("record_guidance", True, "Record TRACE guidance as RL rollouts do.")
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
 flags.DEFINE_boolean("isolate", False, "Run each row in a subprocess (GPU: honest peak memory).")
-flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row (all rows with --parallel).")
-flags.DEFINE_boolean("parallel", False, "With --isolate: start every row's process at once so "
-                     "their compilations overlap; each compiles ahead of time, waits until all "
-                     "have compiled, then runs its timed part alone (a file lock) from JAX's "
-                     "persistent compilation cache. All rows' weights must fit on the device "
-                     "together (on the H200 at the 30B-A3B shape they did not: use it on CPU "
-                     "or for small models).")
-flags.DEFINE_string("barrier", "", "Internal: 'dir:n' of the parallel rows' barrier.")
+flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
 flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")
 flags.DEFINE_string("tokens_dir", "", "Internal: where rows save their last tokens.")
 flags.DEFINE_string("out", "bench_rollout.json", "Output JSON path.")
 FLAGS = flags.FLAGS
-_HELD = []  # the timing lock's file, held until the row's process exits
 
 
 def _median(xs):
@@ -99,13 +91,6 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, config.vocab_size, FLAGS.prompt_len)) for _ in range(batch)]
   s = SamplingParams(temperature=1.0)
-  compile_s = None
-  if FLAGS.barrier:  # compile now, alongside the other rows; time alone, once all have compiled
-    t = time.perf_counter()
-    engine.compile(batch, FLAGS.prompt_len, sampling=s)
-    compile_s = time.perf_counter() - t
-    _log(f"compiled in {compile_s:.1f} s")
-    _HELD.append(_barrier_then_lock(FLAGS.barrier, f"{policy_name}_{path}_{batch}"))
 
   def timed(max_new):
     t = time.perf_counter()
@@ -141,7 +126,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "grouped_backend": kernels.grouped_backend() if path != "kernels" else "fp4_mgpu",
       "tokens_per_s": gen / t_full, "decode_step_ms": 1e3 * step_s,
       "prefill_plus_first_step_ms": 1e3 * t_one, "total_s": t_full, "generated_tokens": gen,
-      "first_call_s": first_call, "compile_s": compile_s, "sync_s": sync_s,
+      "first_call_s": first_call, "sync_s": sync_s,
       "weight_bytes": tree_bytes(weights), "expert_weight_bytes": experts,
       "kv_bytes": int(M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
                       * (FLAGS.prompt_len + FLAGS.new_tokens) * batch),
@@ -150,21 +135,6 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "floor_over_measured": (floor_b / FLAGS.bandwidth) / step_s,
       "peak_device_bytes": peak,
   }
-
-
-def _barrier_then_lock(barrier, name):
-  """Mark this row compiled, wait (bounded) until every row has, then take the timing lock (held
-  until the process exits)."""
-  import fcntl
-  d, n = barrier.rsplit(":", 1)
-  open(os.path.join(d, f"compiled_{name}"), "w").close()
-  deadline = time.time() + FLAGS.row_timeout
-  while (len([f for f in os.listdir(d) if f.startswith("compiled_")]) < int(n)
-         and time.time() < deadline):
-    time.sleep(1)
-  f = open(os.path.join(d, "timing.lock"), "w")
-  fcntl.flock(f, fcntl.LOCK_EX)
-  return f
 
 
 def bench_hf(config, batch):
@@ -226,11 +196,10 @@ def _run_isolated(spec, tokens_dir):
   return _parse_row(p.returncode, p.stdout, p.stderr)
 
 
-def _child_cmd(spec, tokens_dir, barrier=""):
-  argv = [a for a in sys.argv[1:] if not a.startswith(("--row", "--isolate", "--tokens_dir",
-                                                        "--parallel", "--noparallel"))]
+def _child_cmd(spec, tokens_dir):
+  argv = [a for a in sys.argv[1:] if not a.startswith(("--row", "--isolate", "--tokens_dir"))]
   return [sys.executable, sys.argv[0], *argv, f"--row={spec}", f"--tokens_dir={tokens_dir}",
-          "--noisolate", "--noparallel"] + ([f"--barrier={barrier}"] if barrier else [])
+          "--noisolate"]
 
 
 def _parse_row(returncode, stdout, stderr):
@@ -241,31 +210,6 @@ def _parse_row(returncode, stdout, stderr):
       return json.loads(line[len("ROW_JSON "):])
   tail = (stderr or stdout or "").strip().splitlines()[-3:]
   return {"error": f"exit {returncode}: " + " | ".join(tail)[-400:]}
-
-
-def _run_parallel(specs, tokens_dir):
-  """All rows' processes at once (see --parallel); returns their rows in order."""
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-             JAX_COMPILATION_CACHE_DIR=os.path.join(tokens_dir, "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
-  barrier = f"{tokens_dir}:{len(specs)}"
-  procs = [subprocess.Popen(_child_cmd(sp, tokens_dir, barrier), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env) for sp in specs]
-  deadline = time.time() + FLAGS.row_timeout
-  rows = []
-  for sp, p in zip(specs, procs):
-    try:
-      out, err = p.communicate(timeout=max(deadline - time.time(), 1))
-      rows.append(_parse_row(p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-      p.kill()
-      out, err = p.communicate()
-      r = _parse_row(p.returncode, out, err)
-      r["error"] = f"timed out after {FLAGS.row_timeout} s; " + r.get("error", "")
-      rows.append(r)
-  return rows
 
 
 def _agreement(rows, tokens_dir):
@@ -298,12 +242,7 @@ def main(argv):
     config = config.replace(num_layers=FLAGS.num_layers)
   if FLAGS.row:
     policy, path, batch = FLAGS.row.split(":")
-    try:
-      row = bench_engine(config, policy, path, int(batch), FLAGS.tokens_dir)
-    finally:  # a failed row still counts at the barrier, so the others need not wait for it
-      if FLAGS.barrier:
-        d = FLAGS.barrier.rsplit(":", 1)[0]
-        open(os.path.join(d, f"compiled_{policy}_{path}_{batch}"), "a").close()
+    row = bench_engine(config, policy, path, int(batch), FLAGS.tokens_dir)
     print("ROW_JSON " + json.dumps(row), flush=True)
     return
   tokens_dir = tempfile.mkdtemp(prefix="bench_rollout_tokens_")
@@ -328,14 +267,7 @@ def main(argv):
     return out
 
   t0 = time.perf_counter()
-  if FLAGS.isolate and FLAGS.parallel:
-    specs = [(p, path, int(b)) for b in FLAGS.batches for p in FLAGS.policies
-             for path in _paths(p)]
-    for (p, path, b), row in zip(specs, _run_parallel([f"{p}:{q}:{b}" for p, q, b in specs],
-                                                      tokens_dir)):
-      rows.append({"policy": p, "path": path, "batch": b, **row})
-    save()
-  for b in [] if FLAGS.isolate and FLAGS.parallel else [int(x) for x in FLAGS.batches]:
+  for b in [int(x) for x in FLAGS.batches]:
     for p in FLAGS.policies:
       for path in _paths(p):
         spec = f"{p}:{path}:{b}"

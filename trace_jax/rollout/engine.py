@@ -344,21 +344,6 @@ class RolloutEngine:
       _PROGRAMS[full] = jax.jit(fn)
     return _PROGRAMS[full]
 
-  def compile(self, batch: int, prompt_len: int, *, n: int = 1,
-              sampling: SamplingParams = SamplingParams(), num_stop_tokens: int = 0) -> None:
-    """Compile (without running) the program `generate` uses for `batch` prompts padded to
-    `prompt_len`: servers warm up this way, and with JAX's persistent compilation cache the
-    executable is stored for later processes."""
-    if self.params is None:
-      raise RuntimeError("RolloutEngine.compile called before sync(master_params)")
-    rows = batch * n
-    key = (prompt_len, batch, n, self.max_new_tokens, sampling, max(num_stop_tokens, 1))
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(rows))
-    self._program(key).lower(
-        self.params, jnp.zeros((batch, prompt_len), jnp.int32),
-        jnp.ones((batch, prompt_len), bool), keys, jnp.ones((rows,), jnp.int32),
-        jnp.full((max(num_stop_tokens, 1),), -1, jnp.int32)).compile()
-
   def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
                sampling: SamplingParams = SamplingParams(), seed: int = 0,
                stop_tokens: Sequence[int] = (), max_new_tokens: int | Sequence[int] | None = None,
