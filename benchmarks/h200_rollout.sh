@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -41,6 +41,12 @@ elif [ "$stage" = 4l ]; then
   timeout 420 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b --num_layers=4 \
     --batches=64,1 --policies=bf16,paper --isolate --row_timeout=150 --prompt_len=256 \
     --new_tokens=256 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_4l.json \
+    2>&1 | grep -v "^I1\|^W1"
+elif [ "$stage" = 12l_fp4 ]; then
+  # the FP4 rows alone (the bf16 B=64 row of this shape is in bench_rollout_h200_2026-11-30)
+  timeout 575 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64 \
+    --policies=paper --paths=kernels,xla --isolate --row_timeout=280 --prompt_len=256 \
+    --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l_fp4.json \
     2>&1 | grep -v "^I1\|^W1"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
