@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | profile | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -48,6 +48,17 @@ elif [ "$stage" = 12l_fp4 ]; then
     --policies=paper --paths=kernels,xla --isolate --row_timeout=280 --prompt_len=256 \
     --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l_fp4.json \
     2>&1 | grep -v "^I1\|^W1"
+elif [ "$stage" = profile ]; then
+  # where the FP4 decode step goes (4 layers of the 30B-A3B shape), guidance cost, and the
+  # decode-attention kernel tests + benchmark
+  timeout 250 python3 benchmarks/profile_decode.py --layers 4 --policy paper --path kernels \
+    --guidance_cost --out $OUT/profile_decode_paper_kernels.json 2>&1 | grep -v "^I1\|^W1"
+  timeout 110 python3 benchmarks/profile_decode.py --layers 4 --policy bf16 --path xla \
+    --out $OUT/profile_decode_bf16.json 2>&1 | grep -v "^I1\|^W1"
+  TRACE_JAX_DECODE_ATTENTION=kernel timeout 90 python3 -m pytest -q -x -m gpu -p no:xdist \
+    tests/kernels/test_attention_gpu.py 2>&1 | tail -5
+  timeout 100 python3 benchmarks/bench_attention.py --quick --budget_s 80 \
+    --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -30
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
     --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \

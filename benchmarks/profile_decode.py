@@ -1,0 +1,171 @@
+"""Where a rollout's decode time goes on the GPU: the engine's generate under the JAX profiler,
+device kernels summed by name and by source scope, and the cost of recording TRACE guidance.
+
+  PYTHONPATH=. python benchmarks/profile_decode.py --layers 4 --policy paper --path kernels \
+      --out $OUT/profile_decode_paper.json
+
+Per run (one policy and matmul path): compile + warm up, time `generate` with guidance recording
+on and (with --guidance_cost) off, then trace one steady call with `jax.profiler.trace(...,
+create_perfetto_trace=True)` and read the Perfetto JSON it writes. Device events are summed by
+kernel name and by the scope in their `tf_op`/`long_name` argument (the jit name stack, numbers
+dropped), and divided by the decode steps of the call. The JSON keeps the top entries of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.provenance import run_info
+from trace_jax.rollout import RolloutEngine, SamplingParams
+
+
+def _median(xs):
+  return sorted(xs)[len(xs) // 2]
+
+
+def _timed(engine, prompts, new, repeats):
+  s = SamplingParams(temperature=1.0)
+  ts = []
+  for r in range(repeats + 1):
+    t = time.perf_counter()
+    out = engine.generate(prompts, n=1, sampling=s, seed=1 + r, max_new_tokens=new)
+    jax.block_until_ready(out.tokens)
+    ts.append(time.perf_counter() - t)
+  return ts[0], _median(ts[1:]), out
+
+
+def _scope(args):
+  """The jit name-stack scope of a device event, numbers dropped (layers_3 -> layers_#)."""
+  for key in ("tf_op", "long_name", "hlo_op", "name"):
+    v = args.get(key)
+    if isinstance(v, str) and "/" in v:
+      v = re.sub(r"\d+", "#", v.split(":")[0])
+      parts = [p for p in v.split("/") if p and not p.startswith(("jit(", "while", "body",
+                                                                  "cond", "pjit", "closed_call"))]
+      return "/".join(parts[:5]) or v
+  return "?"
+
+
+def summarize_trace(log_dir, steps, top=40):
+  files = glob.glob(os.path.join(log_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+  if not files:
+    return {"error": f"no perfetto trace under {log_dir}: "
+                     + ", ".join(glob.glob(os.path.join(log_dir, "**", "*"), recursive=True)[:20])}
+  with gzip.open(files[0], "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  pname, tname = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      pname[e["pid"]] = e["args"].get("name", "")
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      tname[(e["pid"], e["tid"])] = e["args"].get("name", "")
+  by_name, by_scope, by_thread = (collections.Counter() for _ in range(3))
+  count, ops_by_scope = collections.Counter(), collections.Counter()
+  arg_keys = set()
+  for e in events:
+    if e.get("ph") != "X" or "dur" not in e:
+      continue
+    proc = pname.get(e["pid"], "")
+    thread = tname.get((e["pid"], e.get("tid")), "")
+    if "GPU" not in proc and "gpu" not in proc.lower() and "device" not in proc.lower():
+      continue
+    by_thread[f"{proc} | {thread}"] += e["dur"]
+    args = e.get("args", {})
+    if thread == "XLA Ops":  # one event per HLO op: the scope view, when streams lack tf_op
+      ops_by_scope[_scope(args)] += e["dur"]
+    if "stream" not in thread.lower():
+      continue  # XLA op / module summary lines duplicate the kernel events
+    arg_keys.update(args)
+    by_name[e["name"][:120]] += e["dur"]
+    count[e["name"][:120]] += 1
+    by_scope[_scope(args)] += e["dur"]
+  total = sum(by_name.values())
+  per_step = lambda us: us / max(steps, 1) / 1e3  # noqa: E731 - ms per decode step
+  return {
+      "trace_file": os.path.basename(files[0]),
+      "device_kernel_ms_per_step": per_step(total),
+      "threads_ms_per_step": {k: per_step(v) for k, v in by_thread.most_common(12)},
+      "top_kernels": [{"name": k, "ms_per_step": per_step(v), "calls_per_step": count[k] / steps,
+                       "frac": v / max(total, 1)} for k, v in by_name.most_common(top)],
+      "top_scopes": [{"scope": k, "ms_per_step": per_step(v), "frac": v / max(total, 1)}
+                     for k, v in by_scope.most_common(top)],
+      "top_xla_op_scopes": [{"scope": k, "ms_per_step": per_step(v)}
+                            for k, v in ops_by_scope.most_common(top)],
+      "event_arg_keys": sorted(arg_keys)[:30],
+  }
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="qwen3_30b_a3b")
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--policy", default="paper")
+  ap.add_argument("--path", default="kernels", choices=["kernels", "xla"])
+  ap.add_argument("--batch", type=int, default=64)
+  ap.add_argument("--prompt_len", type=int, default=256)
+  ap.add_argument("--new_tokens", type=int, default=128)
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--guidance_cost", action="store_true",
+                  help="also time the same engine with guidance recording off (one more compile)")
+  ap.add_argument("--out", default="profile_decode.json")
+  a = ap.parse_args()
+  cfg = M.preset(a.preset).replace(num_layers=a.layers,
+                                          max_seq_len=a.prompt_len + a.new_tokens)
+  policy = tq.make_policy(a.policy)
+  params = M.init_params(cfg, jax.random.key(0), "bfloat16")
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(3, cfg.vocab_size, a.prompt_len)) for _ in range(a.batch)]
+  out = {**run_info(), "benchmark": "profile_decode", **vars(a), "policy_full": policy.name}
+  guidance = [True, False] if a.guidance_cost else [True]
+  for rec in guidance:
+    eng = RolloutEngine(cfg, policy, max_new_tokens=a.new_tokens, prompt_bucket=a.prompt_len,
+                        record_guidance=rec, use_kernels=a.path == "kernels")
+    eng.sync(params)
+    first, full, ro = _timed(eng, prompts, a.new_tokens, a.repeats)
+    _, one, _ = _timed(eng, prompts, 1, a.repeats)
+    step_ms = 1e3 * (full - one) / (a.new_tokens - 1)
+    key = "guidance_on" if rec else "guidance_off"
+    out[key] = {"first_call_s": first, "total_s": full, "prefill_plus_one_s": one,
+                "decode_step_ms": step_ms,
+                "guidance_bytes_per_token": ro.guidance_bytes_per_token()}
+    print(key, json.dumps(out[key]), flush=True)
+    if rec:
+      d = tempfile.mkdtemp(prefix="prof_")
+      s = SamplingParams(temperature=1.0)
+      with jax.profiler.trace(d, create_perfetto_trace=True):
+        r = eng.generate(prompts, n=1, sampling=s, seed=7, max_new_tokens=a.new_tokens)
+        jax.block_until_ready(r.tokens)
+      out["profile"] = summarize_trace(d, a.new_tokens)
+      p = out["profile"]
+      print("device kernel ms/step", p.get("device_kernel_ms_per_step"), p.get("error", ""))
+      for row in p.get("top_scopes", [])[:25]:
+        print(f"  {row['ms_per_step']:8.3f} ms {row['frac']:6.1%}  {row['scope']}")
+      for row in p.get("top_xla_op_scopes", [])[:15]:
+        print(f"  op {row['ms_per_step']:8.3f} ms  {row['scope']}")
+      for row in p.get("top_kernels", [])[:25]:
+        print(f"  {row['ms_per_step']:8.3f} ms {row['frac']:6.1%} x{row['calls_per_step']:5.1f}"
+              f"  {row['name'][:90]}")
+    del eng
+  if a.guidance_cost:
+    on, off = out["guidance_on"]["decode_step_ms"], out["guidance_off"]["decode_step_ms"]
+    out["guidance_cost_frac_of_step"] = (on - off) / on
+  with open(a.out, "w") as f:
+    json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
