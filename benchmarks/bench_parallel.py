@@ -135,6 +135,17 @@ def run_setting(preset: str, name: str) -> dict:
 def main():
   out = {"run_info": provenance.run_info(), "devices": [str(d) for d in jax.devices()],
          "args": vars(A), "results": {}}
+
+  def save():  # after every setting: a run cut short by a timeout keeps what it measured
+    for res in out["results"].values():
+      base = res.get("1dev", {})
+      for r in res.values():
+        if "rollout_s" in r and "rollout_s" in base:
+          r["rollout_speedup_vs_1dev"] = base["rollout_s"] / r["rollout_s"]
+          r["train_speedup_vs_1dev"] = base["train_step_s"] / r["train_step_s"]
+    with open(A.out, "w") as f:
+      json.dump(out, f, indent=2)
+
   for preset in A.presets.split(","):
     res = out["results"].setdefault(preset, {})
     for name in A.settings.split(","):
@@ -145,13 +156,7 @@ def main():
                      "traceback": traceback.format_exc()[-4000:]}
       print(preset, name, json.dumps({k: v for k, v in res[name].items() if k != "traceback"}),
             flush=True)
-    base = res.get("1dev", {})
-    for name, r in res.items():
-      if "rollout_s" in r and "rollout_s" in base:
-        r["rollout_speedup_vs_1dev"] = base["rollout_s"] / r["rollout_s"]
-        r["train_speedup_vs_1dev"] = base["train_step_s"] / r["train_step_s"]
-  with open(A.out, "w") as f:
-    json.dump(out, f, indent=2)
+      save()
   print(f"wrote {A.out}")
 
 

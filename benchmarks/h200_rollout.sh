@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | profile | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | profile | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -59,6 +59,12 @@ elif [ "$stage" = profile ]; then
     tests/kernels/test_attention_gpu.py 2>&1 | tail -5
   timeout 100 python3 benchmarks/bench_attention.py --quick --budget_s 80 \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -30
+elif [ "$stage" = x2 ]; then
+  # nvidia-h200-x2: expert parallel over 2 GPUs vs 1 (issue 9), the ragged all-to-all check
+  timeout 70 python3 -m pytest -q -x -m gpu -p no:xdist -o addopts="" \
+    tests/parallel/test_expert.py 2>&1 | tail -4
+  timeout 400 python3 benchmarks/bench_parallel.py --out $OUT/bench_parallel.json \
+    2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
     --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \
