@@ -55,15 +55,18 @@ elif [ "$stage" = profile ]; then
     --guidance_cost --out $OUT/profile_decode_paper_kernels.json 2>&1 | grep -v "^I1\|^W1"
   timeout 110 python3 benchmarks/profile_decode.py --layers 4 --policy bf16 --path xla \
     --out $OUT/profile_decode_bf16.json 2>&1 | grep -v "^I1\|^W1"
-  TRACE_JAX_DECODE_ATTENTION=kernel timeout 90 python3 -m pytest -q -x -m gpu -p no:xdist \
+  TRACE_JAX_DECODE_ATTENTION=kernel JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -q -x \
+    -m gpu -p no:xdist -o addopts="" \
     tests/kernels/test_attention_gpu.py 2>&1 | tail -5
   timeout 100 python3 benchmarks/bench_attention.py --quick --budget_s 80 \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -30
 elif [ "$stage" = x2 ]; then
   # nvidia-h200-x2: expert parallel over 2 GPUs vs 1 (issue 9), the ragged all-to-all check
-  timeout 70 python3 -m pytest -q -x -m gpu -p no:xdist -o addopts="" \
+  # (tests/conftest.py defaults JAX_PLATFORMS to cpu: the GPU tests need it set)
+  JAX_PLATFORMS=cuda timeout 60 python3 -m pytest -q -x -m gpu -p no:xdist -o addopts="" \
     tests/parallel/test_expert.py 2>&1 | tail -4
-  timeout 400 python3 benchmarks/bench_parallel.py --out $OUT/bench_parallel.json \
+  timeout ${X2_TIMEOUT:-400} python3 benchmarks/bench_parallel.py --out $OUT/bench_parallel.json \
+    ${X2_ARGS:-} \
     2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
