@@ -6,8 +6,11 @@ NVFP4 TRACE rollouts (the paper's policy: routed experts W4A4 + KV4, deeper half
       --config.task.kwargs.path=/path/to/problems.jsonl
 
 The model shape comes from the checkpoint's config.json; `model` here only sets the compute
-dtype. Multi-GPU sharding arrives with the sharding issue; on one device this needs the memory
-of the full bf16 master weights plus optimizer state.
+dtype. The float32 masters and AdamW moments of 30B parameters (~360 GB) do not fit one GPU: run
+on a mesh (`c.mesh`, see configs/tiny_arith.py), e.g. on one 8-GPU host
+  --config.mesh.fsdp=2 --config.mesh.expert=4
+and --coordinator_address/--num_processes/--process_id per host for several hosts. Not yet run
+at this size (no 8-GPU machine so far); benchmarks/bench_parallel.py has the 8-GPU settings.
 """
 
 import ml_collections

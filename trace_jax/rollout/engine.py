@@ -103,7 +103,7 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
   cache = M.init_cache(config, b, p + steps, kv_format)
   positions = M.default_positions(prompt_tokens, prompt_mask)
   pre = M.apply(params, prompt_tokens, config, ctx, positions=positions, token_mask=prompt_mask,
-                cache=cache, cache_index=0)
+                cache=cache, cache_index=0, last_logits_only=True)
   # GRPO groups share the prefill: repeat cache and records for the n samples of each prompt.
   cache = _repeat_rows(pre.cache, n)
   logits = jnp.repeat(pre.logits[:, -1], n, axis=0)
@@ -118,18 +118,18 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
                   token_mask=jnp.ones((r, 1), bool), cache=cache, cache_index=p + s)
     return out
 
-  tok, lp = sample(logits, step_keys(0), sampling)
-  done0 = jnp.zeros((r,), bool)
-  out0 = feed(cache, tok, 0)
-  rec_buf = kvc.update_slice(_time_buffers(out0.records, steps), out0.records, 0)
+  # Buffers shaped like one decode step's outputs. eval_shape, not a real first step before the
+  # loop: that would put a second copy of the whole decode step in the program and make it
+  # compile about a third longer.
+  step0 = jax.eval_shape(feed, cache, jnp.zeros((r,), jnp.int32), 0)
+  rec_buf = _time_buffers(step0.records, steps)
   routes_buf = None
-  if record_routes and out0.routes is not None:
-    routes_buf = jnp.zeros(out0.routes.shape[:2] + (steps,) + out0.routes.shape[3:], jnp.int32)
-    routes_buf = jax.lax.dynamic_update_slice_in_dim(routes_buf, out0.routes, 0, axis=2)
-  tokens_buf = jnp.zeros((r, steps), jnp.int32).at[:, 0].set(tok)
-  logp_buf = jnp.zeros((r, steps), jnp.float32).at[:, 0].set(lp)
-  valid_buf = jnp.zeros((r, steps), bool).at[:, 0].set(True)
-  done = done0 | jnp.isin(tok, stop_ids) | (max_new <= 1)
+  if record_routes and step0.routes is not None:
+    routes_buf = jnp.zeros(step0.routes.shape[:2] + (steps,) + step0.routes.shape[3:], jnp.int32)
+  tokens_buf = jnp.zeros((r, steps), jnp.int32)
+  logp_buf = jnp.zeros((r, steps), jnp.float32)
+  valid_buf = jnp.zeros((r, steps), bool)
+  done = jnp.zeros((r,), bool)
 
   def cond(state):
     s, done = state[0], state[1]
@@ -152,8 +152,8 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
     return (s + 1, done, out.cache, out.logits[:, -1], tokens_buf, logp_buf, valid_buf,
             routes_buf, rec_buf)
 
-  state = (jnp.int32(1), done, out0.cache, out0.logits[:, -1], tokens_buf, logp_buf, valid_buf,
-           routes_buf, rec_buf)
+  state = (jnp.int32(0), done, cache, logits, tokens_buf, logp_buf, valid_buf, routes_buf,
+           rec_buf)
   state = jax.lax.while_loop(cond, body, state)
   _, _, _, _, tokens_buf, logp_buf, valid_buf, routes_buf, rec_buf = state
 
