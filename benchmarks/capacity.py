@@ -1,0 +1,103 @@
+"""How many rollout sequences fit on one GPU, per policy and context length: the engine's own
+capacity planner (`rollout.plan_capacity`, the rule `RolloutEngine.generate` enforces) applied to
+the real rollout weight bytes of a model shape, with no device needed (weights are shapes only,
+from `jax.eval_shape` of the engine's weight sync).
+
+  python benchmarks/capacity.py --out benchmarks/results/capacity_h200_30b_a3b.json
+
+Default device: an H200 as `benchmarks/h200_rollout.sh` runs it (143,771 MiB,
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.94). The planner keeps 10% headroom and counts per sequence the
+KV cache, recorded guidance and routes at the full context plus a decode step's transients.
+These are planned figures; a GPU run that fills them is what confirms them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from trace_jax import models as M  # noqa: E402
+from trace_jax import quant as tq  # noqa: E402
+from trace_jax.provenance import run_info  # noqa: E402
+from trace_jax.rollout import engine as E  # noqa: E402
+
+
+def abstract_weight_bytes(config, policy) -> int:
+  """Bytes of the rollout weights the engine's sync makes, computed from shapes alone."""
+  tree = jax.eval_shape(lambda: E._first_sync(policy, config.compute_dtype)(
+      M.init_params(config, jax.random.key(0), "bfloat16")))
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(tree))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="qwen3_30b_a3b")
+  ap.add_argument("--policies", default="bf16,kv8,kv4,w4a16,paper")
+  ap.add_argument("--contexts", default="2048,8192,32768")
+  ap.add_argument("--device_mib", type=float, default=143771.0)
+  ap.add_argument("--mem_fraction", type=float, default=0.94)
+  ap.add_argument("--record_guidance", type=int, default=1)
+  ap.add_argument("--out", default="capacity.json")
+  a = ap.parse_args()
+  config = M.preset(a.preset)
+  device_bytes = int(a.device_mib * 2**20 * a.mem_fraction)
+  contexts = [int(c) for c in a.contexts.split(",")]
+  rows = []
+  for name in a.policies.split(","):
+    policy = tq.make_policy(name)
+    wb = abstract_weight_bytes(config, policy)
+    for ctx in contexts:
+      per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance))
+      rows.append({"policy": name, "policy_full": policy.name, "context": ctx,
+                   "weight_bytes": wb, "bytes_per_sequence": per,
+                   "sequences": E.plan_capacity(config, policy, ctx, wb, device_bytes,
+                                                bool(a.record_guidance))})
+  for r in rows:
+    base = next(b for b in rows if b["policy"] == "bf16" and b["context"] == r["context"])
+    r["vs_bf16"] = r["sequences"] / base["sequences"] if base["sequences"] else None
+  out = {**run_info(), "benchmark": "capacity", "preset": a.preset,
+         "device_bytes": device_bytes, "headroom": 0.9,
+         "record_guidance": bool(a.record_guidance), "results": rows,
+         "note": "planned by rollout.plan_capacity from the shapes of the rollout weights; "
+                 "not measured on a device"}
+  with open(a.out, "w") as f:
+    json.dump(out, f, indent=2)
+  print(f"{'policy':8s} {'context':>8s} {'weights GB':>10s} {'MB/seq':>9s} {'sequences':>9s} "
+        f"{'vs bf16':>7s}")
+  for r in rows:
+    print(f"{r['policy']:8s} {r['context']:8d} {r['weight_bytes'] / 1e9:10.2f} "
+          f"{r['bytes_per_sequence'] / 1e6:9.1f} {r['sequences']:9d} "
+          f"{r['vs_bf16'] or 0:7.2f}")
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pols = a.policies.split(",")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    w = 0.8 / len(pols)
+    for i, p in enumerate(pols):
+      ys = [next(r["sequences"] for r in rows if r["policy"] == p and r["context"] == c)
+            for c in contexts]
+      ax.bar(np.arange(len(contexts)) + i * w, ys, w, label=p)
+    ax.set_xticks(np.arange(len(contexts)) + 0.4 - w / 2, [f"{c // 1024}k" for c in contexts])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("sequences that fit")
+    ax.set_yscale("log")
+    ax.set_title(f"{a.preset}: rollout sequences per GPU ({device_bytes / 1e9:.0f} GB, planned)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(a.out)[0] + ".png", dpi=120)
+  except ImportError:
+    pass
+
+
+if __name__ == "__main__":
+  main()
