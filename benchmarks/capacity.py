@@ -45,6 +45,9 @@ def main():
   ap.add_argument("--device_mib", type=float, default=143771.0)
   ap.add_argument("--mem_fraction", type=float, default=0.94)
   ap.add_argument("--record_guidance", type=int, default=1)
+  ap.add_argument("--decode_chunk", type=int, default=0,
+                  help="> 0: the chunked engine (guidance of the prompt + two windows on device)")
+  ap.add_argument("--prompt_len", type=int, default=512, help="with --decode_chunk")
   ap.add_argument("--out", default="capacity.json")
   a = ap.parse_args()
   config = M.preset(a.preset)
@@ -54,18 +57,21 @@ def main():
   for name in a.policies.split(","):
     policy = tq.make_policy(name)
     wb = abstract_weight_bytes(config, policy)
+    held = a.prompt_len + 2 * a.decode_chunk if a.decode_chunk else None
     for ctx in contexts:
-      per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance))
+      per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance), held)
       rows.append({"policy": name, "policy_full": policy.name, "context": ctx,
                    "weight_bytes": wb, "bytes_per_sequence": per,
                    "sequences": E.plan_capacity(config, policy, ctx, wb, device_bytes,
-                                                bool(a.record_guidance))})
+                                                bool(a.record_guidance), guidance_tokens=held)})
   for r in rows:
     base = next(b for b in rows if b["policy"] == "bf16" and b["context"] == r["context"])
     r["vs_bf16"] = r["sequences"] / base["sequences"] if base["sequences"] else None
   out = {**run_info(), "benchmark": "capacity", "preset": a.preset,
          "device_bytes": device_bytes, "headroom": 0.9,
-         "record_guidance": bool(a.record_guidance), "results": rows,
+         "record_guidance": bool(a.record_guidance), "decode_chunk": a.decode_chunk,
+         "guidance_tokens_on_device": (a.prompt_len + 2 * a.decode_chunk if a.decode_chunk
+                                       else "whole context"), "results": rows,
          "note": "planned by rollout.plan_capacity from the shapes of the rollout weights; "
                  "not measured on a device"}
   with open(a.out, "w") as f:

@@ -28,7 +28,8 @@ def get_config():
   c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b", dtype="bfloat16"))
   c.sft.max_steps = 0
   c.rollout.update(dict(prompts_per_step=64, samples_per_prompt=16, dtype="bfloat16",
-                        prompt_len=512, max_new_tokens=2048, temperature=1.0))
+                        prompt_len=512, max_new_tokens=2048, temperature=1.0,
+                        decode_chunk=256))
   c.rl.update(dict(learning_rate=1e-6, warmup_steps=0, micro_batches=16, is_clip=5.0,
                    aux_loss_coef=0.0, code_agreement=False))
   c.eval.update(dict(every=25, size=256))

@@ -45,7 +45,11 @@ def get_config():
       dtype="bfloat16",  # the rollout computes in bf16, the trainer in model.dtype
       temperature=1.0, top_k=0, top_p=1.0,
       prompts_per_step=32, samples_per_prompt=8,
-      prompt_len=0, max_new_tokens=0))  # 0: from the task
+      prompt_len=0, max_new_tokens=0,  # 0: from the task
+      # > 0: decode in windows of this many steps and move each window's TRACE guidance to host
+      # memory (long rollouts: on the 30B-A3B shape at 8k tokens guidance outweighs the FP4 KV
+      # cache); 0: one program per rollout
+      decode_chunk=0))
 
   c.rl = ml_collections.ConfigDict(dict(
       alignment="trace",  # "none" | "qat" | "trace"

@@ -59,3 +59,12 @@ def test_rl_raises_reward_on_tiny_addition(tmp_path):
   assert b.mean() - a.mean() >= 2.5 * se
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
     assert json.loads(f.readline())["sft/pass_rate"] >= 0.3
+
+
+@pytest.mark.slow
+def test_chunked_rollout_decode_gives_the_same_run(tmp_path):
+  """rollout.decode_chunk (guidance moved to host per decode window) changes no metric."""
+  from tests.rl.loop_configs import _comparable
+  runs = [loop.run(_small_config(**{"total_steps": 3, "rollout.decode_chunk": chunk}),
+                   str(tmp_path / f"c{chunk}"), log=lambda *_: None) for chunk in (0, 2)]
+  assert _comparable(runs[0]) == _comparable(runs[1])

@@ -162,3 +162,33 @@ def test_kernel_layout_weights_give_the_same_rollout():
   b = packed.generate(PROMPTS, sampling=s)
   np.testing.assert_array_equal(np.asarray(a.completion), np.asarray(b.completion))
   np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-4)
+
+
+def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
+  """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
+  host memory per window. Same tokens, logprobs, routes and guidance bits as the one-program
+  engine, also when every row stops early (a window left out) and with GRPO samples."""
+  one = _engine("paper")
+  chunked = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
+                          decode_chunk=4)
+  chunked.sync(_params())
+  s = SamplingParams(temperature=1.0)
+  for kw in (dict(n=2), dict(n=2, max_new_tokens=[3, 2])):
+    a = one.generate(PROMPTS, sampling=s, seed=3, **kw)
+    b = chunked.generate(PROMPTS, sampling=s, seed=3, **kw)
+    leaves_b = jax.tree_util.tree_leaves(b.guidance)
+    assert leaves_b and all(isinstance(x, np.ndarray) for x in leaves_b)
+    assert b.guidance_bytes() == a.guidance_bytes() > 0
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), y),
+                           a.guidance, b.guidance)
+    for f in ("tokens", "token_mask", "positions", "completion_mask", "logprobs", "routes"):
+      np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
+  # Device memory: the prompt's and one window's guidance instead of the whole sequence's.
+  cfg = M.qwen3_30b_a3b(12)
+  policy = tq.make_policy("paper")
+  from trace_jax.rollout import plan_capacity
+  whole = plan_capacity(cfg, policy, 8192, 5 * 2**30, 140 * 2**30)
+  windowed = plan_capacity(cfg, policy, 8192, 5 * 2**30, 140 * 2**30, guidance_tokens=512 + 256)
+  assert windowed > 1.5 * whole
+  with pytest.raises(ValueError, match="decode_chunk"):
+    RolloutEngine(CFG, decode_chunk=-1)

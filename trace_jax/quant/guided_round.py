@@ -197,9 +197,9 @@ def _data_fields(obj):
   raise TypeError(f"expected a QArray or Guidance, got {type(obj).__name__}")
 
 
-def concatenate(objs, axis: int):
+def concatenate(objs, axis: int, xp=jnp):
   """Concatenate `QArray`s or `Guidance`s of one format along a non-block `axis` (e.g. decode
-  steps along time)."""
+  steps along time); `xp=numpy` for host-resident ones."""
   first = objs[0]
   ax = Q.normalize_axis(axis, len(first.shape))
   if ax == first.axis:
@@ -208,7 +208,7 @@ def concatenate(objs, axis: int):
   data = {}
   for f in fields:
     parts = [getattr(o, f) for o in objs]
-    data[f] = None if parts[0] is None else jnp.concatenate(parts, axis=ax)
+    data[f] = None if parts[0] is None else xp.concatenate(parts, axis=ax)
   shape = list(first.shape)
   shape[ax] = sum(o.shape[ax] for o in objs)
   return dataclasses.replace(first, **data, shape=tuple(shape))

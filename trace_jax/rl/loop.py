@@ -48,6 +48,7 @@ class Setup:
   sampling: SamplingParams
   prompt_len: int
   max_new_tokens: int
+  decode_chunk: int = 0  # rollout decode windows; guidance goes to host memory per window
 
 
 def _plain(d) -> dict:
@@ -96,7 +97,7 @@ def build(config) -> Setup:
   rollout_config = model_config.replace(dtype=r.dtype)
   sampling = SamplingParams(float(r.temperature), int(r.top_k), float(r.top_p))
   return Setup(task, tokenizer, model_config, rollout_config, policy, rl_cfg, sampling,
-               prompt_len, max_new)
+               prompt_len, max_new, int(r.get("decode_chunk", 0)))
 
 
 def resolve_workdir(workdir: str) -> str:
@@ -195,7 +196,8 @@ def run_sft(params, setup: Setup, config, engine: RolloutEngine, log=print):
 def make_engine(setup: Setup, record_codes: bool = False, mesh=None) -> RolloutEngine:
   """The rollout engine for `setup`: prompts padded to one bucket, so one program per batch."""
   return RolloutEngine(setup.rollout_config, setup.policy, max_new_tokens=setup.max_new_tokens,
-                       prompt_bucket=setup.prompt_len, record_codes=record_codes, mesh=mesh)
+                       prompt_bucket=setup.prompt_len, record_codes=record_codes, mesh=mesh,
+                       decode_chunk=setup.decode_chunk)
 
 
 def make_mesh(config):

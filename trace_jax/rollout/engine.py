@@ -1,6 +1,8 @@
 """The rollout engine: batched prefill + on-device decode loop that records what RL needs.
 
-One jitted program per (prompt bucket, batch, samples per prompt, max new tokens, sampling):
+One jitted program per (prompt bucket, batch, samples per prompt, max new tokens, sampling)
+(or, with `decode_chunk`, a prefill program and a decode-window program that the host calls until
+every row is done, moving each window's guidance to host memory):
 the prompt batch is prefilled once into a KV cache (bf16 or FP4/FP8 per the policy), the cache
 is repeated for the `n` samples of each prompt (GRPO groups share the prefill), and a
 `lax.while_loop` decodes until every sequence has stopped or reached its own limit. Per
@@ -72,16 +74,16 @@ class CapacityError(ValueError):
 
 # --------------------------------------------------------------------------- the program
 
-def _repeat_rows(tree, n: int):
+def _repeat_rows(tree, n: int, xp=jnp):
   """Repeat every batch-first leaf n times along the batch (QArray/Guidance shapes follow)."""
   if n == 1:
     return tree
 
   def rep(x):
     if isinstance(x, (tq.QArray, tq.Guidance)):
-      return tq.map_blocked(x, lambda a: jnp.repeat(a, n, axis=0),
+      return tq.map_blocked(x, lambda a: xp.repeat(a, n, axis=0),
                             (x.shape[0] * n,) + tuple(x.shape[1:]))
-    return jnp.repeat(x, n, axis=0)
+    return xp.repeat(x, n, axis=0)
 
   return jax.tree_util.tree_map(rep, tree,
                                 is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
@@ -95,82 +97,113 @@ def _time_buffers(records_step, steps: int):
   return {l: {s: grow(o) for s, o in sites.items()} for l, sites in records_step.items()}
 
 
-def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop_ids, *,
-                     config: M.ModelConfig, ctx: M.QuantContext, n: int, steps: int,
-                     sampling: SamplingParams, kv_format: str | None, record_routes: bool):
-  """The whole rollout as one pure function (jitted by the engine)."""
+def _prefill(params, prompt_tokens, prompt_mask, *, config: M.ModelConfig, ctx: M.QuantContext,
+             n: int, steps: int, kv_format: str | None):
+  """Prefill the prompt batch into a cache with room for `steps` more tokens. Returns the
+  prefill's output (records and routes of the b prompts) and the decode carry of the b * n rows
+  (GRPO groups share the prefill: cache and next-token logits repeated n times)."""
   b, p = prompt_tokens.shape
   cache = M.init_cache(config, b, p + steps, kv_format)
   positions = M.default_positions(prompt_tokens, prompt_mask)
   pre = M.apply(params, prompt_tokens, config, ctx, positions=positions, token_mask=prompt_mask,
                 cache=cache, cache_index=0, last_logits_only=True)
-  # GRPO groups share the prefill: repeat cache and records for the n samples of each prompt.
-  cache = _repeat_rows(pre.cache, n)
-  logits = jnp.repeat(pre.logits[:, -1], n, axis=0)
-  prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1).astype(jnp.int32), n)
-  r = b * n
+  carry = dict(s=jnp.int32(0), done=jnp.zeros((b * n,), bool), cache=_repeat_rows(pre.cache, n),
+               logits=jnp.repeat(pre.logits[:, -1], n, axis=0))
+  return pre, positions, carry
+
+
+def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M.ModelConfig,
+            ctx: M.QuantContext, p: int, steps: int, length: int, sampling: SamplingParams,
+            record_routes: bool):
+  """Decode steps `carry["s"]` .. `carry["s"] + length - 1` (never past `steps`), stopping
+  early once every row is done. Returns the new carry and that window's buffers (`[R, length]`
+  per step: tokens, logprobs, valid, routes, records; zeros past the last step run)."""
+  r = prompt_len.shape[0]
+  start = carry["s"]
 
   def step_keys(s):
     return jax.vmap(lambda k: jax.random.fold_in(k, s))(seq_keys)
 
   def feed(cache, token, s):
-    out = M.apply(params, token[:, None], config, ctx, positions=(prompt_len + s)[:, None],
-                  token_mask=jnp.ones((r, 1), bool), cache=cache, cache_index=p + s)
-    return out
+    return M.apply(params, token[:, None], config, ctx, positions=(prompt_len + s)[:, None],
+                   token_mask=jnp.ones((r, 1), bool), cache=cache, cache_index=p + s)
 
   # Buffers shaped like one decode step's outputs. eval_shape, not a real first step before the
   # loop: that would put a second copy of the whole decode step in the program and make it
   # compile about a third longer.
-  step0 = jax.eval_shape(feed, cache, jnp.zeros((r,), jnp.int32), 0)
-  rec_buf = _time_buffers(step0.records, steps)
-  routes_buf = None
+  step0 = jax.eval_shape(feed, carry["cache"], jnp.zeros((r,), jnp.int32), 0)
+  bufs = dict(tokens=jnp.zeros((r, length), jnp.int32), logp=jnp.zeros((r, length), jnp.float32),
+              valid=jnp.zeros((r, length), bool), records=_time_buffers(step0.records, length),
+              routes=None)
   if record_routes and step0.routes is not None:
-    routes_buf = jnp.zeros(step0.routes.shape[:2] + (steps,) + step0.routes.shape[3:], jnp.int32)
-  tokens_buf = jnp.zeros((r, steps), jnp.int32)
-  logp_buf = jnp.zeros((r, steps), jnp.float32)
-  valid_buf = jnp.zeros((r, steps), bool)
-  done = jnp.zeros((r,), bool)
+    bufs["routes"] = jnp.zeros(step0.routes.shape[:2] + (length,) + step0.routes.shape[3:],
+                               jnp.int32)
+  stop_at = jnp.minimum(start + length, steps)
 
   def cond(state):
-    s, done = state[0], state[1]
-    return (s < steps) & ~jnp.all(done)
+    carry, _ = state
+    return (carry["s"] < stop_at) & ~jnp.all(carry["done"])
 
   def body(state):
-    s, done, cache, logits, tokens_buf, logp_buf, valid_buf, routes_buf, rec_buf = state
-    tok, lp = sample(logits, step_keys(s), sampling)
+    carry, bufs = state
+    s, done = carry["s"], carry["done"]
+    tok, lp = sample(carry["logits"], step_keys(s), sampling)
     tok = jnp.where(done, 0, tok)
-    out = feed(cache, tok, s)
+    out = feed(carry["cache"], tok, s)
     live = ~done
-    tokens_buf = jax.lax.dynamic_update_slice_in_dim(tokens_buf, tok[:, None], s, axis=1)
-    logp_buf = jax.lax.dynamic_update_slice_in_dim(logp_buf, jnp.where(live, lp, 0.0)[:, None],
-                                                   s, axis=1)
-    valid_buf = jax.lax.dynamic_update_slice_in_dim(valid_buf, live[:, None], s, axis=1)
-    if routes_buf is not None:
-      routes_buf = jax.lax.dynamic_update_slice_in_dim(routes_buf, out.routes, s, axis=2)
-    rec_buf = kvc.update_slice(rec_buf, out.records, s)
+    i = s - start
+    put = lambda buf, x, axis=1: jax.lax.dynamic_update_slice_in_dim(buf, x, i, axis=axis)  # noqa: E731
+    bufs = dict(tokens=put(bufs["tokens"], tok[:, None]),
+                logp=put(bufs["logp"], jnp.where(live, lp, 0.0)[:, None]),
+                valid=put(bufs["valid"], live[:, None]),
+                records=kvc.update_slice(bufs["records"], out.records, i),
+                routes=None if bufs["routes"] is None else put(bufs["routes"], out.routes, 2))
     done = done | jnp.isin(tok, stop_ids) | (s + 1 >= max_new)
-    return (s + 1, done, out.cache, out.logits[:, -1], tokens_buf, logp_buf, valid_buf,
-            routes_buf, rec_buf)
+    return dict(s=s + 1, done=done, cache=out.cache, logits=out.logits[:, -1]), bufs
 
-  state = (jnp.int32(0), done, cache, logits, tokens_buf, logp_buf, valid_buf, routes_buf,
-           rec_buf)
-  state = jax.lax.while_loop(cond, body, state)
-  _, _, _, _, tokens_buf, logp_buf, valid_buf, routes_buf, rec_buf = state
+  return jax.lax.while_loop(cond, body, (carry, bufs))
 
+
+def _assemble(prompt_tokens, prompt_mask, positions, prompt_len, pre_routes, pre_records, bufs,
+              n: int, steps: int, xp=jnp) -> Rollout:
+  """The Rollout of prompt + generated steps. `xp`: np keeps the records on the host (the
+  chunked engine moves them there as it goes); the other fields are small."""
+  valid = bufs["valid"]
   tokens = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0),
-                            jnp.where(valid_buf, tokens_buf, 0)], axis=1)
-  token_mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), valid_buf], axis=1)
+                            jnp.where(valid, bufs["tokens"], 0)], axis=1)
+  token_mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), valid], axis=1)
   gen_pos = prompt_len[:, None] + jnp.arange(steps)[None]
   positions = jnp.concatenate([jnp.repeat(positions, n, axis=0), gen_pos], axis=1)
   routes = None
-  if routes_buf is not None:
-    routes = jnp.concatenate([jnp.repeat(pre.routes, n, axis=1), routes_buf], axis=2)
-  guidance = {}
-  pre_rec = _repeat_rows(pre.records, n)
-  for layer, sites in rec_buf.items():
-    guidance[layer] = {site: tq.concatenate([pre_rec[layer][site], g], axis=1)
-                       for site, g in sites.items()}
-  return Rollout(tokens, token_mask, positions, valid_buf, logp_buf, routes, guidance, p)
+  if bufs["routes"] is not None:
+    routes = jnp.concatenate([jnp.repeat(pre_routes, n, axis=1), bufs["routes"]], axis=2)
+  pre_rec = _repeat_rows(pre_records, n, xp)
+  guidance = {layer: {site: tq.concatenate([pre_rec[layer][site], g], axis=1, xp=xp)
+                      for site, g in sites.items()}
+              for layer, sites in bufs["records"].items()}
+  return Rollout(tokens, token_mask, positions, valid, bufs["logp"], routes, guidance,
+                 int(prompt_tokens.shape[1]))
+
+
+def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop_ids, *,
+                     config: M.ModelConfig, ctx: M.QuantContext, n: int, steps: int,
+                     sampling: SamplingParams, kv_format: str | None, record_routes: bool):
+  """The whole rollout as one pure function (jitted by the engine)."""
+  pre, positions, carry = _prefill(params, prompt_tokens, prompt_mask, config=config, ctx=ctx,
+                                   n=n, steps=steps, kv_format=kv_format)
+  prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1).astype(jnp.int32), n)
+  _, bufs = _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, config=config,
+                    ctx=ctx, p=prompt_tokens.shape[1], steps=steps, length=steps,
+                    sampling=sampling, record_routes=record_routes)
+  return _assemble(prompt_tokens, prompt_mask, positions, prompt_len, pre.routes, pre.records,
+                   bufs, n, steps)
+
+
+def prefill_program(params, prompt_tokens, prompt_mask, *, config, ctx, n, steps, kv_format):
+  """The chunked engine's first program: the prefill and the decode carry."""
+  pre, positions, carry = _prefill(params, prompt_tokens, prompt_mask, config=config, ctx=ctx,
+                                   n=n, steps=steps, kv_format=kv_format)
+  return pre.records, pre.routes, positions, carry
 
 
 # --------------------------------------------------------------------------- memory planning
@@ -189,10 +222,13 @@ def device_memory_bytes(device=None) -> int:
 
 
 def bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
-                       record_guidance: bool = True) -> float:
-  """Device bytes one sequence needs at `context_len`: KV cache, guidance, routes, logits."""
+                       record_guidance: bool = True, guidance_tokens: int | None = None) -> float:
+  """Device bytes one sequence needs at `context_len`: KV cache, guidance, routes, logits.
+  guidance_tokens: how many tokens' guidance is on the device at once (default: all of them;
+  the chunked engine holds the prompt's and two windows')."""
   kv = M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
   per_token = kv + 4 * config.num_layers * config.num_experts_per_tok  # routes (int32)
+  guidance = 0.0
   if record_guidance and policy.quantizes_anything:
     n_guided = sum(policy.is_guided_layer(l, config.num_layers) for l in range(config.num_layers))
     elems = 0
@@ -207,23 +243,26 @@ def bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, context_le
     if policy.kv_format:
       elems += 2 * config.num_kv_heads * config.head_dim
     fmt = policy.kv or tq.get_format("nvfp4")
-    per_token += n_guided * elems * tq.guidance_bits_per_element(fmt, policy.guidance_compact) / 8
+    guidance = n_guided * elems * tq.guidance_bits_per_element(fmt, policy.guidance_compact) / 8
   # Transient per sequence in a decode step: float32 logits (a few copies), attention scores and
   # probabilities over the context, a few hidden-size buffers.
   transient = (3 * 4 * config.vocab_size + 2 * 4 * config.num_heads * context_len
                + 8 * 4 * config.hidden_size)
-  return per_token * context_len + transient
+  on_device = context_len if guidance_tokens is None else min(guidance_tokens, context_len)
+  return per_token * context_len + guidance * on_device + transient
 
 
 def plan_capacity(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
                   weight_bytes: int, device_bytes: int | None = None,
-                  record_guidance: bool = True, headroom: float = 0.9) -> int:
+                  record_guidance: bool = True, headroom: float = 0.9,
+                  guidance_tokens: int | None = None) -> int:
   """How many sequences of `context_len` tokens fit next to the weights."""
   device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
   free = headroom * device_bytes - weight_bytes
   if free <= 0:
     return 0
-  return int(free // bytes_per_sequence(config, policy, context_len, record_guidance))
+  return int(free // bytes_per_sequence(config, policy, context_len, record_guidance,
+                                        guidance_tokens))
 
 
 def tree_bytes(tree) -> int:
@@ -271,6 +310,29 @@ def _prompt_key(seed: int, prompt: Sequence[int], occurrence: int) -> int:
   return (int.from_bytes(h, "little") + 7919 * occurrence) % (2**31 - 1)
 
 
+def _join_windows(windows, count: int, steps: int) -> dict:
+  """Decode windows joined along time into buffers of `steps`: windows never run (every row
+  had stopped) are zeros, as in the one-program engine's buffers."""
+  zero = jax.tree_util.tree_map(
+      lambda x: np.zeros_like(x) if isinstance(x, np.ndarray) else jnp.zeros_like(x), windows[-1])
+  windows = windows + [zero] * (count - len(windows))
+
+  def cut(x, axis):
+    return jax.lax.slice_in_dim(x, 0, steps, axis=axis) if x.shape[axis] > steps else x
+
+  out = {k: cut(jnp.concatenate([w[k] for w in windows], axis=1), 1)
+         for k in ("tokens", "logp", "valid")}
+  out["routes"] = None if windows[0]["routes"] is None else cut(
+      jnp.concatenate([w["routes"] for w in windows], axis=2), 2)
+  def records(layer, site):
+    g = tq.concatenate([w["records"][layer][site] for w in windows], axis=1, xp=np)
+    return tq.map_blocked(g, lambda a: a[:, :steps], (g.shape[0], steps) + tuple(g.shape[2:]))
+
+  out["records"] = {layer: {site: records(layer, site) for site in sites}
+                    for layer, sites in windows[0]["records"].items()}
+  return out
+
+
 _PROGRAMS: dict = {}
 
 
@@ -286,7 +348,8 @@ class RolloutEngine:
                max_new_tokens: int = 64, prompt_bucket: int = 16,
                record_guidance: bool = True, record_routes: bool = True,
                record_codes: bool = False, device_bytes: int | None = None,
-               use_kernels: bool | None = None, mesh: jax.sharding.Mesh | None = None):
+               use_kernels: bool | None = None, mesh: jax.sharding.Mesh | None = None,
+               decode_chunk: int = 0):
     self.config = config
     self.policy = policy or tq.make_policy("bf16")
     self.max_new_tokens = int(max_new_tokens)
@@ -298,6 +361,13 @@ class RolloutEngine:
                               record_guidance=record_guidance and quantized,
                               record_codes=record_codes and quantized)
     self.device_bytes = device_bytes
+    # decode_chunk > 0: decode in windows of that many steps, one program call each, and move
+    # each window's TRACE guidance to host memory as it completes, so device memory holds the
+    # guidance of the prompt and two windows instead of the whole sequence (at 8k tokens on the
+    # 30B-A3B shape it is larger than the FP4 KV cache). Same tokens, logprobs and guidance.
+    if decode_chunk < 0:
+      raise ValueError(f"decode_chunk must be >= 0 (0: one program), got {decode_chunk}")
+    self.decode_chunk = int(decode_chunk)
     # mesh: weights sharded per `parallel.param_shardings` (sync reshards the master weights
     # onto it, e.g. from a disjoint train submesh), prompts over its batch axes.
     self.mesh = mesh
@@ -328,9 +398,18 @@ class RolloutEngine:
     return 0 if self.params is None else tree_bytes(self.params)
 
   # -- capacity
-  def capacity(self, context_len: int) -> int:
+  def _chunked(self) -> bool:
+    return 0 < self.decode_chunk < self.max_new_tokens
+
+  def capacity(self, context_len: int, prompt_len: int | None = None) -> int:
+    """Sequences of `context_len` tokens that fit (prompt_len: the prompt bucket, which sets
+    how much guidance the chunked engine holds at once; default context_len - max_new)."""
+    held = None
+    if self._chunked():
+      prompt_len = context_len - self.max_new_tokens if prompt_len is None else prompt_len
+      held = max(prompt_len, 0) + 2 * self.decode_chunk  # a window decoding, one copying out
     return plan_capacity(self.config, self.policy, context_len, self.weight_bytes,
-                         self.device_bytes, self.ctx.record_guidance)
+                         self.device_bytes, self.ctx.record_guidance, guidance_tokens=held)
 
   # -- generation
   def _program(self, key):
@@ -343,6 +422,41 @@ class RolloutEngine:
                              record_routes=self.record_routes)
       _PROGRAMS[full] = jax.jit(fn)
     return _PROGRAMS[full]
+
+  def _chunk_programs(self, key):
+    full = ("chunked", self.decode_chunk, self.config, self.ctx, self.record_routes,
+            self.mesh) + key
+    if full not in _PROGRAMS:
+      p, n, steps, sampling = key[0], key[2], key[3], key[4]
+      pre = functools.partial(prefill_program, config=self.config, ctx=self.ctx, n=n,
+                              steps=steps, kv_format=self.policy.kv_format)
+      dec = functools.partial(_decode, config=self.config, ctx=self.ctx, p=p, steps=steps,
+                              length=self.decode_chunk, sampling=sampling,
+                              record_routes=self.record_routes)
+      _PROGRAMS[full] = (jax.jit(pre), jax.jit(dec, donate_argnums=(1,)))
+    return _PROGRAMS[full]
+
+  def _generate_chunked(self, key, tokens, mask, seq_keys, max_new, stop) -> Rollout:
+    """Prefill, then windows of `decode_chunk` steps until every row is done; each window's
+    records are copied to host memory while the next window decodes."""
+    n, steps, chunk = key[2], key[3], self.decode_chunk
+    pre_fn, window_fn = self._chunk_programs(key)
+    pre_records, pre_routes, positions, carry = pre_fn(self.params, tokens, mask)
+    pre_records = jax.device_get(pre_records)
+    prompt_len = jnp.repeat(jnp.sum(mask, axis=1).astype(jnp.int32), n)
+    windows, count, pending = [], -(-steps // chunk), None
+    for _ in range(count):
+      carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
+      for x in jax.tree_util.tree_leaves(bufs["records"]):
+        x.copy_to_host_async()
+      if pending is not None:  # the previous window's copy overlaps this window's decoding
+        windows.append(dict(pending, records=jax.device_get(pending["records"])))
+      pending = bufs
+      if bool(jax.device_get(jnp.all(carry["done"]))):
+        break
+    windows.append(dict(pending, records=jax.device_get(pending["records"])))
+    return _assemble(tokens, mask, positions, prompt_len, pre_routes, pre_records,
+                     _join_windows(windows, count, steps), n, steps, xp=np)
 
   def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
                sampling: SamplingParams = SamplingParams(), seed: int = 0,
@@ -375,10 +489,11 @@ class RolloutEngine:
       if bad:
         raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
     rows = len(prompts) * n
-    cap = self.capacity(p + self.max_new_tokens)
+    cap = self.capacity(p + self.max_new_tokens, p)
     if rows > cap:
       per = bytes_per_sequence(self.config, self.policy, p + self.max_new_tokens,
-                               self.ctx.record_guidance)
+                               self.ctx.record_guidance,
+                               p + 2 * self.decode_chunk if self._chunked() else None)
       raise CapacityError(
           f"{rows} sequences of {p + self.max_new_tokens} tokens do not fit: at most {cap} fit "
           f"next to {self.weight_bytes / 2**30:.2f} GiB of weights "
@@ -412,8 +527,13 @@ class RolloutEngine:
     key = (p, len(prompts), n, self.max_new_tokens, sampling, len(stop))
     args = (jnp.asarray(tokens), jnp.asarray(mask), seq_keys,
             jnp.asarray(np.repeat(per_prompt, n)))
+    def run(*args):
+      if self._chunked():
+        return self._generate_chunked(key, *args)
+      return self._program(key)(self.params, *args)
+
     if self.mesh is None:
-      return self._program(key)(self.params, *args, jnp.asarray(stop))
+      return run(*args, jnp.asarray(stop))
     # Typed keys travel as their raw data (a key array cannot be device_put onto devices of
     # other processes).
     args = args[:2] + (jax.random.key_data(seq_keys),) + args[3:]
@@ -423,5 +543,4 @@ class RolloutEngine:
       args = jax.device_put(args, parallel.replicated(self.mesh))
     args = args[:2] + (jax.random.wrap_key_data(args[2], impl=jax.random.key_impl(seq_keys)),) + args[3:]
     with jax.set_mesh(self.mesh):
-      return self._program(key)(self.params, *args,
-                                jax.device_put(stop, parallel.replicated(self.mesh)))
+      return run(*args, jax.device_put(stop, parallel.replicated(self.mesh)))
