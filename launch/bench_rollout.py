@@ -18,8 +18,14 @@ import sys
 import tempfile
 import time
 
+# Config files import each other (`from configs import ...`): make the repository root
+# importable however the launcher is started.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app
 from absl import flags
+
+from trace_jax import compilation_cache
 
 flags.DEFINE_string("preset", "tiny", "Model preset (trace_jax.models.config.PRESETS).")
 flags.DEFINE_integer("num_layers", 0, "Override the preset's layer count (0: keep it).")
@@ -40,6 +46,7 @@ flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
 flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")
 flags.DEFINE_string("tokens_dir", "", "Internal: where rows save their last tokens.")
 flags.DEFINE_string("out", "bench_rollout.json", "Output JSON path.")
+compilation_cache.define_flags()
 FLAGS = flags.FLAGS
 
 
@@ -235,6 +242,7 @@ def _agreement(rows, tokens_dir):
 
 def main(argv):
   del argv
+  compilation_cache.enable()
   from trace_jax import models as M
   from trace_jax.provenance import run_info
   config = M.preset(FLAGS.preset).replace(max_seq_len=FLAGS.prompt_len + FLAGS.new_tokens)

@@ -14,20 +14,28 @@ the two measurements; limits and config must not change in between).
 import os
 import sys
 
+# Config files import each other (`from configs import ...`): make the repository root
+# importable however the launcher is started.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app
 from absl import flags
 from ml_collections import config_flags
+
+from trace_jax import compilation_cache
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "serve_compare.py")
 config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_config()).")
 flags.DEFINE_string("workdir", None, "Directory for limits.json, report.json/md and plots.")
+compilation_cache.define_flags()
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  compilation_cache.enable()
   from trace_jax.rl import loop
   from trace_jax.serving import compare
   try:

@@ -7,6 +7,10 @@
 import os
 import sys
 
+# Config files import each other (`from configs import ...`): make the repository root
+# importable however the launcher is started.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app
 from absl import flags
 from ml_collections import config_flags

@@ -11,10 +11,15 @@
 import os
 import sys
 
+# Config files import each other (`from configs import ...`): make the repository root
+# importable however the launcher is started.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from trace_jax import compilation_cache
 from trace_jax.parallel import distributed
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
@@ -22,12 +27,14 @@ _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "confi
 config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_config()).")
 flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl, TensorBoard and checkpoints.")
 distributed.define_flags()
+compilation_cache.define_flags()
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  compilation_cache.enable()
   distributed.initialize()  # a no-op for one process
   from trace_jax.rl import loop
   try:
