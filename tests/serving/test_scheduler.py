@@ -36,7 +36,7 @@ def test_queue_and_token_bounds_and_close():
   futs = [sched.submit(ok), sched.submit(GenerationRequest((5, 7), 1))]
   with pytest.raises(QueueFullError, match="queue is full"):
     sched.submit(ok)
-  for bad, words in (((), "empty"), ((5,) * 9, "more than this server's limit of 8")):
+  for bad, words in (((), "empty"), ((5,) * 9, "more than the limit of 8")):
     with pytest.raises(ValueError, match=words):
       sched.submit(GenerationRequest(bad, 1))
   for n in (0, 9):
