@@ -1,6 +1,7 @@
 """The HTTP server over a real socket on 127.0.0.1 (uvicorn in a thread, httpx client): tokens
-under concurrent load equal the engine's called directly, SSE streaming, 4xx for bad requests and
-API keys, and the server keeps serving after each."""
+under concurrent load equal the engine's called directly, SSE streaming (the same text as without,
+tokens sent while the answer is still being decoded), 4xx for bad requests and API keys, and the
+server keeps serving after each."""
 
 import concurrent.futures
 import json
@@ -50,8 +51,10 @@ class _Server:
 @pytest.fixture(scope="module")
 def served():
   config = serve_compare.get_config()
-  # Two slots: prefill sizes 1 and 2 and one decode chunk program for the module.
-  config.serve.update(dict(max_batch=2, max_queue=64, decode_chunk=4, model_name="tiny"))
+  # Two slots: prefill sizes 1 and 2 and one decode program (one step per chunk) for the
+  # module; 32 new tokens at most, so a long answer streams over many chunks.
+  config.serve.update(dict(max_batch=2, max_queue=64, decode_chunk=1, model_name="tiny"))
+  config.rollout.max_new_tokens = 32
   model = build_serving(config, "baseline", log=lambda *_: None)
   open_srv = _Server(build_app(model, max_body_bytes=4096))
   keyed = _Server(build_app(model, api_key=KEY))
@@ -116,6 +119,30 @@ def test_streaming_sends_openai_sse_with_the_same_text(served):
   chunks = _sse(streamed)
   assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
   assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == whole["text"]
+
+
+def test_stream_sends_each_token_as_it_is_generated(served):
+  model, url, _ = served
+  sched = model.scheduler
+  body = dict(model="tiny", prompt="7+8=", max_tokens=sched.max_tokens, temperature=1.0,
+              seed=1)
+  whole = _complete(url, dict(body, return_token_ids=True)).json()["choices"][0]
+  assert len(whole["token_ids"]) >= 16, whole  # a long answer: many decode chunks
+  events, chunks_run = [], []
+  with httpx.Client(timeout=TIMEOUT) as c:
+    with c.stream("POST", url + "/v1/completions", json=dict(body, stream=True)) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: "):
+          events.append(line[len("data: "):])
+          chunks_run.append(sched.chunks_run)  # decode chunks run when this event arrived
+  assert events[-1] == "[DONE]"
+  chunks = [json.loads(e) for e in events[:-1]]
+  texts = [ch["choices"][0]["text"] for ch in chunks]
+  assert "".join(texts) == whole["text"] and sum(bool(t) for t in texts) > 1
+  assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+  assert chunks[-1]["usage"]["completion_tokens"] == len(whole["token_ids"])
+  # The first token reached the client while the answer was still being decoded.
+  assert chunks_run[0] < chunks_run[-1]
 
 
 def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(served):
