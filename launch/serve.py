@@ -1,5 +1,6 @@
 """OpenAI-compatible server (/v1/completions, /v1/chat/completions) over the rollout engine, at
-BF16 or under an FP4 policy, with request-level continuous batching.
+BF16 or under an FP4 policy, with step-level continuous batching and token streaming
+(`serve.scheduler`).
 
   python launch/serve.py --arm=candidate                        # FP4 `paper`, tiny model, CPU
   python launch/serve.py --arm=baseline --config.init_checkpoint=/path/hf \\

@@ -7,8 +7,8 @@ write position, position id, decode step), done flag, token budget, PRNG key, sa
 (`RowSampling`) and stop tokens. Two jitted programs, both donating the state:
 
 - `prefill(requests, slots)`: prefill k requests of one prompt bucket (left-padded as the
-  engine pads them; k padded to one of `prefill_sizes`), sample each one's first token, and write their
-  cache rows and state into free slots. The first tokens come back at once.
+  engine pads them; k padded to one of `prefill_sizes`), sample each one's first token, and
+  write their cache rows and state into free slots. The first tokens come back at once.
 - `decode()`: up to `chunk` decode steps for every live slot (a `lax.while_loop` that stops
   early when all slots are done); returns the new tokens, logprobs and which were emitted.
 

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from trace_jax.rollout import RolloutEngine, SamplingParams
+from trace_jax.rollout import RolloutEngine
 from trace_jax.rollout.slots import SlotDecoder, SlotRequest, batch_buckets, validate_request
 
 
@@ -188,7 +188,71 @@ class TokenStream:
       return list(self._times)
 
 
-class BatchScheduler:
+class _QueueFront:
+  """What both schedulers share: a bounded FIFO queue of (request, stream, submit time) that a
+  worker thread drains, `submit` / `submit_stream`, `close`."""
+
+  def _start(self, max_queue: int, name: str) -> None:
+    if max_queue < 1:
+      raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    self.max_queue = int(max_queue)
+    self._queue: collections.deque = collections.deque()
+    self._cond = threading.Condition()
+    self._closed = False
+    self._worker = threading.Thread(target=self._loop, name=name, daemon=True)
+    self._worker.start()
+
+  def validate(self, request: GenerationRequest) -> None:
+    raise NotImplementedError
+
+  def _loop(self) -> None:
+    raise NotImplementedError
+
+  def _enqueue(self, request: GenerationRequest) -> TokenStream:
+    self.validate(request)
+    stream = TokenStream(request, time.perf_counter())
+    with self._cond:
+      if self._closed:
+        raise SchedulerClosedError("the scheduler is closed")
+      if len(self._queue) >= self.max_queue:
+        raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry "
+                             "later")
+      self._queue.append((request, stream, stream.submitted_at))
+      self._cond.notify()
+    return stream
+
+  def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
+    """Queue `request`; the future resolves to its `GenerationResult`. Raises ValueError (bad
+    request), QueueFullError, SchedulerClosedError."""
+    return self.submit_stream(request).future
+
+  def submit_stream(self, request: GenerationRequest) -> TokenStream:
+    raise NotImplementedError
+
+  @property
+  def queue_length(self) -> int:
+    with self._cond:
+      return len(self._queue)
+
+  def close(self, timeout: float | None = 30.0) -> None:
+    """Stop accepting requests, finish the work in flight, fail the requests still queued."""
+    with self._cond:
+      self._closed = True
+      pending = list(self._queue)
+      self._queue.clear()
+      self._cond.notify_all()
+    for _, stream, _ in pending:
+      stream.end(error=SchedulerClosedError("the scheduler closed before this request ran"))
+    self._worker.join(timeout)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+class BatchScheduler(_QueueFront):
   """Forms batches from concurrent requests and runs them on `engine` (see module docstring).
 
     sched = BatchScheduler(engine, max_batch=8, max_queue=64)
@@ -205,25 +269,18 @@ class BatchScheduler:
                buckets: Sequence[int] = ()):
     if engine.params is None:
       raise ValueError("BatchScheduler needs a synced engine (call engine.sync(params) first)")
-    if max_queue < 1:
-      raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     self.engine = engine
     self.max_batch = int(max_batch)
     self.buckets = batch_buckets(self.max_batch, buckets)
-    self.max_queue = int(max_queue)
     self.batch_wait_s = float(batch_wait_s)
     # Prompts pad to one length: one program per batch bucket (and sampling setting).
     self.prompt_len = int(prompt_len or engine.prompt_bucket)
     if self.prompt_len + engine.max_new_tokens > engine.config.max_seq_len:
       raise ValueError(f"prompt_len {self.prompt_len} + max_new_tokens {engine.max_new_tokens} "
                        f"exceeds the model's max_seq_len {engine.config.max_seq_len}")
-    self._queue: collections.deque = collections.deque()
-    self._cond = threading.Condition()
-    self._closed = False
     self.batches_run = 0
     self.shapes_run: set = set()
-    self._worker = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
-    self._worker.start()
+    self._start(max_queue, "batch-scheduler")
 
   # -- limits a front end checks before submitting
   @property
@@ -238,45 +295,9 @@ class BatchScheduler:
     """Raise ValueError naming what is wrong with `request` (nothing if it can run)."""
     validate_request(request, self.engine.config.vocab_size, self.prompt_len, self.max_tokens)
 
-  def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
-    """Queue `request`; raises ValueError (bad request), QueueFullError, SchedulerClosedError."""
-    return self.submit_stream(request).future
-
   def submit_stream(self, request: GenerationRequest) -> TokenStream:
     """Queue `request`; its stream gets every token at once when its batch ends."""
-    self.validate(request)
-    stream = TokenStream(request, time.perf_counter())
-    with self._cond:
-      if self._closed:
-        raise SchedulerClosedError("the scheduler is closed")
-      if len(self._queue) >= self.max_queue:
-        raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry "
-                             "later")
-      self._queue.append((request, stream, stream.submitted_at))
-      self._cond.notify()
-    return stream
-
-  @property
-  def queue_length(self) -> int:
-    with self._cond:
-      return len(self._queue)
-
-  def close(self, timeout: float | None = 30.0) -> None:
-    """Stop accepting requests, finish the batch in flight, fail the ones still queued."""
-    with self._cond:
-      self._closed = True
-      pending = list(self._queue)
-      self._queue.clear()
-      self._cond.notify_all()
-    for _, stream, _ in pending:
-      stream.end(error=SchedulerClosedError("the scheduler closed before this request ran"))
-    self._worker.join(timeout)
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
+    return self._enqueue(request)
 
   # -- the worker
   def _take_batch(self) -> list:
@@ -361,7 +382,7 @@ class _Live:
   first_token_at: float | None = None
 
 
-class SlotScheduler:
+class SlotScheduler(_QueueFront):
   """Step-level continuous batching with token streaming (see module docstring).
 
     sched = SlotScheduler(engine, slots=8, chunk=8, max_queue=64)
@@ -379,20 +400,13 @@ class SlotScheduler:
   def __init__(self, engine: RolloutEngine, *, slots: int = 8, chunk: int = 8,
                max_queue: int = 64, prompt_len: int | None = None,
                prefill_sizes: Sequence[int] = ()):
-    if max_queue < 1:
-      raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     self.decoder = SlotDecoder(engine, slots=slots, chunk=chunk, max_prompt_tokens=prompt_len,
                                prefill_sizes=prefill_sizes)
     self.engine = engine
-    self.max_queue = int(max_queue)
-    self._queue: collections.deque = collections.deque()
-    self._cond = threading.Condition()
-    self._closed = False
     self._live: dict[int, _Live] = {}
     self.chunks_run = 0
     self.prefills_run = 0
-    self._worker = threading.Thread(target=self._loop, name="slot-scheduler", daemon=True)
-    self._worker.start()
+    self._start(max_queue, "slot-scheduler")
 
   # -- what the server, backend and A/B tool read
   @property
@@ -431,48 +445,13 @@ class SlotScheduler:
   def submit_stream(self, request: GenerationRequest) -> TokenStream:
     """Queue `request` and return its token stream; raises ValueError (bad request),
     QueueFullError, SchedulerClosedError."""
-    self.validate(request)
-    stream = TokenStream(request, time.perf_counter())
-    with self._cond:
-      if self._closed:
-        raise SchedulerClosedError("the scheduler is closed")
-      if len(self._queue) >= self.max_queue:
-        raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry "
-                             "later")
-      self._queue.append(stream)
-      self._cond.notify()
-    return stream
-
-  def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
-    """Queue `request`; the future resolves to its `GenerationResult`."""
-    return self.submit_stream(request).future
-
-  @property
-  def queue_length(self) -> int:
-    with self._cond:
-      return len(self._queue)
+    return self._enqueue(request)
 
   def hold(self):
-    """A context in which the worker admits nothing (requests submitted inside it are admitted
-    together when it ends: warm-up compiles each prefill size this way)."""
+    """A context in which the worker pauses at its next chunk boundary (admits and decodes
+    nothing); requests submitted inside it are admitted together when it ends (warm-up compiles
+    each prefill size this way)."""
     return self._cond
-
-  def close(self, timeout: float | None = 30.0) -> None:
-    """Stop accepting requests, finish the ones in slots, fail the ones still queued."""
-    with self._cond:
-      self._closed = True
-      pending = list(self._queue)
-      self._queue.clear()
-      self._cond.notify_all()
-    for stream in pending:
-      stream.end(error=SchedulerClosedError("the scheduler closed before this request ran"))
-    self._worker.join(timeout)
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
 
   # -- the worker
   def _loop(self) -> None:
@@ -485,7 +464,7 @@ class SlotScheduler:
         free = [s for s in range(self.decoder.slots) if s not in self._live]
         admit = []
         while self._queue and len(admit) < len(free):
-          stream = self._queue.popleft()
+          stream = self._queue.popleft()[1]
           if stream.future.set_running_or_notify_cancel():
             admit.append(stream)
       if admit:
