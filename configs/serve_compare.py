@@ -72,7 +72,8 @@ def get_config(variant: str = "cpu"):
     c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b_12l", dtype="bfloat16",
                                              vocab_size=151936, max_seq_len=1024))
     c.rollout.update(dict(prompt_len=256, max_new_tokens=128))
-    # One padded batch size: one compile per arm (minutes at this shape), full batches under load.
+    # One padded batch size: few compiles per arm (minutes at this shape; slots: one prefill of
+    # 32 rows and one decode chunk program), full batches under load.
     c.serve.update(dict(max_batch=32, batch_buckets="32", max_queue=1024))
     c.compare.update(dict(num_prompts=128, repeats=3))
     c.load.concurrency = 32

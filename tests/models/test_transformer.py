@@ -77,10 +77,11 @@ def _one_layer():
   return cfg, jax.tree_util.tree_map(lambda a: a * 5 if a.ndim >= 2 else a, p)
 
 
-@pytest.mark.parametrize("preset", [None, "paper"])
+@pytest.mark.parametrize("preset", [None, pytest.param("paper", marks=pytest.mark.slow)])
 def test_per_row_cache_index_equal_indices_is_the_scalar_path_bitwise(preset):
   """A decode step with cache_index [s, s] is the scalar-index step, bit for bit (bf16 cache,
-  and the FP4 KV cache of the packed "paper" rollout)."""
+  and the FP4 KV cache of the packed "paper" rollout: slow, and also covered end to end by
+  tests/rollout/test_slots.py, whose FP4 slot rows must match the engine's scalar-index decode)."""
   cfg, params = _one_layer()
   tokens, mask = _batch()
   if preset is None:
