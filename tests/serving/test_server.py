@@ -19,7 +19,7 @@ from configs import serve_compare  # noqa: E402
 from trace_jax.rollout import SamplingParams  # noqa: E402
 from trace_jax.serving import GenerationRequest, build_serving  # noqa: E402
 from trace_jax.serving.scheduler import generate_direct  # noqa: E402
-from trace_jax.serving.server import build_app  # noqa: E402
+from trace_jax.serving.server import _Text, build_app  # noqa: E402
 
 KEY = "s3cret-key"
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
@@ -143,6 +143,21 @@ def test_stream_sends_each_token_as_it_is_generated(served):
   assert chunks[-1]["usage"]["completion_tokens"] == len(whole["token_ids"])
   # The first token reached the client while the answer was still being decoded.
   assert chunks_run[0] < chunks_run[-1]
+
+
+def test_stop_strings_cut_streamed_text_as_the_whole_text(served):
+  model, _, _ = served
+  tok = model.tokenizer
+  ids = tok.encode("12+34=5+19")
+  streamed = _Text(tok, ["+1"])
+  pieces = [streamed.add([i]) for i in ids]
+  pieces.append(streamed.finish())
+  assert "".join(pieces) == "12+34=5" and streamed.stopped
+  assert pieces[7] == ""  # "+" could start the stop string: held back, then never sent
+  whole = _Text(tok, ["+1"])
+  assert whole.add(ids) + whole.finish() == "12+34=5"
+  plain = _Text(tok, [])
+  assert "".join(plain.add([i]) for i in ids) + plain.finish() == "12+34=5+19"
 
 
 def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(served):
