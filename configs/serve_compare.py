@@ -32,10 +32,16 @@ def get_config(variant: str = "cpu"):
       model_name="",  # the name clients send as "model" (default: trace-<arm>)
       trainer_checkpoint="",  # a launch/train_rl.py workdir to serve (else init_checkpoint)
       load_dtype="bfloat16",  # master weights as loaded, before the serving copy is made
-      max_batch=8,  # requests per engine call
-      batch_buckets="",  # padded batch sizes, e.g. "8,32" (default: powers of two to max_batch)
+      # "slots": step-level continuous batching, tokens streamed as generated (TTFT = queue
+      # wait + one prefill); "batch": request-level, one engine.generate call per batch.
+      scheduler="slots",
+      max_batch=8,  # slots: sequences decoding together; batch: requests per engine call
+      # padded batch sizes (slots: prefill sizes), e.g. "8,32" (default: powers of two to
+      # max_batch)
+      batch_buckets="",
+      decode_chunk=8,  # slots: decode steps per program call (tokens reach clients per chunk)
       max_queue=256,  # waiting requests beyond this get 429
-      batch_wait_s=0.0,  # how long an idle scheduler waits to fill a batch
+      batch_wait_s=0.0,  # batch: how long an idle scheduler waits to fill a batch
       max_body_bytes=1 << 20))
   c.rollout.temperature = 0.0  # serving default; the A/B sampling is `compare.*`
 
@@ -66,7 +72,8 @@ def get_config(variant: str = "cpu"):
     c.model = ml_collections.ConfigDict(dict(preset="qwen3_30b_a3b_12l", dtype="bfloat16",
                                              vocab_size=151936, max_seq_len=1024))
     c.rollout.update(dict(prompt_len=256, max_new_tokens=128))
-    # One padded batch size: one compile per arm (minutes at this shape), full batches under load.
+    # One padded batch size: few compiles per arm (minutes at this shape; slots: one prefill of
+    # 32 rows and one decode chunk program), full batches under load.
     c.serve.update(dict(max_batch=32, batch_buckets="32", max_queue=1024))
     c.compare.update(dict(num_prompts=128, repeats=3))
     c.load.concurrency = 32

@@ -1,5 +1,6 @@
 """OpenAI-compatible server (/v1/completions, /v1/chat/completions) over the rollout engine, at
-BF16 or under an FP4 policy, with request-level continuous batching.
+BF16 or under an FP4 policy, with step-level continuous batching and token streaming
+(`serve.scheduler`).
 
   python launch/serve.py --arm=candidate                        # FP4 `paper`, tiny model, CPU
   python launch/serve.py --arm=baseline --config.init_checkpoint=/path/hf \\
@@ -21,6 +22,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from trace_jax import compilation_cache
+
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "serve_compare.py")
 config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_config()).")
@@ -30,12 +33,14 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 exposes it to
 flags.DEFINE_integer("port", 8000, "Port.")
 flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' (default: "
                     "$TRACE_JAX_API_KEY, else no key).")
+compilation_cache.define_flags()
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  compilation_cache.enable()
   import uvicorn
 
   from trace_jax.rl import loop

@@ -69,6 +69,68 @@ def test_left_padding_does_not_change_a_sequence():
                              atol=2e-5, rtol=0)
 
 
+@functools.lru_cache(maxsize=None)
+def _one_layer():
+  """A one-layer model: the per-row cache rule is per layer, and its compiles stay cheap."""
+  cfg = M.tiny(num_layers=1)
+  p = M.init_params(cfg, jax.random.key(0))
+  return cfg, jax.tree_util.tree_map(lambda a: a * 5 if a.ndim >= 2 else a, p)
+
+
+@pytest.mark.parametrize("preset", [None, pytest.param("paper", marks=pytest.mark.slow)])
+def test_per_row_cache_index_equal_indices_is_the_scalar_path_bitwise(preset):
+  """A decode step with cache_index [s, s] is the scalar-index step, bit for bit (bf16 cache,
+  and the FP4 KV cache of the packed "paper" rollout: slow, and also covered end to end by
+  tests/rollout/test_slots.py, whose FP4 slot rows must match the engine's scalar-index decode)."""
+  cfg, params = _one_layer()
+  tokens, mask = _batch()
+  if preset is None:
+    ctx, kv = M.QuantContext(), None
+  else:
+    policy = tq.make_policy(preset, "nvfp4")
+    params = jax.jit(functools.partial(M.quantize_params, policy=policy))(params)
+    ctx, kv = M.QuantContext(policy, "rollout"), policy.kv_format
+  pos = M.default_positions(tokens, mask)
+  cache = M.init_cache(cfg, 2, 8, kv)
+  for s in range(6):  # fill the cache token by token (the one compiled scalar step)
+    step = dict(positions=pos[:, s:s + 1], token_mask=mask[:, s:s + 1], cache=cache)
+    scalar = apply(params, tokens[:, s:s + 1], cfg, ctx, cache_index=s, **step)
+    cache = scalar.cache
+  rows = apply(params, tokens[:, 5:6], cfg, ctx, cache_index=jnp.asarray([5, 5]), **step)
+  for a, b in zip(jax.tree_util.tree_leaves((scalar.logits, scalar.cache)),
+                  jax.tree_util.tree_leaves((rows.logits, rows.cache))):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_per_row_cache_index_decodes_rows_of_different_lengths():
+  """Rows at different cache positions (prompts of 5 and 8 tokens at slots 0.., right-padded in
+  the prefill) decode together with one write position per row and give the full forward."""
+  cfg, params = _one_layer()
+  rng = np.random.default_rng(1)
+  lens, cont = np.asarray([5, 8]), 3
+  seqs = rng.integers(0, cfg.vocab_size, size=(2, 8 + cont))
+  full_mask = np.arange(8 + cont)[None] < (lens + cont)[:, None]  # right-padded sequences
+  full = apply(params, jnp.asarray(seqs), cfg, M.QuantContext(),
+               token_mask=jnp.asarray(full_mask))
+  prompt_mask = jnp.asarray(np.arange(8)[None] < lens[:, None])
+  out = apply(params, jnp.asarray(seqs[:, :8]), cfg, M.QuantContext(),
+              token_mask=prompt_mask, cache=M.init_cache(cfg, 2, 16, None), cache_index=0)
+  cache, got = out.cache, []
+  for j in range(cont):
+    idx = lens + j
+    tok = jnp.asarray(seqs[np.arange(2), idx])[:, None]
+    out = apply(params, tok, cfg, M.QuantContext(), positions=jnp.asarray(idx)[:, None],
+                cache=cache, cache_index=jnp.asarray(idx, jnp.int32))
+    cache = out.cache
+    got.append(np.asarray(out.logits[:, 0]))
+  for j in range(cont):
+    want = np.asarray(full.logits)[np.arange(2), lens + j]
+    np.testing.assert_allclose(got[j], want, atol=2e-5, rtol=0)
+  np.testing.assert_array_equal(np.asarray(cache.valid)[:, :8 + cont], full_mask)
+  with pytest.raises(ValueError, match="one index per row"):
+    M.apply(params, tok, cfg, cache=cache, cache_index=jnp.asarray([1, 2, 3]))
+
+
 @pytest.mark.parametrize("preset", ["w4a16", "paper", "all_linear"])
 def test_fp4_modes_close_to_bf16_deterministic_and_one_code_path(preset):
   tokens, mask = _batch()

@@ -128,6 +128,11 @@ def test_run_compare_end_to_end_on_the_tiny_model(tmp_path):
   for arm in ("baseline", "candidate"):
     assert len(report["arms"][arm]["tasks"]) == 16
     assert report["summary"][arm]["completion_tokens"] > 0
+    # The slot scheduler streams: TTFT is the first token's arrival, before the last one's.
+    tasks = [t for t in report["arms"][arm]["tasks"] if t["latency_s"] is not None]
+    assert all(t["ttft_s"] <= t["latency_s"] for t in tasks)
+    summary = report["summary"][arm]
+    assert summary["ttft_s"]["p50"] < summary["latency_s"]["p50"]
   assert (tmp_path / "report.md").exists()
   # A second call finds both arms' measurements and only rebuilds the report.
   again = compare.run_compare(config, str(tmp_path), log=lambda *_: None)

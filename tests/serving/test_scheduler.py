@@ -1,5 +1,8 @@
-"""The batch scheduler's bounds and batching rules (no engine call: the worker is held in its
-batch-fill wait, so the queue's contents are deterministic)."""
+"""The schedulers. Batch scheduler: bounds and batching rules (no engine call: the worker is held
+in its batch-fill wait, so the queue's contents are deterministic). Slot scheduler: streamed
+tokens equal the engine's, a request joins a batch in flight, TTFT well under latency, bounds."""
+
+import functools
 
 import jax
 import pytest
@@ -7,7 +10,8 @@ import pytest
 from trace_jax import models as M
 from trace_jax.rollout import RolloutEngine, SamplingParams
 from trace_jax.serving import (BatchScheduler, GenerationRequest, QueueFullError,
-                               SchedulerClosedError, batch_buckets)
+                               SchedulerClosedError, SlotScheduler, batch_buckets)
+from trace_jax.serving.scheduler import generate_direct
 
 CFG = M.tiny(num_layers=1, max_seq_len=24)
 
@@ -36,7 +40,7 @@ def test_queue_and_token_bounds_and_close():
   futs = [sched.submit(ok), sched.submit(GenerationRequest((5, 7), 1))]
   with pytest.raises(QueueFullError, match="queue is full"):
     sched.submit(ok)
-  for bad, words in (((), "empty"), ((5,) * 9, "more than this server's limit of 8")):
+  for bad, words in (((), "empty"), ((5,) * 9, "more than the limit of 8")):
     with pytest.raises(ValueError, match=words):
       sched.submit(GenerationRequest(bad, 1))
   for n in (0, 9):
@@ -69,3 +73,67 @@ def test_batches_keep_fifo_head_and_compatible_distinct_prompts():
   assert first == [reqs[0], reqs[4], reqs[5]]
   assert second == [reqs[1]]  # the new head's group alone
   sched.close()
+
+
+# --------------------------------------------------------------------------- the slot scheduler
+
+@functools.lru_cache(maxsize=None)
+def _slot_engine():
+  cfg = M.tiny(num_layers=1)
+  eng = RolloutEngine(cfg, max_new_tokens=40, prompt_bucket=8, record_guidance=False,
+                      record_routes=False)
+  eng.sync(M.init_params(cfg, jax.random.key(0)))
+  return eng
+
+
+def test_slot_scheduler_streams_the_engines_tokens_and_requests_join_in_flight():
+  eng = _slot_engine()
+  hot = SamplingParams(1.0)
+  long = GenerationRequest((5, 6, 7), 40, hot, 3)
+  short_free = GenerationRequest((9, 10), 3, hot, 1)
+  stop = generate_direct(eng, [short_free], 8)[0][1]  # its second token becomes its stop token
+  short = GenerationRequest((9, 10), 3, hot, 1, (stop,))
+  # One decode step per chunk: the long request's tokens reach the host over 39 chunks.
+  with SlotScheduler(eng, slots=2, chunk=1, prefill_sizes=(2,)) as sched:
+    stream = sched.submit_stream(long)
+    it = iter(stream)
+    first = next(it)
+    # Joins the running batch: admitted while the long request is still decoding (its first
+    # token came from the prefill; the decode program is still compiling or running).
+    short_stream = sched.submit_stream(short)
+    streamed = [first] + list(it)
+    res, short_res = stream.result(timeout=60), short_stream.result(timeout=60)
+    # Compiled now: a long request's TTFT is its prefill, its latency 40 tokens.
+    warm = sched.submit(GenerationRequest((5, 6, 7), 40, hot, 4)).result(timeout=60)
+  assert [t for t, _ in streamed] == res.tokens and [lp for _, lp in streamed] == res.logprobs
+  assert [t for t, _ in short_stream] == short_res.tokens
+  assert [res.tokens, short_res.tokens] == generate_direct(eng, [long, short], 8)
+  assert (res.finish_reason, short_res.finish_reason) == ("length", "stop")
+  assert len(res.tokens) == 40 and stop not in short_res.tokens
+  assert res.first_token_at < short_res.started_at < res.finished_at
+  assert short_res.batch_size == 2
+  # Real streaming: the first token long before the last, tokens arriving one chunk at a time.
+  assert len(warm.tokens) == 40 and warm.ttft_s < 0.5 * warm.latency_s
+  assert len(set(warm.token_times)) > 20 and warm.token_times == sorted(warm.token_times)
+  print(f"long request: TTFT {warm.ttft_s * 1e3:.1f} ms, latency {warm.latency_s * 1e3:.1f} ms, "
+        f"{warm.per_token_s * 1e3:.2f} ms/token")
+
+
+def test_slot_scheduler_queue_bound_and_close():
+  eng = _slot_engine()
+  sched = SlotScheduler(eng, slots=2, chunk=1, max_queue=2, prefill_sizes=(2,))
+  with sched.hold():  # the worker admits nothing meanwhile
+    streams = [sched.submit_stream(GenerationRequest((5, 6), 4)) for _ in range(2)]
+    with pytest.raises(QueueFullError, match="queue is full"):
+      sched.submit(GenerationRequest((5, 6), 4))
+    with pytest.raises(ValueError, match=r"max_tokens must be in \[1, 40\]"):
+      sched.submit(GenerationRequest((5,), 41))
+    sched.close(timeout=0)
+  sched.close()
+  for s in streams:
+    with pytest.raises(SchedulerClosedError):
+      s.result(timeout=5)
+    with pytest.raises(SchedulerClosedError):
+      list(s)
+  with pytest.raises(SchedulerClosedError):
+    sched.submit(GenerationRequest((5, 6), 4))

@@ -1,6 +1,7 @@
 """The HTTP server over a real socket on 127.0.0.1 (uvicorn in a thread, httpx client): tokens
-under concurrent load equal the engine's called directly, SSE streaming, 4xx for bad requests and
-API keys, and the server keeps serving after each."""
+under concurrent load equal the engine's called directly, SSE streaming (the same text as without,
+tokens sent while the answer is still being decoded), 4xx for bad requests and API keys, and the
+server keeps serving after each."""
 
 import concurrent.futures
 import json
@@ -18,7 +19,7 @@ from configs import serve_compare  # noqa: E402
 from trace_jax.rollout import SamplingParams  # noqa: E402
 from trace_jax.serving import GenerationRequest, build_serving  # noqa: E402
 from trace_jax.serving.scheduler import generate_direct  # noqa: E402
-from trace_jax.serving.server import build_app  # noqa: E402
+from trace_jax.serving.server import _Text, build_app  # noqa: E402
 
 KEY = "s3cret-key"
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
@@ -50,8 +51,10 @@ class _Server:
 @pytest.fixture(scope="module")
 def served():
   config = serve_compare.get_config()
-  # Two batch buckets (1, 2) and one sampling setting: two compiled programs for the module.
-  config.serve.update(dict(max_batch=2, max_queue=64, batch_wait_s=0.2, model_name="tiny"))
+  # Two slots: prefill sizes 1 and 2 and one decode program (one step per chunk) for the
+  # module; 32 new tokens at most, so a long answer streams over many chunks.
+  config.serve.update(dict(max_batch=2, max_queue=64, decode_chunk=1, model_name="tiny"))
+  config.rollout.max_new_tokens = 32
   model = build_serving(config, "baseline", log=lambda *_: None)
   open_srv = _Server(build_app(model, max_body_bytes=4096))
   keyed = _Server(build_app(model, api_key=KEY))
@@ -76,12 +79,9 @@ def test_concurrent_requests_return_the_engines_tokens(served):
   max_tokens = [4, 2, 4, 3, 4, 1]
   bodies = [dict(model="tiny", prompt=p, max_tokens=m, return_token_ids=True, **SAMPLED)
             for p, m in zip(prompts, max_tokens)]
-  before = model.scheduler.batches_run
   with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
     responses = list(pool.map(lambda b: _complete(url, b), bodies))
   assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
-  batches = model.scheduler.batches_run - before
-  assert batches < len(bodies)  # requests shared engine calls
   reqs = [GenerationRequest(tuple(tok.encode(p)), m, SamplingParams(1.0), 3, model.stop_tokens)
           for p, m in zip(prompts, max_tokens)]
   direct = generate_direct(model.engine, reqs, model.scheduler.prompt_len)
@@ -119,6 +119,45 @@ def test_streaming_sends_openai_sse_with_the_same_text(served):
   chunks = _sse(streamed)
   assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
   assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == whole["text"]
+
+
+def test_stream_sends_each_token_as_it_is_generated(served):
+  model, url, _ = served
+  sched = model.scheduler
+  body = dict(model="tiny", prompt="7+8=", max_tokens=sched.max_tokens, temperature=1.0,
+              seed=1)
+  whole = _complete(url, dict(body, return_token_ids=True)).json()["choices"][0]
+  assert len(whole["token_ids"]) >= 16, whole  # a long answer: many decode chunks
+  events, chunks_run = [], []
+  with httpx.Client(timeout=TIMEOUT) as c:
+    with c.stream("POST", url + "/v1/completions", json=dict(body, stream=True)) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: "):
+          events.append(line[len("data: "):])
+          chunks_run.append(sched.chunks_run)  # decode chunks run when this event arrived
+  assert events[-1] == "[DONE]"
+  chunks = [json.loads(e) for e in events[:-1]]
+  texts = [ch["choices"][0]["text"] for ch in chunks]
+  assert "".join(texts) == whole["text"] and sum(bool(t) for t in texts) > 1
+  assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+  assert chunks[-1]["usage"]["completion_tokens"] == len(whole["token_ids"])
+  # The first token reached the client while the answer was still being decoded.
+  assert chunks_run[0] < chunks_run[-1]
+
+
+def test_stop_strings_cut_streamed_text_as_the_whole_text(served):
+  model, _, _ = served
+  tok = model.tokenizer
+  ids = tok.encode("12+34=5+19")
+  streamed = _Text(tok, ["+1"])
+  pieces = [streamed.add([i]) for i in ids]
+  pieces.append(streamed.finish())
+  assert "".join(pieces) == "12+34=5" and streamed.stopped
+  assert pieces[7] == ""  # "+" could start the stop string: held back, then never sent
+  whole = _Text(tok, ["+1"])
+  assert whole.add(ids) + whole.finish() == "12+34=5"
+  plain = _Text(tok, [])
+  assert "".join(plain.add([i]) for i in ids) + plain.finish() == "12+34=5+19"
 
 
 def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(served):

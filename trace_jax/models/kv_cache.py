@@ -1,13 +1,15 @@
 """The KV cache: per-layer K and V in bf16/f32 or block-quantized (FP4/FP8 `QArray`s, blocks along
 head_dim, one second-level scale per token and head: row-local), plus which slots hold tokens.
 
-Slots are written at a scalar index shared by the batch (prompts are left-padded), and `valid`
-marks real tokens so padding never takes part in attention.
+Slots are written at an index shared by the batch (the rollout engine: prompts are left-padded)
+or at one index per row (`[B]`: the slot decoder, whose rows hold sequences of different lengths),
+and `valid` marks real tokens so padding never takes part in attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -84,10 +86,25 @@ def cache_bytes_per_token(config: ModelConfig, kv_format: str | None, dtype=jnp.
 def update_slice(buf, new, index, axis: int = 1):
   """Write pytree `new` (leaves `[B, T, ...]`) into `buf` (`[B, S, ...]`) at `index` along
   `axis`. Arrays, QArrays and Guidance trees alike: the two trees differ only in their static
-  shapes, so they are matched leaf by leaf."""
+  shapes, so they are matched leaf by leaf. `index` is a scalar shared by the batch or `[B]`,
+  one per row (every leaf is batch-first, axis 0)."""
   leaves, treedef = jax.tree_util.tree_flatten(buf)
-  out = [jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), index, axis=axis)
+  if jnp.ndim(index) == 0:
+    write = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis)
+  else:  # per row: the same write on each row (axis shifts past the mapped batch axis)
+    write = jax.vmap(functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis - 1))
+  out = [write(b, n.astype(b.dtype), index)
          for b, n in zip(leaves, jax.tree_util.tree_leaves(new))]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def put_rows(buf, rows, index):
+  """`buf` (pytree, leaves `[B, ...]`) with rows `index` (`[k]`) replaced by `rows` (the same
+  tree with leaves `[k, ...]`). Out-of-range indices are dropped: padding rows of a fixed-size
+  insert point past the end."""
+  leaves, treedef = jax.tree_util.tree_flatten(buf)
+  out = [b.at[index].set(n if n.dtype == b.dtype else n.astype(b.dtype), mode="drop")
+         for b, n in zip(leaves, jax.tree_util.tree_leaves(rows))]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -142,11 +142,13 @@ class Attention(nn.Module):
       layer = None if cache is None else kvc.write_layer(cache, k, v, cache_index)
 
     if layer is not None:
-      q_slot = cache_index + jnp.arange(t)  # query i sits in slot index + i
+      # Query i of a row sits in slot index + i (index: scalar or one per row).
+      q_slot = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(t)  # [1 or B, T]
       k_slot = jnp.arange(key_mask.shape[1])
     else:
       q_slot = k_slot = jnp.arange(t)
-    allowed = (k_slot[None, :] <= q_slot[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
+      q_slot = q_slot[None]
+    allowed = (k_slot <= q_slot[:, :, None]) & key_mask[:, None, :]  # [B, T, S]
 
     scale = c.head_dim ** -0.5
     if layer is not None and t == 1:  # one decode token: the decode attention kernel on GPU
@@ -364,8 +366,8 @@ class Transformer(nn.Module):
     c = self.config
     emb = _param(self, "embed/embedding", _INIT, (c.vocab_size, c.hidden_size))
     x = jnp.take(emb, tokens, axis=0).astype(c.compute_dtype)
-    key_mask = token_mask if cache is None else jax.lax.dynamic_update_slice_in_dim(
-        cache.valid, token_mask, cache_index, axis=1)
+    key_mask = token_mask if cache is None else kvc.update_slice(cache.valid, token_mask,
+                                                                  cache_index)
     new_layers, chosen, aux, z, records, dropped = [], [], [], [], {}, jnp.int32(0)
     moe_i = 0
     for i in range(c.num_layers):
@@ -437,7 +439,8 @@ def apply(params, tokens, config: ModelConfig, ctx: QuantContext = QuantContext(
 
   tokens `[B, T]`; token_mask `[B, T]` marks real tokens (default all); positions default to
   the count of real tokens before each one. With a `cache`, the T tokens are written at slots
-  `cache_index .. cache_index + T - 1` and attend to every valid slot up to their own.
+  `cache_index .. cache_index + T - 1` and attend to every valid slot up to their own;
+  `cache_index` is a scalar shared by the batch or `[B]`, one write position per row.
   guidance: `{layer: {site: Guidance}}` from a rollout (TRACE); routes `[L_moe, B, T, k]` to
   replay the rollout's expert choices. last_logits_only: logits `[B, 1, V]` of the last position
   only (a rollout's prefill needs just the next token's distribution; the full `[B, T, V]` float32
@@ -449,6 +452,10 @@ def apply(params, tokens, config: ModelConfig, ctx: QuantContext = QuantContext(
     token_mask = jnp.ones(tokens.shape, bool)
   if positions is None:
     positions = default_positions(tokens, token_mask)
+  if jnp.ndim(cache_index) not in (0, 1) or (jnp.ndim(cache_index) == 1
+                                              and jnp.shape(cache_index) != tokens.shape[:1]):
+    raise ValueError(f"cache_index must be a scalar or one index per row [{tokens.shape[0]}], "
+                     f"got shape {jnp.shape(cache_index)}")
   if routes is not None:
     n_moe = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     want = (n_moe,) + tuple(tokens.shape) + (config.num_experts_per_tok,)

@@ -1,13 +1,15 @@
 """Rollout generation: batched prefill + on-device decode with FP4 weights/activations/KV,
-recording logprobs, expert routes and TRACE guidance; sampling; capacity planning."""
+recording logprobs, expert routes and TRACE guidance; sampling; capacity planning; step-level
+slot decoding for serving (`slots`)."""
 
 from trace_jax.rollout.engine import (CapacityError, Rollout, RolloutEngine, bytes_per_sequence,
                                       device_memory_bytes, generate_program, plan_capacity,
-                                      tree_bytes)
-from trace_jax.rollout.sampling import SamplingParams, filter_logits, sample
+                                      sequence_keys, tree_bytes)
+from trace_jax.rollout.sampling import RowSampling, SamplingParams, filter_logits, sample
+from trace_jax.rollout.slots import SlotDecoder, SlotRequest
 
 __all__ = [
-    "CapacityError", "Rollout", "RolloutEngine", "SamplingParams", "bytes_per_sequence",
-    "device_memory_bytes", "filter_logits", "generate_program", "plan_capacity", "sample",
-    "tree_bytes",
+    "CapacityError", "Rollout", "RolloutEngine", "RowSampling", "SamplingParams", "SlotDecoder",
+    "SlotRequest", "bytes_per_sequence", "device_memory_bytes", "filter_logits",
+    "generate_program", "plan_capacity", "sample", "sequence_keys", "tree_bytes",
 ]

@@ -121,9 +121,6 @@ def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M
   r = prompt_len.shape[0]
   start = carry["s"]
 
-  def step_keys(s):
-    return jax.vmap(lambda k: jax.random.fold_in(k, s))(seq_keys)
-
   def feed(cache, token, s):
     return M.apply(params, token[:, None], config, ctx, positions=(prompt_len + s)[:, None],
                    token_mask=jnp.ones((r, 1), bool), cache=cache, cache_index=p + s)
@@ -147,7 +144,7 @@ def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M
   def body(state):
     carry, bufs = state
     s, done = carry["s"], carry["done"]
-    tok, lp = sample(carry["logits"], step_keys(s), sampling)
+    tok, lp = sample(carry["logits"], step_keys(seq_keys, s), sampling)
     tok = jnp.where(done, 0, tok)
     out = feed(carry["cache"], tok, s)
     live = ~done
@@ -333,6 +330,27 @@ def _join_windows(windows, count: int, steps: int) -> dict:
   return out
 
 
+def sequence_keys(seed: int, prompts: Sequence[Sequence[int]], n: int = 1) -> jax.Array:
+  """The PRNG key of each of the `n` samples of each prompt (rows `i * n + j`): from the seed,
+  the prompt's content and its occurrence among equal prompts, never its row, so a sequence's
+  tokens do not depend on its batch-mates. Decode step s samples with `fold_in(key, s)`."""
+  seen: dict = {}
+  ids = []
+  for pr in prompts:
+    t = tuple(int(x) for x in pr)
+    occ = seen.get(t, 0)
+    seen[t] = occ + 1
+    for j in range(n):
+      ids.append(_prompt_key(seed, t, occ * n + j))
+  base = jax.random.key(seed)
+  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(ids, jnp.uint32))
+
+
+def step_keys(seq_keys: jax.Array, step) -> jax.Array:
+  """The keys of decode step `step` (a scalar or one per row)."""
+  return jax.vmap(jax.random.fold_in)(seq_keys, jnp.broadcast_to(step, seq_keys.shape))
+
+
 _PROGRAMS: dict = {}
 
 
@@ -412,6 +430,10 @@ class RolloutEngine:
                          self.device_bytes, self.ctx.record_guidance, guidance_tokens=held)
 
   # -- generation
+  def bucket_length(self, prompt_tokens: int) -> int:
+    """The padded prompt length of a batch whose longest prompt has `prompt_tokens` tokens."""
+    return -(-prompt_tokens // self.prompt_bucket) * self.prompt_bucket
+
   def _program(self, key):
     # Shared across engines: a new engine with the same config reuses compiled programs.
     full = (self.config, self.ctx, self.record_routes, self.mesh) + key
@@ -477,7 +499,7 @@ class RolloutEngine:
     if min(lens) == 0:
       raise ValueError(f"prompt {lens.index(0)} is empty")
     longest = max(lens)
-    p = prompt_len or -(-longest // self.prompt_bucket) * self.prompt_bucket
+    p = prompt_len or self.bucket_length(longest)
     if longest > p:
       raise ValueError(f"a prompt has {longest} tokens, more than prompt_len={p}")
     if p + self.max_new_tokens > self.config.max_seq_len:
@@ -513,16 +535,7 @@ class RolloutEngine:
       per_prompt = np.full((len(prompts),), max_new_tokens or self.max_new_tokens, np.int32)
     if per_prompt.max() > self.max_new_tokens or per_prompt.min() < 1:
       raise ValueError(f"max_new_tokens must be in [1, {self.max_new_tokens}]")
-    seen: dict = {}
-    ids = []
-    for pr in prompts:
-      t = tuple(int(x) for x in pr)
-      occ = seen.get(t, 0)
-      seen[t] = occ + 1
-      for j in range(n):
-        ids.append(_prompt_key(seed, t, occ * n + j))
-    base = jax.random.key(seed)
-    seq_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(ids, jnp.uint32))
+    seq_keys = sequence_keys(seed, prompts, n)
     stop = np.asarray(list(stop_tokens) or [-1], np.int32)
     key = (p, len(prompts), n, self.max_new_tokens, sampling, len(stop))
     args = (jnp.asarray(tokens), jnp.asarray(mask), seq_keys,

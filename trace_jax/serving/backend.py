@@ -1,5 +1,6 @@
 """What the server and the A/B tool serve: a model loaded at BF16 or under an FP4 `QuantPolicy`,
-its tokenizer, chat template and batch scheduler, built from one config.
+its tokenizer, chat template and scheduler (`serve.scheduler`: "slots", step-level with token
+streaming, or "batch", request-level), built from one config.
 
 The config is `configs/serve_compare.py` (which extends the RL config, so the task, tokenizer,
 model shape and FP4 policy resolve through `rl.loop.build`, the same rules as training). An
@@ -26,7 +27,7 @@ from trace_jax.checkpoint import Checkpointer
 from trace_jax.rl import loop
 from trace_jax.rl.compare import override
 from trace_jax.rollout import RolloutEngine
-from trace_jax.serving.scheduler import BatchScheduler
+from trace_jax.serving.scheduler import BatchScheduler, SlotScheduler
 from trace_jax.tasks import HFTokenizer
 
 ARMS = ("baseline", "candidate")
@@ -89,7 +90,7 @@ class ServingModel:
   arm: str
   setup: loop.Setup
   engine: RolloutEngine
-  scheduler: BatchScheduler
+  scheduler: SlotScheduler | BatchScheduler
   setup_s: float  # load + quantize + warm-up compiles
   source: str
 
@@ -110,14 +111,22 @@ class ServingModel:
 
 
 def warm_up(model: "ServingModel", sampling) -> None:
-  """Compile every batch bucket for `sampling` before serving, so no client pays for it."""
+  """Compile every batch bucket (slots: every prefill size and the decode chunk; batches: for
+  `sampling`) before serving, so no client pays for it."""
   from trace_jax.serving.scheduler import GenerationRequest
   k = model.engine.config.vocab_size - 3
-  for size in model.scheduler.buckets:
-    # Distinct short prompts (ids above the special ones), so the batch fills to `size`.
-    reqs = [GenerationRequest((3 + i % k,) * (1 + i // k), 1, sampling, 0, model.stop_tokens)
-            for i in range(size)]
-    futs = [model.scheduler.submit(r) for r in reqs]
+  sched = model.scheduler
+  slots = isinstance(sched, SlotScheduler)
+  for size in sched.buckets:
+    # Distinct short prompts (ids above the special ones), so the batch fills to `size`; two
+    # tokens each, so the slot decoder also runs a decode chunk.
+    reqs = [GenerationRequest((3 + i % k,) * (1 + i // k), 2 if slots else 1, sampling, 0,
+                              model.stop_tokens) for i in range(size)]
+    if slots:
+      with sched.hold():  # admitted together: one prefill of `size`
+        futs = [sched.submit(r) for r in reqs]
+    else:
+      futs = [sched.submit(r) for r in reqs]
     for f in futs:
       f.result()
 
@@ -135,9 +144,17 @@ def build_serving(config, arm: str = "candidate", *, warm_sampling: Any = None,
                          record_routes=False)
   engine.sync(params)
   del params  # only the serving copy stays on the device
-  scheduler = BatchScheduler(engine, max_batch=int(sc.max_batch), max_queue=int(sc.max_queue),
-                             batch_wait_s=float(sc.batch_wait_s), prompt_len=setup.prompt_len,
-                             buckets=[int(b) for b in str(sc.batch_buckets).split(",") if b])
+  buckets = [int(b) for b in str(sc.batch_buckets).split(",") if b]
+  if sc.scheduler == "slots":
+    scheduler = SlotScheduler(engine, slots=int(sc.max_batch), chunk=int(sc.decode_chunk),
+                              max_queue=int(sc.max_queue), prompt_len=setup.prompt_len,
+                              prefill_sizes=buckets)
+  elif sc.scheduler == "batch":
+    scheduler = BatchScheduler(engine, max_batch=int(sc.max_batch), max_queue=int(sc.max_queue),
+                               batch_wait_s=float(sc.batch_wait_s), prompt_len=setup.prompt_len,
+                               buckets=buckets)
+  else:
+    raise loop.ConfigError(f"serve.scheduler must be 'slots' or 'batch', got {sc.scheduler!r}")
   name = sc.model_name or f"trace-{arm}"
   model = ServingModel(name, arm, setup, engine, scheduler, 0.0, weights_source(cfg))
   if warm_sampling is not None:

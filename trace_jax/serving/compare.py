@@ -5,7 +5,7 @@ length and offered load, judged against acceptance limits fixed before the runs.
 1. writes `limits.json` (the limits, the config and the time) before anything is measured;
 2. runs each arm (in its own process when `compare.isolate`, so peak memory and compile caches
    are the arm's own): load + quantize + warm-up (timed as setup), then `compare.repeats` runs
-   of every prompt under the configured load through the arm's `BatchScheduler`, repeat r
+   of every prompt under the configured load through the arm's scheduler, repeat r
    sampling with seed r on both arms (paired);
 3. records per task: output, pass/fail, failure text, TTFT, per-token latency, tokens; per run:
    peak device memory, throughput, p50/p95/p99 latency, cost per million tokens;
@@ -13,9 +13,11 @@ length and offered load, judged against acceptance limits fixed before the runs.
    95% confidence intervals) and the verdict: keep FP4 only if every limit holds.
 
 Timing definitions. Latency: from the request's send time (open loop: its scheduled arrival)
-to its result. The engine delivers a batch's tokens when the batch ends (see
-`serving.scheduler`), so TTFT equals the latency; per-token latency is latency / generated
-tokens. Memory: the device's `peak_bytes_in_use` while serving (sampled every 20 ms after
+to its last token. TTFT: from the send time to its first token on the host (the slot scheduler
+streams tokens as they are generated; the request-level `BatchScheduler` delivers a batch's
+tokens when the batch ends, so there TTFT equals the latency). Per-token latency: the mean time
+between tokens after the first (batch delivery, or a single token: latency / generated tokens).
+Memory: the device's `peak_bytes_in_use` while serving (sampled every 20 ms after
 setup, when the backend reports memory stats, e.g. on GPU); otherwise (CPU) an estimate from
 the capacity planner: serving weights + per-sequence KV/working bytes x max batch. Cost per
 million generated tokens: `cost.gpu_hour_usd` x (setup + all runs' wall time) / tokens.
@@ -275,9 +277,10 @@ def run_arm(config, arm: str, log=print) -> dict:
           latency = res.finished_at - sent
           lat.append(latency)
           gen += len(res.tokens)
+          first = res.finished_at if res.first_token_at is None else res.first_token_at
           tasks.append(dict(task=i, repeat=r, prompt=ex.prompt, answer=ex.answer, output=text,
-                            passed=None, failure=None, ttft_s=latency,
-                            per_token_s=latency / max(len(res.tokens), 1), latency_s=latency,
+                            passed=None, failure=None, ttft_s=first - sent,
+                            per_token_s=res.per_token_s, latency_s=latency,
                             queue_s=res.started_at - sent, prompt_tokens=len(prompts[i]),
                             completion_tokens=len(res.tokens), finish_reason=res.finish_reason,
                             batch_size=res.batch_size))
@@ -306,7 +309,8 @@ def run_arm(config, arm: str, log=print) -> dict:
                 peak_memory_bytes=mem.peak, process_peak_bytes=mem.process_peak(),
                 estimated_memory_bytes=int(estimate),
                 memory_measured=mem.peak is not None, context_len=context,
-                batches_run=model.scheduler.batches_run, runs=runs, tasks=tasks,
+                batches_run=model.scheduler.batches_run, scheduler=config.serve.scheduler,
+                runs=runs, tasks=tasks,
                 device=str(jax.devices()[0]))
   finally:
     model.close()
@@ -388,7 +392,7 @@ def make_plots(arms: dict, summaries: dict, out_dir: str) -> dict:
     xs = np.sort([t["latency_s"] for t in arm["tasks"] if t["latency_s"] is not None])
     ax.step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), where="post", color=colors[a],
             label=label[a])
-  ax.set_xlabel("request latency (s) = TTFT (batch-end delivery)")
+  ax.set_xlabel("request latency (s), send to last token")
   ax.set_ylabel("fraction of requests")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
@@ -489,8 +493,12 @@ def markdown_report(report: dict) -> str:
       f"95% CI [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]; {d['tasks_better']} tasks better, "
       f"{d['tasks_worse']} worse of {d['n_tasks']}.", "",
       f"Cost at ${cfg['cost']['gpu_hour_usd']}/GPU-hour. Latency is from send to the last "
-      "token; the engine returns a batch's tokens when the batch ends, so TTFT equals latency "
-      "and per-token latency is latency / generated tokens. Memory: "
+      "token, TTFT from send to the first token on the host. "
+      + ("The slot scheduler streams tokens per decode chunk; per-token latency is the mean "
+         "time between tokens after the first. " if cfg["serve"].get("scheduler") == "slots"
+         else "The batch scheduler returns a batch's tokens when the batch ends, so TTFT equals "
+         "latency and per-token latency is latency / generated tokens. ")
+      + "Memory: "
       + ("the device's peak bytes in use while serving (sampled)." if b["memory_kind"] ==
          "measured peak" else "the backend reports no memory statistics, so this is the "
          "capacity planner's estimate: serving weights + KV/working bytes per sequence x max "

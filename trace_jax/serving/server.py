@@ -10,10 +10,11 @@ string, or a list of token ids) / `messages`, `max_tokens` (chat: also
 `seed`, `stop` (strings; the text is cut before the first one), `n` (only 1), `stream`, and
 `return_token_ids` (extension, non-streaming: the generated token ids in `choices[0].token_ids`).
 
-Streaming: the engine runs a batch to completion in one program (see `scheduler`), so a
-request's tokens all become available when its batch ends; the stream then sends them one event
-per token. Clients get the OpenAI wire format, but the first event arrives at the same time as
-the whole answer would.
+Streaming: with the slot scheduler (`scheduler.SlotScheduler`, the default) tokens reach the
+host every decode chunk and each one is sent as an event as soon as it arrives, so the first
+event comes after the request's prefill, long before the answer ends. Text that could still be
+the start of a `stop` string is held back until it cannot. (With the request-level
+`BatchScheduler` all tokens arrive when the batch ends and are then sent one event per token.)
 
 Every bad request gets a 4xx JSON error `{"error": {"message", "type", "param", "code"}}` and the
 server keeps serving the rest: 400 malformed JSON or fields, too-long prompt, max_tokens out of
@@ -186,39 +187,67 @@ class _Handler:
       raise HTTPError(400, str(e)) from None
     return req, _stops(data)
 
-  async def run(self, req: GenerationRequest):
+  def submit(self, req: GenerationRequest):
+    """The request's `TokenStream` (429 queue full, 503 closed)."""
     try:
-      fut = self.model.scheduler.submit(req)
+      return self.model.scheduler.submit_stream(req)
     except QueueFullError as e:
       raise HTTPError(429, str(e), "rate_limit_error", code="queue_full") from None
     except SchedulerClosedError as e:
       raise HTTPError(503, str(e), "server_error") from None
+
+  async def run(self, req: GenerationRequest):
+    fut = self.submit(req).future
     try:
       return await asyncio.wrap_future(fut)
     except Exception as e:  # noqa: BLE001 - an engine failure on this batch
-      raise HTTPError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+      raise _failed(e) from None
 
-  def text(self, tokens: list[int], stops: list[str]) -> tuple[list[str], bool]:
-    """Per-token text pieces (concatenating to the decoded text) and whether a stop string cut
-    the text. Pieces come from decoding growing prefixes, so multi-token characters stay whole."""
-    tok = self.model.tokenizer
-    pieces, prev = [], ""
-    for i in range(len(tokens)):
-      cur = tok.decode(tokens[:i + 1])
-      pieces.append(cur[len(prev):] if cur.startswith(prev) else cur)
-      prev = cur if cur.startswith(prev) else prev + cur
-    full = "".join(pieces)
-    cut = min((full.find(s) for s in stops if s in full), default=-1)
-    if cut < 0:
-      return pieces, False
-    out, n = [], 0
-    for p in pieces:
-      if n + len(p) > cut:
-        out.append(p[:cut - n])
-        break
-      out.append(p)
-      n += len(p)
-    return [p for p in out if p], True
+
+def _failed(e: BaseException) -> HTTPError:
+  return HTTPError(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
+
+
+class _Text:
+  """The text of a growing list of generated tokens, cut before the first `stop` string.
+
+  `add(ids)` returns the new text that is safe to send: pieces come from decoding growing
+  prefixes (multi-token characters stay whole), and a tail that could still begin a stop string
+  is held back until it cannot; `finish()` returns what is left. `stopped`: a stop string cut
+  the text (nothing more is returned)."""
+
+  def __init__(self, tokenizer, stops: list[str]):
+    self.tok, self.stops = tokenizer, stops
+    self.ids: list[int] = []
+    self.full, self.prev, self.sent, self.stopped = "", "", 0, False
+
+  def add(self, ids) -> str:
+    for i in ids:
+      self.ids.append(int(i))
+      cur = self.tok.decode(self.ids)
+      if cur.startswith(self.prev):
+        self.full += cur[len(self.prev):]
+        self.prev = cur
+      else:
+        self.full += cur
+        self.prev += cur
+    if self.stopped:
+      return ""
+    cut = min((self.full.find(s) for s in self.stops if s in self.full), default=-1)
+    if cut >= 0:
+      self.stopped = True
+      return self._send(cut)
+    hold = max((k for s in self.stops for k in range(1, len(s)) if self.full.endswith(s[:k])),
+               default=0)
+    return self._send(len(self.full) - hold)
+
+  def _send(self, end: int) -> str:
+    out = self.full[self.sent:max(end, self.sent)]
+    self.sent = max(end, self.sent)
+    return out
+
+  def finish(self) -> str:
+    return "" if self.stopped else self._send(len(self.full))
 
 
 def build_app(model: ServingModel, *, api_key: str | None = None,
@@ -234,18 +263,24 @@ def build_app(model: ServingModel, *, api_key: str | None = None,
       stream = data.get("stream", False)
       if not isinstance(stream, bool):
         raise HTTPError(400, "'stream' must be true or false", param="stream")
-      result = await handler.run(req)
+      if not stream:
+        result = await handler.run(req)
+      else:
+        token_stream = handler.submit(req)
     except HTTPError as e:
       return e.response()
-    pieces, stopped = handler.text(result.tokens, stops)
-    reason = "stop" if stopped else result.finish_reason
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
-    usage = {"prompt_tokens": len(req.prompt), "completion_tokens": len(result.tokens),
-             "total_tokens": len(req.prompt) + len(result.tokens)}
+
+    def usage(completion_tokens: int) -> dict:
+      return {"prompt_tokens": len(req.prompt), "completion_tokens": completion_tokens,
+              "total_tokens": len(req.prompt) + completion_tokens}
+
     if not stream:
-      text = "".join(pieces)
+      cutter = _Text(model.tokenizer, stops)
+      text = cutter.add(result.tokens) + cutter.finish()
+      reason = "stop" if cutter.stopped else result.finish_reason
       choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
       if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -254,9 +289,10 @@ def build_app(model: ServingModel, *, api_key: str | None = None,
       if data.get("return_token_ids") is True:  # extension: the generated ids, before stop cuts
         choice["token_ids"] = list(result.tokens)
       return JSONResponse({"id": rid, "object": obj, "created": created, "model": model.name,
-                           "choices": [choice], "usage": usage})
+                           "choices": [choice], "usage": usage(len(result.tokens))})
 
-    def event(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+    def event(delta_text: str | None, finish: str | None, first: bool = False,
+              n_tokens: int = 0) -> str:
       choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
       if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -268,15 +304,34 @@ def build_app(model: ServingModel, *, api_key: str | None = None,
       chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
                "model": model.name, "choices": [choice]}
       if finish is not None:
-        chunk["usage"] = usage
+        chunk["usage"] = usage(n_tokens)
       return f"data: {json.dumps(chunk)}\n\n"
 
     async def events():
       if chat:
         yield event("", None, first=True)
-      for p in pieces:
-        yield event(p, None)
-      yield event(None, reason)
+      text = _Text(model.tokenizer, stops)
+      try:
+        async for token, _ in token_stream:  # each token as soon as it reaches the host
+          piece = text.add([token])
+          if piece:
+            yield event(piece, None)
+          if text.stopped:  # a stop string: the answer ends here
+            break
+        if not text.stopped:
+          rest = text.finish()
+          if rest:
+            yield event(rest, None)
+          reason = (await asyncio.wrap_future(token_stream.future)).finish_reason
+        else:
+          reason = "stop"
+      except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
+        err = _failed(e)
+        yield "data: " + json.dumps({"error": {"message": err.message, "type": err.kind,
+                                               "param": None, "code": None}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+        return
+      yield event(None, reason, n_tokens=len(text.ids))
       yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
