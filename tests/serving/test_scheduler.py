@@ -2,6 +2,7 @@
 in its batch-fill wait, so the queue's contents are deterministic). Slot scheduler: streamed
 tokens equal the engine's, a request joins a batch in flight, TTFT well under latency, bounds."""
 
+import concurrent.futures
 import functools
 
 import jax
@@ -137,3 +138,33 @@ def test_slot_scheduler_queue_bound_and_close():
       list(s)
   with pytest.raises(SchedulerClosedError):
     sched.submit(GenerationRequest((5, 6), 4))
+
+
+def test_slot_scheduler_cancel_frees_the_slot_and_skips_queued_requests():
+  """A cancelled request in a slot ends at the next chunk with what it produced (a prefix of the
+  engine's tokens) and its slot serves the next request; a cancelled queued request never
+  runs."""
+  eng = _slot_engine()
+  hot = SamplingParams(1.0)
+  long = GenerationRequest((5, 6, 7), 40, hot, 3)
+  after = GenerationRequest((9, 10), 5, hot, 1)
+  with SlotScheduler(eng, slots=1, chunk=1, prefill_sizes=(1,)) as sched:
+    stream = sched.submit_stream(long)
+    it = iter(stream)
+    got = [next(it) for _ in range(3)]
+    with sched.hold():  # both queued behind the long request, which holds the only slot
+      queued = sched.submit_stream(GenerationRequest((11, 12), 5, hot, 2))
+      nxt = sched.submit_stream(after)
+      queued.cancel()
+    stream.cancel()
+    res = stream.result(timeout=60)
+    nxt_res = nxt.result(timeout=60)
+  assert queued.future.cancelled()
+  with pytest.raises(concurrent.futures.CancelledError):
+    list(queued)
+  assert res.finish_reason == "cancelled" and 3 <= len(res.tokens) < 40
+  assert [t for t, _ in got] == res.tokens[:3]
+  full = generate_direct(eng, [long, after], 8)
+  assert res.tokens == full[0][:len(res.tokens)]
+  assert nxt_res.tokens == full[1] and nxt_res.finish_reason == "length"
+  assert nxt_res.started_at >= res.finished_at  # it got the freed slot

@@ -207,3 +207,34 @@ def test_api_key_is_required_when_set(served):
   assert good.status_code == 200
   assert [m["id"] for m in models.json()["data"]] == ["tiny"]
   assert health.status_code == 200
+
+
+def test_client_disconnect_frees_the_slot(served):
+  """A streaming client that goes away mid-answer: the server cancels its request and the
+  scheduler frees the slot instead of decoding the rest."""
+  model, url, _ = served
+  sched = model.scheduler
+  streams = []
+  submit = sched.submit_stream
+
+  def recording_submit(request):  # the real scheduler; only remembers the stream
+    streams.append(submit(request))
+    return streams[-1]
+
+  sched.submit_stream = recording_submit
+  try:
+    body = dict(model="tiny", prompt="7+8=", max_tokens=sched.max_tokens, temperature=1.0,
+                seed=1, stream=True)
+    with httpx.Client(timeout=TIMEOUT) as c:
+      with c.stream("POST", url + "/v1/completions", json=body) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+        with sched.hold():  # the worker pauses at its next chunk boundary
+          r.close()  # the client goes away mid-answer
+          deadline = time.time() + 10
+          while not streams[-1].cancelled and time.time() < deadline:
+            time.sleep(0.01)
+          assert streams[-1].cancelled, "the server did not cancel the request"
+    res = streams[-1].result(timeout=30)
+  finally:
+    sched.submit_stream = submit
+  assert res.finish_reason == "cancelled" and len(res.tokens) < sched.max_tokens

@@ -274,6 +274,10 @@ class SlotDecoder:
     tok, lp, done = jax.device_get((tok, lp, done))
     return tok[:k], lp[:k], done[:k]
 
+  def release(self, slot: int) -> None:
+    """Stop decoding `slot` (its request was cancelled): it is free from the next chunk on."""
+    self.state = dataclasses.replace(self.state, done=self.state.done.at[slot].set(True))
+
   def decode(self):
     """One chunk of decode steps. Returns numpy (tokens, logprobs, emitted) `[S, chunk]` and
     done `[S]`."""

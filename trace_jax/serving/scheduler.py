@@ -11,6 +11,8 @@ latency, and clients can stream tokens as they are generated. A request's tokens
 `engine.generate`'s for the same prompt, seed and sampling (see `rollout.slots`), whatever else
 is in the slots. Bounds: the queue (`max_queue`, `QueueFullError` beyond it) and each request's
 `max_tokens` (the engine's `max_new_tokens`), so one client cannot starve the rest.
+`TokenStream.cancel()` (the server calls it when a streaming client disconnects or a stop string
+ends the text) frees the request's slot at the next chunk boundary.
 
 `BatchScheduler` batches at request granularity: the worker forms a batch from whatever is
 waiting each time the engine is free and runs one `engine.generate` call for it (one jitted
@@ -66,7 +68,7 @@ class GenerationResult:
 
   tokens: list[int]  # generated ids, without the stop token
   logprobs: list[float]  # one per id in `tokens`
-  finish_reason: str  # "stop" (a stop token) or "length" (max_tokens reached)
+  finish_reason: str  # "stop" (a stop token), "length" (max_tokens reached) or "cancelled"
   submitted_at: float
   started_at: float  # it entered the engine (its prefill or its batch started)
   finished_at: float  # its last token was available on the host
@@ -115,6 +117,7 @@ class TokenStream:
     self._error: BaseException | None = None
     self._ended = False
     self._wakeups: list = []  # (event loop, asyncio.Event) of async readers
+    self.cancelled = False  # read by the slot scheduler's worker at each chunk boundary
 
   def _notify(self) -> None:  # caller holds _cond
     self._cond.notify_all()
@@ -139,6 +142,22 @@ class TokenStream:
       self.future.set_exception(error)
     else:
       self.future.set_result(result)
+
+  def cancel(self) -> None:
+    """The client no longer wants more tokens (it disconnected, or a stop string ended the
+    text). Queued: the request never runs. In a slot (slot scheduler): the slot is freed at the
+    next chunk boundary and the result ends with finish reason "cancelled". A finished request
+    is unaffected; a request-level batch runs to its end."""
+    with self._cond:
+      if self._ended:
+        return
+      self.cancelled = True
+    if self.future.cancel():  # still queued
+      with self._cond:
+        self._ended, self._error = True, concurrent.futures.CancelledError()
+        self._notify()
+    # In a slot: the worker never waits while a slot is live, so it sees the flag at the next
+    # chunk boundary without being woken.
 
   def _read(self, start: int):
     with self._cond:
@@ -461,6 +480,8 @@ class SlotScheduler(_QueueFront):
           self._cond.wait()
         if self._closed and not self._live:
           return
+      self._release_cancelled()
+      with self._cond:
         free = [s for s in range(self.decoder.slots) if s not in self._live]
         admit = []
         while self._queue and len(admit) < len(free):
@@ -471,6 +492,21 @@ class SlotScheduler(_QueueFront):
         self._admit(admit, free)
       if self._live:
         self._decode()
+
+  def _release_cancelled(self) -> None:
+    """Free the slots of cancelled requests; their results end with what they produced."""
+    now = time.perf_counter()
+    for slot, live in list(self._live.items()):
+      if live.stream.cancelled:
+        self.decoder.release(slot)
+        del self._live[slot]
+        self._finish(live, "cancelled", now)
+
+  def _finish(self, live: "_Live", reason: str, now: float) -> None:
+    stream = live.stream
+    stream.end(GenerationResult(live.tokens, live.logprobs, reason, stream.submitted_at,
+                                live.started_at, now, live.batch_size, self.decoder.slots,
+                                live.first_token_at, stream.token_times()))
 
   def _fail_all(self, error: BaseException) -> None:
     """An engine failure: the requests in slots get it, the decoder starts empty."""
@@ -530,10 +566,7 @@ class SlotScheduler(_QueueFront):
     if not done:
       return
     del self._live[slot]
-    stream = live.stream
-    stream.end(GenerationResult(live.tokens, live.logprobs, reason, stream.submitted_at,
-                                live.started_at, now, live.batch_size, self.decoder.slots,
-                                live.first_token_at, stream.token_times()))
+    self._finish(live, reason, now)
 
 
 def generate_direct(engine: RolloutEngine, requests: Sequence[GenerationRequest],

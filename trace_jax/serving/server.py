@@ -308,6 +308,13 @@ def build_app(model: ServingModel, *, api_key: str | None = None,
       return f"data: {json.dumps(chunk)}\n\n"
 
     async def events():
+      try:
+        async for item in _events():
+          yield item
+      finally:  # a stop string ended the text, or the client went away: free its slot
+        token_stream.cancel()
+
+    async def _events():
       if chat:
         yield event("", None, first=True)
       text = _Text(model.tokenizer, stops)
