@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | profile | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | profile | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -47,6 +47,12 @@ elif [ "$stage" = 12l_fp4 ]; then
   timeout 575 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64 \
     --policies=paper --paths=kernels,xla --isolate --row_timeout=280 --prompt_len=256 \
     --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l_fp4.json \
+    2>&1 | grep -v "^I1\|^W1"
+elif [ "$stage" = 12l_b64 ]; then
+  # BF16 and FP4 (kernels) at B=64 only: the two rows issue 8's whole-rollout ratio needs
+  timeout 575 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64 \
+    --policies=bf16,paper --paths=kernels --isolate --row_timeout=280 --prompt_len=256 \
+    --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l_b64.json \
     2>&1 | grep -v "^I1\|^W1"
 elif [ "$stage" = profile ]; then
   # where the FP4 decode step goes (4 layers of the 30B-A3B shape), guidance cost, and the
