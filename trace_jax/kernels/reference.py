@@ -35,7 +35,11 @@ def matmul_ref(x, w, out_dtype=None) -> jax.Array:
   axis 0)."""
   out_dtype = out_dtype or _out_dtype(x)
   xo, wo = _operand(x), _operand(w)
-  if isinstance(x, _QUANTIZED) or isinstance(w, _QUANTIZED):
+  # Float32 operands (exact for bf16) also when the result stays float32 (the vocab projection):
+  # XLA:CPU sums a bf16 dot in an order that depends on the row count, which a float32 result
+  # shows (a decode step's logits then differ from a full forward's in the last bit).
+  if (isinstance(x, _QUANTIZED) or isinstance(w, _QUANTIZED)
+      or jnp.dtype(out_dtype) == jnp.float32):
     xo, wo = xo.astype(jnp.float32), wo.astype(jnp.float32)
   y = jnp.einsum("...k,kn->...n", xo, wo, preferred_element_type=jnp.float32,
                  precision=jax.lax.Precision.HIGHEST)
