@@ -86,7 +86,7 @@ def test_capacity_and_mode_errors():
   assert ep.capacity(96, 4, 1.0) == 24
   assert ep.capacity(96, 4, 1.25) == math.ceil(1.25 * 24)
   assert ep.capacity(96, 4, 100.0) == 96
-  assert ep.resolve_mode("auto") == "fixed"  # "ragged" stays opt-in until validated on a GPU
+  assert ep.resolve_mode("auto") == ("ragged" if jax.default_backend() == "gpu" else "fixed")
   with pytest.raises(ValueError, match="unknown expert-parallel dispatch"):
     ep.resolve_mode("bogus")
   with pytest.raises(ValueError, match="expert_parallel 'x'"):
