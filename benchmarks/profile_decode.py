@@ -23,6 +23,15 @@ import re
 import tempfile
 import time
 
+# XLA dumps the optimized HLO of the generate program as it compiles it (no extra compile): its
+# instructions' `op_name` metadata names the source (layers_#/moe/..., attention, sampling) of
+# every kernel the trace shows, also inside the decode while loop where the trace has no scope.
+HLO_DUMP = tempfile.mkdtemp(prefix="hlo_dump_")
+if "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={HLO_DUMP}"
+                             " --xla_dump_hlo_as_text"
+                             " --xla_dump_hlo_module_re=.*generate_program.*").strip()
+
 import jax
 import numpy as np
 
@@ -59,7 +68,34 @@ def _scope(args):
   return "?"
 
 
-def summarize_trace(log_dir, steps, top=40):
+_INSTR = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]+)"')
+
+
+def _norm(name: str) -> str:
+  return re.sub(r"[.\-]", "_", name)
+
+
+def hlo_sources(dump_dir=HLO_DUMP) -> dict:
+  """{instruction name (dots as underscores): its op_name} from the optimized HLO dumps."""
+  out = {}
+  for f in glob.glob(os.path.join(dump_dir, "*generate_program*after_optimizations.txt")):
+    with open(f) as fh:
+      for line in fh:
+        m = _INSTR.match(line)
+        if m:
+          out[_norm(m.group(1))] = m.group(2)
+  return out
+
+
+def _source(op_name: str) -> str:
+  """A readable source scope: jit/while/vmap wrappers and numbers dropped."""
+  parts = [p for p in re.sub(r"\d+", "#", op_name).split("/")
+           if p and not p.startswith(("jit(", "while", "body", "cond", "pjit", "closed_call",
+                                      "vmap(", "checkpoint", "remat"))]
+  return "/".join(parts[:6]) or op_name
+
+
+def summarize_trace(log_dir, steps, top=40, sources=None):
   files = glob.glob(os.path.join(log_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
   if not files:
     return {"error": f"no perfetto trace under {log_dir}: "
@@ -73,7 +109,8 @@ def summarize_trace(log_dir, steps, top=40):
       pname[e["pid"]] = e["args"].get("name", "")
     if e.get("ph") == "M" and e.get("name") == "thread_name":
       tname[(e["pid"], e["tid"])] = e["args"].get("name", "")
-  by_name, by_scope, by_thread = (collections.Counter() for _ in range(3))
+  by_name, by_scope, by_thread, by_source = (collections.Counter() for _ in range(4))
+  sources = sources or {}
   count, ops_by_scope = collections.Counter(), collections.Counter()
   arg_keys = set()
   for e in events:
@@ -93,6 +130,8 @@ def summarize_trace(log_dir, steps, top=40):
     by_name[e["name"][:120]] += e["dur"]
     count[e["name"][:120]] += 1
     by_scope[_scope(args)] += e["dur"]
+    op = sources.get(_norm(str(args.get("hlo_op", ""))))
+    by_source[_source(op) if op else "(unattributed) " + e["name"][:60]] += e["dur"]
   total = sum(by_name.values())
   per_step = lambda us: us / max(steps, 1) / 1e3  # noqa: E731 - ms per decode step
   return {
@@ -103,6 +142,9 @@ def summarize_trace(log_dir, steps, top=40):
                        "frac": v / max(total, 1)} for k, v in by_name.most_common(top)],
       "top_scopes": [{"scope": k, "ms_per_step": per_step(v), "frac": v / max(total, 1)}
                      for k, v in by_scope.most_common(top)],
+      "top_sources": [{"source": k, "ms_per_step": per_step(v), "frac": v / max(total, 1)}
+                      for k, v in by_source.most_common(top)],
+      "hlo_instructions_mapped": len(sources),
       "top_xla_op_scopes": [{"scope": k, "ms_per_step": per_step(v)}
                             for k, v in ops_by_scope.most_common(top)],
       "event_arg_keys": sorted(arg_keys)[:30],
@@ -149,9 +191,12 @@ def main():
       with jax.profiler.trace(d, create_perfetto_trace=True):
         r = eng.generate(prompts, n=1, sampling=s, seed=7, max_new_tokens=a.new_tokens)
         jax.block_until_ready(r.tokens)
-      out["profile"] = summarize_trace(d, a.new_tokens)
+      out["profile"] = summarize_trace(d, a.new_tokens, sources=hlo_sources())
       p = out["profile"]
-      print("device kernel ms/step", p.get("device_kernel_ms_per_step"), p.get("error", ""))
+      print("device kernel ms/step", p.get("device_kernel_ms_per_step"), p.get("error", ""),
+            "| HLO instructions mapped:", p.get("hlo_instructions_mapped"))
+      for row in p.get("top_sources", [])[:30]:
+        print(f"  src {row['ms_per_step']:8.3f} ms {row['frac']:6.1%}  {row['source']}")
       for row in p.get("top_scopes", [])[:25]:
         print(f"  {row['ms_per_step']:8.3f} ms {row['frac']:6.1%}  {row['scope']}")
       for row in p.get("top_xla_op_scopes", [])[:15]:
