@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | profile | serve | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | serve | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -54,6 +54,13 @@ elif [ "$stage" = 12l_b64 ]; then
     --policies=bf16,paper --paths=kernels --isolate --row_timeout=280 --prompt_len=256 \
     --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l_b64.json \
     2>&1 | grep -v "^I1\|^W1"
+elif [ "$stage" = chunk ]; then
+  # the cost of decode windows that move guidance to host memory (issue 8's capacity figure
+  # relies on them): FP4 kernels, B=64, 128-step windows; compare with 12l_b64's FP4 row
+  timeout 330 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64 \
+    --policies=paper --paths=kernels --isolate --row_timeout=300 --prompt_len=256 \
+    --new_tokens=512 --repeats=2 --hf_peer=false --decode_chunk=128 \
+    --out=$OUT/bench_rollout_12l_chunk128.json 2>&1 | grep -v "^I1\|^W1"
 elif [ "$stage" = serve ]; then
   # issue 10 on the GPU: the slot scheduler's TTFT/latency, then the paired BF16-vs-FP4 A/B
   # report (30B-A3B layer shapes, configs/serve_compare.py:gpu)

@@ -40,6 +40,8 @@ flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
 flags.DEFINE_float("bandwidth", 4.27e12, "Device read bandwidth for the floor, bytes/s (H200).")
 flags.DEFINE_boolean("hf_peer", True, "Also time HF transformers generate (eager, static cache).")
 flags.DEFINE_boolean("record_guidance", True, "Record TRACE guidance as RL rollouts do.")
+flags.DEFINE_integer("decode_chunk", 0, "Decode windows (guidance moved to host memory per "
+                     "window, RolloutEngine(decode_chunk=)); 0: one program.")
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
 flags.DEFINE_boolean("isolate", False, "Run each row in a subprocess (GPU: honest peak memory).")
 flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
@@ -83,7 +85,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   params = M.init_params(config, jax.random.key(0), FLAGS.init_dtype)
   engine = RolloutEngine(config, policy, max_new_tokens=FLAGS.new_tokens,
                          prompt_bucket=FLAGS.prompt_len, record_guidance=FLAGS.record_guidance,
-                         use_kernels=path == "kernels")
+                         use_kernels=path == "kernels", decode_chunk=FLAGS.decode_chunk)
   t = time.perf_counter()
   engine.sync(params)
   jax.block_until_ready(engine.params)
@@ -259,6 +261,7 @@ def main(argv):
               num_layers=config.num_layers,
               prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
               bandwidth_bytes_per_s=FLAGS.bandwidth, record_guidance=FLAGS.record_guidance,
+              decode_chunk=FLAGS.decode_chunk,
               note="paths: kernels = Mosaic GPU FP4 kernels (engine default on GPU); xla = "
                    "weights decoded to bf16 in the program, grouped matmul by grouped_backend; "
                    "reference = the jnp reference (CPU)",
