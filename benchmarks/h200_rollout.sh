@@ -76,6 +76,10 @@ elif [ "$stage" = profile ]; then
     --guidance_cost --out $OUT/profile_decode_paper_kernels.json 2>&1 | grep -v "^I1\|^W1"
   timeout 110 python3 benchmarks/profile_decode.py --layers 4 --policy bf16 --path xla \
     --out $OUT/profile_decode_bf16.json 2>&1 | grep -v "^I1\|^W1"
+  # the grouped FP4 kernel's epilogue: gather rows from the chunk layout instead of transposing
+  TRACE_JAX_GROUPED_EPILOGUE=gather timeout 120 python3 benchmarks/profile_decode.py --layers 4 \
+    --policy paper --path kernels --out $OUT/profile_decode_paper_gather.json 2>&1 \
+    | grep -v "^I1\|^W1" | head -12
   TRACE_JAX_DECODE_ATTENTION=kernel JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -q -x \
     -m gpu -p no:xdist -o addopts="" \
     tests/kernels/test_attention_gpu.py 2>&1 | tail -5

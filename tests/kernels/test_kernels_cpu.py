@@ -246,6 +246,21 @@ def test_dense_wrapper_emulated(fmt, leads):
     assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
 
 
+def test_grouped_epilogues_gather_the_same_rows(monkeypatch):
+  """Both ways from the kernel's [chunks, N, bm] output to rows give the same rows, zeros for
+  rows past the groups (slot C * bm)."""
+  out = jax.random.normal(jax.random.key(3), (5, 7, 16), jnp.float32)
+  slot = jnp.asarray([0, 17, 79, 5 * 16, 33, 5 * 16, 64], jnp.int32)
+  want = np.concatenate([np.swapaxes(np.asarray(out), 1, 2).reshape(-1, 7), np.zeros((1, 7))])
+  for how in ("transpose", "gather"):
+    monkeypatch.setattr(fp4_mgpu, "GROUPED_EPILOGUE", how)
+    np.testing.assert_array_equal(np.asarray(fp4_mgpu._gather_rows(out, slot)),
+                                  want[np.asarray(slot)])
+  monkeypatch.setattr(fp4_mgpu, "GROUPED_EPILOGUE", "bogus")
+  with pytest.raises(ValueError, match="TRACE_JAX_GROUPED_EPILOGUE"):
+    fp4_mgpu._gather_rows(out, slot)
+
+
 @pytest.mark.parametrize("bm", [16, 32])
 def test_grouped_wrapper_emulated(bm):
   e, k, n = EXPERTS

@@ -28,6 +28,7 @@ the references and tests drive the wrappers with `emulate_chunked_matmul`.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -373,7 +374,27 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=out_dtype, **cfg)
-  out = out[0, :, :pw.n, :]  # [C, N, bm]
-  flat = jnp.swapaxes(out, 1, 2).reshape(-1, pw.n)
-  flat = jnp.concatenate([flat, jnp.zeros((1, pw.n), flat.dtype)], 0)
+  return _gather_rows(out[0, :, :pw.n, :], slot)  # out: [C, N, bm]
+
+
+# How the grouped kernel's `[chunks, N, bm]` output becomes `[rows, N]`: "transpose" (default)
+# transposes all chunks to rows and gathers (on the H200 profile: an XLA concatenate fusion of
+# 31 us per call at 512 decode rows, most chunk rows being padding); "gather" gathers each row's
+# N values straight from the chunk layout (strided reads, nothing materialized). Chosen by
+# TRACE_JAX_GROUPED_EPILOGUE until the GPU profile decides.
+GROUPED_EPILOGUE = os.environ.get("TRACE_JAX_GROUPED_EPILOGUE", "transpose")
+
+
+def _gather_rows(out: jax.Array, slot: jax.Array) -> jax.Array:
+  """Rows `slot` (index into chunk-major (chunk, row-in-chunk) order; C*bm = a zero row) of the
+  kernel output `out [C, N, bm]`."""
+  c, n, bm = out.shape
+  if GROUPED_EPILOGUE == "gather":
+    chunk, row = jnp.minimum(slot // bm, c - 1), slot % bm
+    return jnp.where((slot < c * bm)[:, None], out[chunk, :, row], 0).astype(out.dtype)
+  if GROUPED_EPILOGUE != "transpose":
+    raise ValueError(f"TRACE_JAX_GROUPED_EPILOGUE must be 'transpose' or 'gather', got "
+                     f"{GROUPED_EPILOGUE!r}")
+  flat = jnp.swapaxes(out, 1, 2).reshape(-1, n)
+  flat = jnp.concatenate([flat, jnp.zeros((1, n), flat.dtype)], 0)
   return flat[slot]
