@@ -57,7 +57,7 @@ def main():
   for name in a.policies.split(","):
     policy = tq.make_policy(name)
     wb = abstract_weight_bytes(config, policy)
-    held = a.prompt_len + 2 * a.decode_chunk if a.decode_chunk else None
+    held = E.guidance_tokens_held(a.prompt_len, a.decode_chunk)
     for ctx in contexts:
       per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance), held)
       rows.append({"policy": name, "policy_full": policy.name, "context": ctx,
@@ -70,8 +70,8 @@ def main():
   out = {**run_info(), "benchmark": "capacity", "preset": a.preset,
          "device_bytes": device_bytes, "headroom": 0.9,
          "record_guidance": bool(a.record_guidance), "decode_chunk": a.decode_chunk,
-         "guidance_tokens_on_device": (a.prompt_len + 2 * a.decode_chunk if a.decode_chunk
-                                       else "whole context"), "results": rows,
+         "guidance_tokens_on_device": (E.guidance_tokens_held(a.prompt_len, a.decode_chunk)
+                                       or "whole context"), "results": rows,
          "note": "planned by rollout.plan_capacity from the shapes of the rollout weights; "
                  "not measured on a device"}
   with open(a.out, "w") as f:

@@ -57,14 +57,11 @@ def _timed(engine, prompts, new, repeats):
 
 
 def _scope(args):
-  """The jit name-stack scope of a device event, numbers dropped (layers_3 -> layers_#)."""
+  """The jit name-stack scope a device event's own arguments carry (see `_source`), or "?"."""
   for key in ("tf_op", "long_name", "hlo_op", "name"):
     v = args.get(key)
     if isinstance(v, str) and "/" in v:
-      v = re.sub(r"\d+", "#", v.split(":")[0])
-      parts = [p for p in v.split("/") if p and not p.startswith(("jit(", "while", "body",
-                                                                  "cond", "pjit", "closed_call"))]
-      return "/".join(parts[:5]) or v
+      return _source(v.split(":")[0])
   return "?"
 
 

@@ -100,8 +100,9 @@ def _time_buffers(records_step, steps: int):
 def _prefill(params, prompt_tokens, prompt_mask, *, config: M.ModelConfig, ctx: M.QuantContext,
              n: int, steps: int, kv_format: str | None):
   """Prefill the prompt batch into a cache with room for `steps` more tokens. Returns the
-  prefill's output (records and routes of the b prompts) and the decode carry of the b * n rows
-  (GRPO groups share the prefill: cache and next-token logits repeated n times)."""
+  prefill's output (records and routes of the b prompts), the prompt positions, each of the b * n
+  rows' prompt length, and their decode carry (GRPO groups share the prefill: cache and
+  next-token logits repeated n times)."""
   b, p = prompt_tokens.shape
   cache = M.init_cache(config, b, p + steps, kv_format)
   positions = M.default_positions(prompt_tokens, prompt_mask)
@@ -109,7 +110,8 @@ def _prefill(params, prompt_tokens, prompt_mask, *, config: M.ModelConfig, ctx: 
                 cache=cache, cache_index=0, last_logits_only=True)
   carry = dict(s=jnp.int32(0), done=jnp.zeros((b * n,), bool), cache=_repeat_rows(pre.cache, n),
                logits=jnp.repeat(pre.logits[:, -1], n, axis=0))
-  return pre, positions, carry
+  prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1).astype(jnp.int32), n)
+  return pre, positions, prompt_len, carry
 
 
 def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M.ModelConfig,
@@ -186,9 +188,8 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
                      config: M.ModelConfig, ctx: M.QuantContext, n: int, steps: int,
                      sampling: SamplingParams, kv_format: str | None, record_routes: bool):
   """The whole rollout as one pure function (jitted by the engine)."""
-  pre, positions, carry = _prefill(params, prompt_tokens, prompt_mask, config=config, ctx=ctx,
-                                   n=n, steps=steps, kv_format=kv_format)
-  prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1).astype(jnp.int32), n)
+  pre, positions, prompt_len, carry = _prefill(params, prompt_tokens, prompt_mask, config=config,
+                                               ctx=ctx, n=n, steps=steps, kv_format=kv_format)
   _, bufs = _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, config=config,
                     ctx=ctx, p=prompt_tokens.shape[1], steps=steps, length=steps,
                     sampling=sampling, record_routes=record_routes)
@@ -198,9 +199,9 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
 
 def prefill_program(params, prompt_tokens, prompt_mask, *, config, ctx, n, steps, kv_format):
   """The chunked engine's first program: the prefill and the decode carry."""
-  pre, positions, carry = _prefill(params, prompt_tokens, prompt_mask, config=config, ctx=ctx,
-                                   n=n, steps=steps, kv_format=kv_format)
-  return pre.records, pre.routes, positions, carry
+  pre, positions, prompt_len, carry = _prefill(params, prompt_tokens, prompt_mask, config=config,
+                                               ctx=ctx, n=n, steps=steps, kv_format=kv_format)
+  return pre.records, pre.routes, positions, prompt_len, carry
 
 
 # --------------------------------------------------------------------------- memory planning
@@ -247,6 +248,13 @@ def bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, context_le
                + 8 * 4 * config.hidden_size)
   on_device = context_len if guidance_tokens is None else min(guidance_tokens, context_len)
   return per_token * context_len + guidance * on_device + transient
+
+
+def guidance_tokens_held(prompt_len: int, decode_chunk: int) -> int | None:
+  """Tokens whose guidance the engine holds on the device at once: all of them (None) in one
+  program; with decode windows, the prompt's and two windows' (one decoding, one being copied
+  to host memory)."""
+  return max(prompt_len, 0) + 2 * decode_chunk if decode_chunk > 0 else None
 
 
 def plan_capacity(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
@@ -422,12 +430,16 @@ class RolloutEngine:
   def capacity(self, context_len: int, prompt_len: int | None = None) -> int:
     """Sequences of `context_len` tokens that fit (prompt_len: the prompt bucket, which sets
     how much guidance the chunked engine holds at once; default context_len - max_new)."""
-    held = None
-    if self._chunked():
-      prompt_len = context_len - self.max_new_tokens if prompt_len is None else prompt_len
-      held = max(prompt_len, 0) + 2 * self.decode_chunk  # a window decoding, one copying out
     return plan_capacity(self.config, self.policy, context_len, self.weight_bytes,
-                         self.device_bytes, self.ctx.record_guidance, guidance_tokens=held)
+                         self.device_bytes, self.ctx.record_guidance,
+                         guidance_tokens=self._guidance_tokens(context_len, prompt_len))
+
+  def _guidance_tokens(self, context_len: int, prompt_len: int | None) -> int | None:
+    if not self._chunked():
+      return None
+    return guidance_tokens_held(
+        context_len - self.max_new_tokens if prompt_len is None else prompt_len,
+        self.decode_chunk)
 
   # -- generation
   def bucket_length(self, prompt_tokens: int) -> int:
@@ -463,9 +475,8 @@ class RolloutEngine:
     records are copied to host memory while the next window decodes."""
     n, steps, chunk = key[2], key[3], self.decode_chunk
     pre_fn, window_fn = self._chunk_programs(key)
-    pre_records, pre_routes, positions, carry = pre_fn(self.params, tokens, mask)
+    pre_records, pre_routes, positions, prompt_len, carry = pre_fn(self.params, tokens, mask)
     pre_records = jax.device_get(pre_records)
-    prompt_len = jnp.repeat(jnp.sum(mask, axis=1).astype(jnp.int32), n)
     windows, count, pending = [], -(-steps // chunk), None
     for _ in range(count):
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
@@ -515,7 +526,7 @@ class RolloutEngine:
     if rows > cap:
       per = bytes_per_sequence(self.config, self.policy, p + self.max_new_tokens,
                                self.ctx.record_guidance,
-                               p + 2 * self.decode_chunk if self._chunked() else None)
+                               self._guidance_tokens(p + self.max_new_tokens, p))
       raise CapacityError(
           f"{rows} sequences of {p + self.max_new_tokens} tokens do not fit: at most {cap} fit "
           f"next to {self.weight_bytes / 2**30:.2f} GiB of weights "
