@@ -2,8 +2,10 @@
 
   PYTHONPATH=. python benchmarks/bench_kernels.py [--quick] [--out DIR]
 
-Variants, side by side in one run: XLA bf16 dot / `ragged_dot` (the baseline), and the Mosaic
-GPU FP4 kernel (`trace_jax.kernels`) with NVFP4 and MXFP4 weights. Shapes: 8192x28672 (B 1, 16,
+Variants, side by side in one run: XLA bf16 dot / `ragged_dot` (the baseline), tokamax's bf16
+Mosaic `ragged_dot` (the BF16 engine's grouped matmul; where tokamax is installed), and the
+Mosaic GPU FP4 kernel (`trace_jax.kernels`) with NVFP4 and MXFP4 weights; grouped NVFP4 also
+with n_inner column tiles per CTA (`_inD`). Shapes: 8192x28672 (B 1, 16,
 64), the Qwen3-30B-A3B attention q (2048x4096) and o (4096x2048) projections, and the grouped
 expert matmuls (128 experts; gate+up K 2048 N 1536, down K 768 N 2048) at 256, 512 and 32768
 rows with top-8 routing of random tokens.
@@ -68,7 +70,7 @@ def main():
   from jax.experimental.mosaic.gpu import profiler
 
   from trace_jax import kernels
-  from trace_jax.kernels import reference
+  from trace_jax.kernels import dispatch, reference
   from trace_jax.quant import quantize
 
   commit = os.environ.get("GIT_COMMIT")
@@ -154,6 +156,7 @@ def main():
     return not args.only or any(s in name for s in args.only.split(","))
 
   force = True if args.dry else None  # dry: lower the kernel path off-GPU
+  tokamax_ok = not args.dry and dispatch.grouped_backend() == "tokamax"
   key = [jax.random.key(int(time.time()) % 100000)]  # fresh data every run
 
   def nk():
@@ -241,8 +244,12 @@ def main():
       gs = jnp.bincount(top, length=e).astype(jnp.int32)
       nonempty = int(jnp.sum(gs > 0))
       x = jax.random.normal(nk(), (m, k), jnp.float32).astype(jnp.bfloat16)
-      base = None
-      for var in ("xla_bf16", "nvfp4", "mxfp4"):
+      base = tok = None
+      n_tiles = -(-n // 256)
+      inner = sorted({d for d in (2, 4, n_tiles) if n_tiles % d == 0 and d > 1})
+      variants = (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else []) + ["nvfp4"]
+                  + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"])
+      for var in variants:
         name = f"{sname}_M{m}_{var}"
         if not want(name):
           continue
@@ -250,25 +257,32 @@ def main():
                    experts_with_rows=nonempty, max_group=int(jnp.max(gs)))
         state.update(t=time.time(), name=name)
         try:
-          if var == "xla_bf16":
+          if var in ("xla_bf16", "tokamax_bf16"):
             wbytes = e * k * n * 2
-            fn = lambda x, g, w: jax.lax.ragged_dot(x, w, g, preferred_element_type=jnp.float32
-                                                    ).astype(jnp.bfloat16)
+            if var == "xla_bf16":
+              fn = lambda x, g, w: jax.lax.ragged_dot(x, w, g, preferred_element_type=jnp.float32
+                                                      ).astype(jnp.bfloat16)
+            else:  # the BF16 engine's grouped matmul on the GPU (tokamax Mosaic ragged_dot)
+              fn = lambda x, g, w: dispatch._ragged_bf16(x, w, g).astype(jnp.bfloat16)
             wt = wb
             if not args.dry:
               ref = reference.grouped_matmul_ref(x.astype(jnp.float32),
                                                  wb.astype(jnp.float32), gs)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, gs, wb), ref)
           else:
-            pw, q = pws[var], qs[var]
+            fmt, _, inner_s = var.partition("_in")
+            cfg = dict(n_inner=int(inner_s)) if inner_s else dict(n_inner=1)
+            row["config"] = cfg
+            pw, q = pws[fmt], qs[fmt]
             wbytes = pw.nbytes
             row["bytes_qarray"] = q.nbytes
-            fn = lambda x, g, w: kernels.grouped_matmul(x, w, g, use_kernel=force)
+            fn = lambda x, g, w, cfg=cfg: kernels.grouped_matmul(x, w, g, use_kernel=force,
+                                                                 config=cfg)
             wt = pw
             if not args.dry:
               ref = reference.grouped_matmul_ref(x, q, gs, jnp.float32)
-              got32 = jax.jit(lambda x, g, w: kernels.grouped_matmul(x, w, g, jnp.float32))(
-                  x, gs, pw)
+              got32 = jax.jit(lambda x, g, w: kernels.grouped_matmul(
+                  x, w, g, jnp.float32, config=cfg))(x, gs, pw)
               row["relerr_f32"] = relerr(got32, ref)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, gs, pw), ref)
           touched = wbytes * nonempty / e
@@ -280,8 +294,12 @@ def main():
           row["TFLOPs_call"] = row["flops"] / (row["us_call"] * 1e-6) / 1e12
           if var == "xla_bf16":
             base = row
-          elif base is not None:
+          elif var == "tokamax_bf16":
+            tok = row
+          if var != "xla_bf16" and base is not None:
             row["speedup_vs_bf16_call"] = base["us_call"] / row["us_call"]
+          if var not in ("xla_bf16", "tokamax_bf16") and tok is not None:
+            row["speedup_vs_tokamax_call"] = tok["us_call"] / row["us_call"]
         except Exception:  # noqa: BLE001
           row["error"] = traceback.format_exc()[-3000:]
         state["t"] = None

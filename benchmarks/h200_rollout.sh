@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | serve | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | serve | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -85,6 +85,18 @@ elif [ "$stage" = profile ]; then
     tests/kernels/test_attention_gpu.py 2>&1 | tail -5
   timeout 100 python3 benchmarks/bench_attention.py --quick --budget_s 80 \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -30
+elif [ "$stage" = kernels ]; then
+  # grouped FP4 kernel: n_inner column tiles per CTA vs one, tokamax bf16 in the same run; the
+  # kernels' GPU tests (grouped + decode attention); then a decode-step profile with the
+  # attention kernel and n_inner=all (settings: TRACE_JAX_GROUPED_N_INNER, ..._DECODE_ATTENTION)
+  timeout 250 python3 benchmarks/bench_kernels.py --only ${KERNEL_ROWS:-moe_} --iters 20 \
+    --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -40
+  JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+    tests/kernels/test_kernels_gpu.py -k grouped tests/kernels/test_attention_gpu.py 2>&1 \
+    | grep -v "^I1\|^W1" | tail -25
+  TRACE_JAX_GROUPED_N_INNER=${PROFILE_N_INNER:-all} TRACE_JAX_DECODE_ATTENTION=kernel \
+    timeout 150 python3 benchmarks/profile_decode.py --layers 4 --policy paper --path kernels \
+    --out $OUT/profile_decode_paper_inner_attn.json 2>&1 | grep -v "^I1\|^W1" | head -40
 elif [ "$stage" = x2 ]; then
   # nvidia-h200-x2: expert parallel over 2 GPUs vs 1 (issue 9), the ragged all-to-all check
   # (tests/conftest.py defaults JAX_PLATFORMS to cpu: the GPU tests need it set)

@@ -127,7 +127,9 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
     by_name[e["name"][:120]] += e["dur"]
     count[e["name"][:120]] += 1
     by_scope[_scope(args)] += e["dur"]
-    op = sources.get(_norm(str(args.get("hlo_op", ""))))
+    # kernels inside the decode loop's command buffer carry no hlo_op; a fusion's kernel is
+    # named after its HLO instruction, so the name finds it
+    op = sources.get(_norm(str(args.get("hlo_op", "")))) or sources.get(_norm(e["name"]))
     by_source[_source(op) if op else "(unattributed) " + e["name"][:60]] += e["dur"]
   total = sum(by_name.values())
   per_step = lambda us: us / max(steps, 1) / 1e3  # noqa: E731 - ms per decode step

@@ -46,8 +46,9 @@ def _dense(x, pw, out_dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "bm"))
-def _grouped(x, pw, g, out_dtype, bm=None):
-  return kernels.grouped_matmul(x, pw, g, out_dtype, bm=bm)
+def _grouped(x, pw, g, out_dtype, bm=None, n_inner=None):
+  return kernels.grouped_matmul(x, pw, g, out_dtype, bm=bm,
+                                config=None if n_inner is None else dict(n_inner=n_inner))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -63,8 +64,9 @@ def test_dense(fmt, k, n, kb, b):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("bm", [None, 16, 64])
-def test_grouped_ragged(fmt, bm):
+@pytest.mark.parametrize("bm,n_inner", [(None, 1), (16, 1), (64, 1), (16, 2), (None, 2)])
+def test_grouped_ragged(fmt, bm, n_inner):
+  """n_inner 2: a CTA chains the pipelines of both column tiles of N 512."""
   e, k, n = 8, 704, 512  # K not a multiple of 256
   q = quantize(rand_w((e, k, n), 3), fmt, axis=1, second_level=(0,))
   pw = jax.jit(kernels.prepare_weight)(q)
@@ -76,7 +78,7 @@ def test_grouped_ragged(fmt, bm):
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
     g = jnp.asarray(gs, jnp.int32)
     ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
-    got = _grouped(x, pw, g, jnp.float32, bm)
+    got = _grouped(x, pw, g, jnp.float32, bm, n_inner)
     assert relerr(got, ref) < TOL, gs
     assert np.all(np.asarray(got)[sum(gs):] == 0)
 
@@ -90,3 +92,4 @@ def test_grouped_expert_shape():
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(jnp.bfloat16)
   ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
   assert relerr(_grouped(x, pw, g, jnp.float32), ref) < TOL
+  assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=6), ref) < TOL  # one CTA per chunk

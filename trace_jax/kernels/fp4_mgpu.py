@@ -159,11 +159,16 @@ def _out_smem(wgs: int, bm: int, dtype):
 
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
-                       out_dtype=jnp.bfloat16):
+                       n_inner: int = 1, out_dtype=jnp.bfloat16):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
-  from there; rows outside its group are computed and never gathered). splits: K split across CTAs (partial sums).
+  from there; rows outside its group are computed and never gathered). splits: K split across
+  CTAs (partial sums). n_inner: column tiles (of wgs * 64) one CTA computes one after another,
+  as a pipeline of pipelines (the TMA warpgroup streams the next tile's weights while the last
+  steps of the current one compute): fewer, longer CTAs, so the per-CTA start (launch, barrier
+  set-up, the first loads' latency) is paid once per n_inner tiles, which matters when K is
+  short (the 30B-A3B down projection: 3 steps of 256 K per tile).
   Returns out_dtype [splits, C, N_pad, bm]: out[s, c, n, i] = row i of chunk c times column n
   over K part s (already times the column factor)."""
   import jax.experimental.pallas as pl
@@ -174,23 +179,26 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   n_pad, k_pad = nt * 64, kr // 16 * 64
   n_chunks = chunk_expert.shape[0]
   assert xc.shape[1] == k_pad, (xc.shape, k_pad)
-  assert nt % wgs == 0 and k_pad % (64 * kb * splits) == 0 and bm in BM_CHOICES
+  assert nt % (wgs * n_inner) == 0 and k_pad % (64 * kb * splits) == 0 and bm in BM_CHOICES
   k_iters = k_pad // (64 * kb) // splits
+  if n_inner > 1 and k_iters % stages:
+    raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
+                     f"tile to be a multiple of stages={stages}")
   decoders = [_make_tile_decoder(fmt, kb, j) for j in range(kb)]
   wlay = plgpu.Layout.WG_STRIDED((16, 32), vec_size=4)
   slay = plgpu.Layout.WG_STRIDED((2 * kb, 32), vec_size=kb // 2)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, out_smem, f_smem,
              f_bar):
-    n_idx = lax.axis_index("n")
+    n_outer = lax.axis_index("n")
     c_idx = lax.axis_index("c")
     s_idx = lax.axis_index("s")
     e = ce_gmem[c_idx]
     row0 = pl.multiple_of(cr_gmem[c_idx], 8)  # chunk_tables aligns windows to 8
     k0 = s_idx * k_iters
 
-    @pl.when(e >= 0)
-    def _():
+    def tile_pipeline(n_idx, state):
+      """The pipeline of one column tile (wgs * 64 columns) over this CTA's K range."""
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
         def _scope(acc_ref):
@@ -215,7 +223,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
         plgpu.wgmma_wait(0)
         return acc_ref
 
-      pipe = plgpu.emit_pipeline_warp_specialized(
+      return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40,
           in_specs=[
               plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, k0 + i), transforms=(
@@ -224,13 +232,28 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
               plgpu.BlockSpec((wgs, kb * 2, 32), lambda i: (n_idx, k0 + i, 0)),
           ],
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
-          compute_context=compute_context)
-      pipe(x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
+          compute_context=compute_context, pipeline_state=state)
+
+    @pl.when(e >= 0)
+    def _():
+      refs = (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
+      if n_inner == 1:
+        tile_pipeline(n_outer, None)(*refs)
+        return
+      states = ([plgpu.PipelinePipeline.START] + [plgpu.PipelinePipeline.STEADY] * (n_inner - 2)
+                + [plgpu.PipelinePipeline.STOP])
+      pipes = [tile_pipeline(n_outer * n_inner + j, st) for j, st in enumerate(states)]
+
+      def chain(allocations):  # one set of SMEM buffers and barriers for the whole chain
+        for p in pipes:
+          p(*refs, allocations=allocations)
+
+      pl.run_scoped(chain, pipes[0].get_allocations(*refs), collective_axes="wg")
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, n_pad, bm), out_dtype),
-      grid=(nt // wgs, n_chunks, splits), grid_names=("n", "c", "s"), num_threads=wgs + 1,
-      thread_name="wg",
+      grid=(nt // wgs // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
+      num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(out_smem=_out_smem(wgs, bm, out_dtype),
@@ -253,9 +276,10 @@ NUM_SMS = 132
 
 
 def default_config(bm: int, kb: int, out_dtype, *, k_steps: int, n_ctas: int,
-                   split: bool) -> dict:
-  """4 compute warpgroups; the most pipeline stages (<= 4) that fit SMEM; for dense calls with
-  fewer CTAs than SMs, split K across CTAs so that about 132 run (partial sums in f32)."""
+                   split: bool, n_inner: int = 1) -> dict:
+  """4 compute warpgroups; the most pipeline stages (<= 4) that fit SMEM (with n_inner > 1, a
+  divisor of the steps per tile: chained pipelines need it); for dense calls with fewer CTAs
+  than SMs, split K across CTAs so that about 132 run (partial sums in f32)."""
   splits = 1
   if split:
     while (n_ctas * splits * 2 <= NUM_SMS and k_steps % (splits * 2) == 0
@@ -264,10 +288,29 @@ def default_config(bm: int, kb: int, out_dtype, *, k_steps: int, n_ctas: int,
   out_bytes = 4 if splits > 1 else jnp.dtype(out_dtype).itemsize
   per_stage = bm * 64 * kb * 2 + 4 * kb * 2048 + 4 * kb * 256
   fixed = 4 * 64 * bm * out_bytes + 4 * 64 * 4
-  stages = min(4, (SMEM_BUDGET - fixed) // per_stage, max(1, k_steps // splits))
+  steps = max(1, k_steps // splits)
+  stages = min(4, (SMEM_BUDGET - fixed) // per_stage, steps)
   if stages < 1:
     raise ValueError(f"kb={kb} with {bm}-row chunks does not fit SMEM; prepare with kb=4")
-  return dict(wgs=4, stages=int(stages), splits=splits)
+  while n_inner > 1 and steps % stages:
+    stages -= 1
+  return dict(wgs=4, stages=int(stages), splits=splits, n_inner=n_inner)
+
+
+# Column tiles per CTA of the grouped kernel (`fp4_chunked_matmul`'s n_inner): "1" (one tile per
+# CTA), "all" (a CTA computes every column of its chunk), or a number; until the H200 sweep in
+# benchmarks/bench_kernels.py picks the default.
+GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "1")
+
+
+def grouped_n_inner(n_tiles: int, setting: str | None = None) -> int:
+  """n_inner for a grouped call with `n_tiles` column tiles of 256: the setting, reduced to the
+  largest divisor of n_tiles it does not exceed."""
+  setting = GROUPED_N_INNER if setting is None else setting
+  want = n_tiles if setting == "all" else int(setting)
+  if want < 1:
+    raise ValueError(f"grouped n_inner must be >= 1 or 'all', got {setting!r}")
+  return max(d for d in range(1, n_tiles + 1) if n_tiles % d == 0 and d <= want)
 
 
 def _pad_k(x: jax.Array, k_pad: int) -> jax.Array:
@@ -365,8 +408,12 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   if bm is None:
     bm = pick_bm(max(1, -(-m // e)) * 2)
   k_steps = pw.k_pad // (64 * pw.kb)
-  cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False),
-             **(config or {}))
+  n_tiles = pw.n_pad // 256
+  n_inner = grouped_n_inner(n_tiles, None if config is None or "n_inner" not in config
+                            else str(config["n_inner"]))
+  cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False,
+                            n_inner=n_inner), **{k: v for k, v in (config or {}).items()
+                                                 if k != "n_inner"})
   ce, row0, slot = chunk_tables(group_sizes, m, bm)
   # chunks read bm rows from their first row on: pad so the last chunk stays in bounds
   xp = jnp.pad(x.astype(jnp.bfloat16), ((0, -(-(m + bm) // 8) * 8 - m), (0, 0)))  # TMA: rows % 8
