@@ -45,7 +45,7 @@ def _dense(x, pw, out_dtype):
   return kernels.matmul(x, pw, out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "bm"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "bm", "n_inner"))
 def _grouped(x, pw, g, out_dtype, bm=None, n_inner=None):
   return kernels.grouped_matmul(x, pw, g, out_dtype, bm=bm,
                                 config=None if n_inner is None else dict(n_inner=n_inner))
@@ -92,4 +92,18 @@ def test_grouped_expert_shape():
   x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(jnp.bfloat16)
   ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
   assert relerr(_grouped(x, pw, g, jnp.float32), ref) < TOL
+  assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=1), ref) < TOL
   assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=6), ref) < TOL  # one CTA per chunk
+
+
+def test_grouped_down_shape():
+  """The 30B-A3B down projection at 512 decode rows: 3 steps of K per tile, 8 tiles chained."""
+  e, k, n, m = 128, 768, 2048, 512
+  q = quantize(rand_w((e, k, n), 6) * 0.02, "nvfp4", axis=1, second_level=(0,))
+  pw = jax.jit(kernels.prepare_weight)(q)
+  top = jax.lax.top_k(jax.random.normal(jax.random.key(2), (m // 8, e)), 8)[1].reshape(-1)
+  g = jnp.bincount(top, length=e).astype(jnp.int32)
+  x = jax.random.normal(jax.random.key(3), (m, k), jnp.float32).astype(jnp.bfloat16)
+  ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
+  for n_inner in (1, 4, 8):
+    assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner

@@ -12,7 +12,9 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
   transposed, N = the row chunk `bm` of 16/32/64 tokens).
 - 4 compute warpgroups + 1 TMA warpgroup per CTA (`emit_pipeline_warp_specialized`), `kb`
   tiles of 64 K per step, `stages` buffers.
-- grid (N / 256, chunks, K splits): a chunk is a window of `bm` consecutive rows starting at a
+- grid (N / 256 / n_inner, chunks, K splits): a CTA runs n_inner column tiles as a chain of
+  pipelines (the TMA warpgroup runs ahead into the next tile), by default all of its chunk's
+  columns. A chunk is a window of `bm` consecutive rows starting at a
   multiple of 8 that covers (part of) one expert's rows; dense calls are one chunk. Chunk tables
   come from `group_sizes` (XLA, tiny); the kernel reads the activation rows in place (TMA at a
   dynamic row), so groups are padded to nothing: empty experts cost no weight traffic and
@@ -297,10 +299,12 @@ def default_config(bm: int, kb: int, out_dtype, *, k_steps: int, n_ctas: int,
   return dict(wgs=4, stages=int(stages), splits=splits, n_inner=n_inner)
 
 
-# Column tiles per CTA of the grouped kernel (`fp4_chunked_matmul`'s n_inner): "1" (one tile per
-# CTA), "all" (a CTA computes every column of its chunk), or a number; until the H200 sweep in
-# benchmarks/bench_kernels.py picks the default.
-GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "1")
+# Column tiles per CTA of the grouped kernel (`fp4_chunked_matmul`'s n_inner): "all" (a CTA
+# computes every column of its chunk; default), "1" (one tile per CTA), or a number. H200,
+# 30B-A3B expert shapes, kernel us for n_inner 1 -> all: gate+up 256 rows 79.2 -> 69.4, 512 rows
+# 89.5 -> 72.7, 32768 rows 495 -> 488; down 256 rows 56.8 -> 44.3 (n_inner 4)
+# (benchmarks/results/bench_kernels_h200_2026-11-30_inner.json).
+GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
 
 
 def grouped_n_inner(n_tiles: int, setting: str | None = None) -> int:
