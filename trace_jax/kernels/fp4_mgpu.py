@@ -159,6 +159,8 @@ def _out_smem(wgs: int, bm: int, dtype):
       plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw)))
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
+                                             "n_inner", "out_dtype"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
                        n_inner: int = 1, out_dtype=jnp.bfloat16):
