@@ -32,6 +32,24 @@ def test_forward_is_dequantize_of_quantize_bit_for_bit(fmt, dtype):
                                   np.asarray(want.astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_with_value_is_quantize_then_dequantize(fmt):
+  """One encoding, two results: the same QArray fields as `quantize` and, bit for bit, the
+  value `dequantize` gives (the rollout's activation sites return that value)."""
+  x = _x(dtype=jnp.bfloat16).at[1, 3].set(jnp.nan)  # a NaN block stays NaN in both
+  for axis, sl in ((-1, "row"), (0, "tensor")):
+    q, v = jax.jit(lambda x: tq.quantize_with_value(x, fmt, axis=axis, second_level=sl,
+                                                    validate=False))(x)
+    want_q = tq.quantize(x, fmt, axis=axis, second_level=sl, validate=False)
+    for got_f, want_f in zip(jax.tree.leaves(q), jax.tree.leaves(want_q)):
+      np.testing.assert_array_equal(np.asarray(got_f.astype(jnp.float32)),
+                                    np.asarray(want_f.astype(jnp.float32)))
+    want_v = tq.dequantize(want_q, jnp.bfloat16)
+    assert v.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(v.astype(jnp.float32)),
+                                  np.asarray(want_v.astype(jnp.float32)))
+
+
 def test_fake_quant_along_axis0_matches_transposed():
   x = _x((64, 5), seed=1)
   a = tq.fake_quant(x, "nvfp4", axis=0, second_level="row")

@@ -8,9 +8,10 @@ tree by `prepare_tree(params)`). Dispatch: on a GPU backend with a `PackedWeight
 Mosaic GPU kernel (`fp4_mgpu.py`); on a GPU otherwise the XLA path (bf16 decode, tokamax or XLA
 grouped matmul); on CPU the reference in `reference.py`.
 
-`decode_attention(q, k, v, valid)` (one query token over a bf16/FP8/FP4 KV cache): the reference
-`attention_ref.decode_attention_ref`, or on GPU with `TRACE_JAX_DECODE_ATTENTION=kernel` the
-Pallas kernel of `attention_pallas.py`; `attention` is the model's attention formula itself.
+`decode_attention(q, k, v, valid)` (one query token over a bf16/FP8/FP4 KV cache): on GPU the
+Pallas kernel of `attention_pallas.py` (`TRACE_JAX_DECODE_ATTENTION=reference` opts out), else
+the reference `attention_ref.decode_attention_ref`; `attention` is the model's attention formula
+itself.
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref

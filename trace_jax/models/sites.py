@@ -98,12 +98,13 @@ def activation_site(x: jax.Array, site: str, guided_layer: bool, ctx: QuantConte
       records[codes_key(site)] = tq.guided_quantize(jax.lax.stop_gradient(x), g)
     return tq.guided_fake_quant(x, g)
   if ctx.mode == "rollout":
-    q = tq.quantize(x, fmt, second_level="row", validate=False)
+    # the value comes from the unpacked codes: sites that record nothing never pack nibbles
+    q, value = tq.quantize_with_value(x, fmt, second_level="row", validate=False)
     if ctx.record_guidance and guided_layer and fmt.is_fp4:
       records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact)
     if ctx.record_codes:
       records[codes_key(site)] = q
-    return tq.dequantize(q, x.dtype)
+    return value
   if ctx.record_codes:
     records[codes_key(site)] = tq.quantize(jax.lax.stop_gradient(x), fmt, second_level="row",
                                            validate=False)

@@ -243,6 +243,25 @@ def pack_blocked(blk: Blocked, fmt: F.Format, axis: int, shape: tuple[int, ...])
                 tuple(shape))
 
 
+def _encode(x, fmt: F.Format, axis: int, second_level: SecondLevel, key, validate: bool):
+  """The blocked encoding of `x` along `axis` (the one quantization rule) and that axis."""
+  x = jnp.asarray(x)
+  if x.ndim == 0:
+    raise ValueError("quantize needs an array with at least one axis, got a scalar")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
+  ax = normalize_axis(axis, x.ndim)
+  if validate:
+    check_finite(x, "quantize input")
+  reduce_axes = _second_level_reduce_axes(second_level, x.ndim, ax)
+  return encode_blocks(to_blocks(x, ax, fmt.block), fmt, reduce_axes, key), ax
+
+
+def _value(codes, scales, g, fmt: F.Format, axis: int, k: int, dtype) -> jax.Array:
+  """Blocked codes and their scales (block axis last) -> values in the logical layout."""
+  return from_blocks(decode_blocks(codes, scales, g, fmt), axis, k).astype(dtype)
+
+
 def quantize(x: jax.Array, fmt: str | F.Format, *, axis: int = -1,
              second_level: SecondLevel = "tensor", key: jax.Array | None = None,
              validate: bool = True) -> QArray:
@@ -255,17 +274,21 @@ def quantize(x: jax.Array, fmt: str | F.Format, *, axis: int = -1,
   validate: raise on NaN/Inf when called eagerly (ignored inside jit).
   """
   fmt = F.get_format(fmt)
-  x = jnp.asarray(x)
-  if x.ndim == 0:
-    raise ValueError("quantize needs an array with at least one axis, got a scalar")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"quantize needs a floating-point array, got dtype {x.dtype}")
-  ax = normalize_axis(axis, x.ndim)
-  if validate:
-    check_finite(x, "quantize input")
-  reduce_axes = _second_level_reduce_axes(second_level, x.ndim, ax)
-  blk = encode_blocks(to_blocks(x, ax, fmt.block), fmt, reduce_axes, key)
-  return pack_blocked(blk, fmt, ax, x.shape)
+  blk, ax = _encode(x, fmt, axis, second_level, key, validate)
+  return pack_blocked(blk, fmt, ax, jnp.shape(x))
+
+
+def quantize_with_value(x: jax.Array, fmt: str | F.Format, *, axis: int = -1,
+                        second_level: SecondLevel = "tensor", dtype=None,
+                        validate: bool = True) -> tuple[QArray, jax.Array]:
+  """`(q, dequantize(q, dtype))` for `q = quantize(x, ...)`, from one encoding (dtype default
+  x's). The value is decoded from the codes before they are packed: a caller that uses only
+  the value (an activation site that records nothing) never packs and unpacks nibbles, and XLA
+  drops the unused QArray."""
+  fmt = F.get_format(fmt)
+  blk, ax = _encode(x, fmt, axis, second_level, None, validate)
+  v = _value(blk.codes, blk.scales, blk.g, fmt, ax, jnp.shape(x)[ax], dtype or x.dtype)
+  return pack_blocked(blk, fmt, ax, jnp.shape(x)), v
 
 
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
@@ -273,5 +296,4 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   if not isinstance(q, QArray):
     raise TypeError(f"dequantize expects a QArray, got {type(q).__name__}")
   s, g = q.blocked_scales()
-  v = decode_blocks(q.blocked_codes(), s, g, q.fmt)
-  return from_blocks(v, q.axis, q.shape[q.axis]).astype(dtype)
+  return _value(q.blocked_codes(), s, g, q.fmt, q.axis, q.shape[q.axis], dtype)
