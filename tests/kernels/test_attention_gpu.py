@@ -83,8 +83,8 @@ def test_kernel_configs_ragged(config):
 
 def test_model_decode_step_uses_the_kernel(monkeypatch):
   """A decode step of a bf16 model with head_dim 64 and an FP4 cache goes through the kernel
-  on the GPU (the default there; set explicitly so the test holds under any environment) and agrees with the same
-  token through the general attention path."""
+  on the GPU (the default there; set explicitly so the test holds under any environment) and
+  agrees with the same token through the general attention path."""
   from trace_jax.kernels import dispatch
   monkeypatch.setattr(dispatch, "_ATTENTION_KERNEL", True)
   cfg = M.tiny(num_layers=2, head_dim=64, dtype="bfloat16")
