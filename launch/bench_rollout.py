@@ -74,6 +74,7 @@ def _bytes_floor(config, policy, weight_bytes_by_kind, batch, context):
 
 def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   import jax
+  import jax.numpy as jnp
   import numpy as np
 
   from trace_jax import kernels
@@ -90,7 +91,16 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   engine.sync(params)
   jax.block_until_ready(engine.params)
   sync_s = time.perf_counter() - t
-  _log(f"synced in {sync_s:.1f} s")
+  # an RL step re-syncs with compiled code: the second sync compiles the re-sync program (it
+  # donates the old rollout weights), the third is timed; new master values each time
+  for _ in range(2):
+    params = jax.tree.map(lambda a: a * jnp.asarray(1.001, a.dtype), params)
+    jax.block_until_ready(params)
+    t = time.perf_counter()
+    engine.sync(params)
+    jax.block_until_ready(engine.params)
+    resync_s = time.perf_counter() - t
+  _log(f"synced in {sync_s:.1f} s (compile included), re-synced in {resync_s:.3f} s")
   del params
   weights = engine.params
   experts = sum(tree_bytes(weights[f"layers_{i}"]["moe"]["experts"])
@@ -135,7 +145,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "grouped_backend": kernels.grouped_backend() if path != "kernels" else "fp4_mgpu",
       "tokens_per_s": gen / t_full, "decode_step_ms": 1e3 * step_s,
       "prefill_plus_first_step_ms": 1e3 * t_one, "total_s": t_full, "generated_tokens": gen,
-      "first_call_s": first_call, "sync_s": sync_s,
+      "first_call_s": first_call, "sync_s": sync_s, "resync_s": resync_s,
       "weight_bytes": tree_bytes(weights), "expert_weight_bytes": experts,
       "kv_bytes": int(M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
                       * (FLAGS.prompt_len + FLAGS.new_tokens) * batch),
@@ -268,7 +278,9 @@ def main(argv):
               units=dict(tokens_per_s="generated tokens/s (wall)", decode_step_ms="ms (wall)",
                          weight_bytes="bytes", kv_bytes="bytes at full context",
                          floor_step_ms="ms at the given bandwidth",
-                         floor_over_measured="fraction of the bytes-moved floor reached"))
+                         floor_over_measured="fraction of the bytes-moved floor reached",
+                         sync_s="s, first weight sync (compile included)",
+                         resync_s="s, a later sync of new master values (compiled)"))
 
   def save():
     out = dict(head, results=rows, path_agreement=_agreement(rows, tokens_dir))

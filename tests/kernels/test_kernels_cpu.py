@@ -261,6 +261,28 @@ def test_grouped_epilogues_gather_the_same_rows(monkeypatch):
     fp4_mgpu._gather_rows(out, slot)
 
 
+def test_grouped_n_inner_and_stages(monkeypatch):
+  """n_inner: the setting, cut to the largest divisor of the column tiles; chained pipelines
+  get a stage count that divides the steps per tile (enumerated against a brute-force rule)."""
+  assert fp4_mgpu.grouped_n_inner(6, "all") == 6
+  assert fp4_mgpu.grouped_n_inner(8, "all") == 8
+  assert fp4_mgpu.grouped_n_inner(6, "4") == 3  # 4 does not divide 6
+  assert fp4_mgpu.grouped_n_inner(7, "2") == 1
+  monkeypatch.setattr(fp4_mgpu, "GROUPED_N_INNER", "2")
+  assert fp4_mgpu.grouped_n_inner(8) == 2
+  with pytest.raises(ValueError, match="n_inner"):
+    fp4_mgpu.grouped_n_inner(6, "0")
+  for bm in fp4_mgpu.BM_CHOICES:
+    for k_steps in range(1, 13):
+      for n_inner in (1, 2, 8):
+        cfg = fp4_mgpu.default_config(bm, 4, jnp.bfloat16, k_steps=k_steps, n_ctas=0,
+                                      split=False, n_inner=n_inner)
+        cap = fp4_mgpu.default_config(bm, 4, jnp.bfloat16, k_steps=k_steps, n_ctas=0,
+                                      split=False)["stages"]
+        want = max(d for d in range(1, cap + 1) if n_inner == 1 or k_steps % d == 0)
+        assert cfg["stages"] == want and cfg["n_inner"] == n_inner, (bm, k_steps, n_inner)
+
+
 @pytest.mark.parametrize("bm", [16, 32])
 def test_grouped_wrapper_emulated(bm):
   e, k, n = EXPERTS
