@@ -339,3 +339,12 @@ def test_prepare_tree():
   assert isinstance(out["dense"], kernels.PackedWeight) and out["dense"].shape == DENSE
   assert isinstance(out["experts"], kernels.PackedWeight) and out["experts"].experts
   assert out["kv"] is kv and out["norm"] is tree["norm"]
+
+
+def test_sort_by_group_vs_numpy():
+  """Stable order by group (ties keep row order) and its inverse, against numpy."""
+  ids = np.random.default_rng(7).integers(0, 5, size=37).astype(np.int32)
+  order, inverse = jax.jit(kernels.sort_by_group)(jnp.asarray(ids))
+  np.testing.assert_array_equal(np.asarray(order), np.argsort(ids, kind="stable"))
+  np.testing.assert_array_equal(np.asarray(inverse), np.argsort(np.argsort(ids, kind="stable")))
+  np.testing.assert_array_equal(ids[np.asarray(order)][np.asarray(inverse)], ids)

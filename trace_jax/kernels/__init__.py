@@ -16,9 +16,9 @@ itself.
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref
 from trace_jax.kernels.dispatch import (decode_attention, grouped_backend, grouped_matmul, matmul,
-                                        on_gpu)
+                                        on_gpu, sort_by_group)
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
 __all__ = ["PackedWeight", "attention", "decode_attention", "decode_attention_ref",
            "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu", "prepare_tree",
-           "prepare_weight"]
+           "prepare_weight", "sort_by_group"]

@@ -38,7 +38,7 @@ from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["decode_attention", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
-           "prepare_weight"]
+           "prepare_weight", "sort_by_group"]
 
 _ATTENTION_KERNEL = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "kernel") == "kernel"
 
@@ -149,6 +149,16 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   from trace_jax.kernels import fp4_mgpu
   return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
                                  config=config)
+
+
+def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(order, inverse) for rows with int group ids `[M]`: `order` sorts them stably by group (the
+  row order `grouped_matmul` takes), `inverse` undoes it (`sorted[inverse]` is the original
+  order). The inverse is a scatter of positions, not a second sort."""
+  order = jnp.argsort(group_ids, stable=True)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                unique_indices=True)
+  return order, inverse
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,

@@ -233,8 +233,7 @@ class MoE(nn.Module):
                                          records)
     else:
       flat = idx.reshape(-1)
-      order = jnp.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
-      inverse = jnp.argsort(order)
+      order, inverse = kernels.sort_by_group(flat)  # (token, slot) pairs sorted by expert
       group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
       xs = x_in[order // k].astype(dt)
       gu = kernels.grouped_matmul(xs, w_gu, group_sizes, out_dtype=dt)

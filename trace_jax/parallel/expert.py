@@ -142,8 +142,7 @@ def routed_experts(x, idx, w_gu, w_dn, *, mesh, ffn: int, dtype, capacity_factor
       recv, back = _ragged_dispatch(pair_rows, target, n_ep)
     valid = recv["valid"]
     e_local = jnp.where(valid, recv["e"], e_loc)  # invalid rows sort last
-    order = jnp.argsort(e_local, stable=True)
-    inverse = jnp.argsort(order)
+    order, inverse = kernels.sort_by_group(e_local)
     group_sizes = jnp.bincount(e_local, length=e_loc + 1)[:e_loc].astype(jnp.int32)
     xs = recv["x"][order].astype(dtype)
     gu = kernels.grouped_matmul(xs, w_gu, group_sizes, out_dtype=dtype)
@@ -198,8 +197,7 @@ def _ragged_dispatch(pair_rows, target, n_ep: int):
   """Exactly the routed rows with `ragged_all_to_all` (GPU); receive buffers hold the worst
   case (every peer's pairs), so nothing is dropped."""
   pairs = target.shape[0]
-  order = jnp.argsort(target, stable=True)
-  inv = jnp.argsort(order)
+  order, inv = kernels.sort_by_group(target)
   send_sizes = jnp.bincount(target, length=n_ep).astype(jnp.int32)
   in_off = jnp.cumsum(send_sizes) - send_sizes
   all_sizes = jax.lax.all_gather(send_sizes, "expert")  # [src, dst]
