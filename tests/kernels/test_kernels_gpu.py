@@ -83,27 +83,18 @@ def test_grouped_ragged(fmt, bm, n_inner):
     assert np.all(np.asarray(got)[sum(gs):] == 0)
 
 
-def test_grouped_expert_shape():
-  e, k, n, m = 128, 2048, 1536, 256
-  q = quantize(rand_w((e, k, n), 5) * 0.02, "nvfp4", axis=1, second_level=(0,))
+@pytest.mark.parametrize("k,n,m,seed,n_inners", [
+    (2048, 1536, 256, 0, (None, 1, 6)),  # gate+up; n_inner 6: one CTA per chunk
+    (768, 2048, 512, 2, (1, 4, 8)),  # down at 512 decode rows: 3 K steps per tile, 8 chained
+])
+def test_grouped_expert_shapes(k, n, m, seed, n_inners):
+  """The 30B-A3B expert matmuls (128 experts, top-8 routing) for each column-tile chaining."""
+  e = 128
+  q = quantize(rand_w((e, k, n), 5 + seed // 2) * 0.02, "nvfp4", axis=1, second_level=(0,))
   pw = jax.jit(kernels.prepare_weight)(q)
-  top = jax.lax.top_k(jax.random.normal(jax.random.key(0), (m // 8, e)), 8)[1].reshape(-1)
+  top = jax.lax.top_k(jax.random.normal(jax.random.key(seed), (m // 8, e)), 8)[1].reshape(-1)
   g = jnp.bincount(top, length=e).astype(jnp.int32)
-  x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(seed + 1), (m, k), jnp.float32).astype(jnp.bfloat16)
   ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
-  assert relerr(_grouped(x, pw, g, jnp.float32), ref) < TOL
-  assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=1), ref) < TOL
-  assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=6), ref) < TOL  # one CTA per chunk
-
-
-def test_grouped_down_shape():
-  """The 30B-A3B down projection at 512 decode rows: 3 steps of K per tile, 8 tiles chained."""
-  e, k, n, m = 128, 768, 2048, 512
-  q = quantize(rand_w((e, k, n), 6) * 0.02, "nvfp4", axis=1, second_level=(0,))
-  pw = jax.jit(kernels.prepare_weight)(q)
-  top = jax.lax.top_k(jax.random.normal(jax.random.key(2), (m // 8, e)), 8)[1].reshape(-1)
-  g = jnp.bincount(top, length=e).astype(jnp.int32)
-  x = jax.random.normal(jax.random.key(3), (m, k), jnp.float32).astype(jnp.bfloat16)
-  ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
-  for n_inner in (1, 4, 8):
+  for n_inner in n_inners:
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner

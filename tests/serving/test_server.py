@@ -84,7 +84,7 @@ def test_concurrent_requests_return_the_engines_tokens(served):
   assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
   reqs = [GenerationRequest(tuple(tok.encode(p)), m, SamplingParams(1.0), 3, model.stop_tokens)
           for p, m in zip(prompts, max_tokens)]
-  direct = generate_direct(model.engine, reqs, model.scheduler.prompt_len)
+  direct = generate_direct(model.engine, reqs, model.scheduler.max_prompt_tokens)
   for r, want, m in zip(responses, direct, max_tokens):
     choice = r.json()["choices"][0]
     assert choice["token_ids"] == want

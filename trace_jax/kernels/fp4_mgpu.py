@@ -309,9 +309,10 @@ def default_config(bm: int, kb: int, out_dtype, *, k_steps: int, n_ctas: int,
 GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
 
 
-def grouped_n_inner(n_tiles: int, setting: str | None = None) -> int:
-  """n_inner for a grouped call with `n_tiles` column tiles of 256: the setting, reduced to the
-  largest divisor of n_tiles it does not exceed."""
+def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
+  """n_inner for a grouped call with `n_tiles` column tiles of 256: the setting ("all" or a
+  number; None: `GROUPED_N_INNER`), reduced to the largest divisor of n_tiles it does not
+  exceed."""
   setting = GROUPED_N_INNER if setting is None else setting
   want = n_tiles if setting == "all" else int(setting)
   if want < 1:
@@ -414,12 +415,10 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   if bm is None:
     bm = pick_bm(max(1, -(-m // e)) * 2)
   k_steps = pw.k_pad // (64 * pw.kb)
-  n_tiles = pw.n_pad // 256
-  n_inner = grouped_n_inner(n_tiles, None if config is None or "n_inner" not in config
-                            else str(config["n_inner"]))
+  config = dict(config or {})
+  n_inner = grouped_n_inner(pw.n_pad // 256, config.pop("n_inner", None))
   cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False,
-                            n_inner=n_inner), **{k: v for k, v in (config or {}).items()
-                                                 if k != "n_inner"})
+                            n_inner=n_inner), **config)
   ce, row0, slot = chunk_tables(group_sizes, m, bm)
   # chunks read bm rows from their first row on: pad so the last chunk stays in bounds
   xp = jnp.pad(x.astype(jnp.bfloat16), ((0, -(-(m + bm) // 8) * 8 - m), (0, 0)))  # TMA: rows % 8
@@ -430,11 +429,11 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   return _gather_rows(out[0, :, :pw.n, :], slot)  # out: [C, N, bm]
 
 
-# How the grouped kernel's `[chunks, N, bm]` output becomes `[rows, N]`: "transpose" (default)
-# transposes all chunks to rows and gathers (on the H200 profile: an XLA concatenate fusion of
-# 31 us per call at 512 decode rows, most chunk rows being padding); "gather" gathers each row's
-# N values straight from the chunk layout (strided reads, nothing materialized). Chosen by
-# TRACE_JAX_GROUPED_EPILOGUE until the GPU profile decides.
+# How the grouped kernel's `[chunks, N, bm]` output becomes `[rows, N]`, set by
+# TRACE_JAX_GROUPED_EPILOGUE: "transpose" (default) transposes all chunks to rows and gathers;
+# "gather" gathers each row's N values straight from the chunk layout (strided reads, nothing
+# materialized). On the H200 the 4-layer FP4 decode step took 1.90 ms with "transpose" and
+# 1.98 ms with "gather" (benchmarks/results/profile_h200_2026-11-30, session3).
 GROUPED_EPILOGUE = os.environ.get("TRACE_JAX_GROUPED_EPILOGUE", "transpose")
 
 

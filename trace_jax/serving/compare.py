@@ -298,7 +298,7 @@ def run_arm(config, arm: str, log=print) -> dict:
         log(f"{arm} repeat {r}: pass {passed}/{len(examples)}, {gen / wall:.1f} tok/s, "
             f"p95 {runs[-1]['latency_s']['p95']:.3f} s")
     engine = model.engine
-    context = model.scheduler.prompt_len + engine.max_new_tokens
+    context = model.scheduler.max_prompt_tokens + engine.max_new_tokens
     estimate = engine.weight_bytes + model.scheduler.max_batch * bytes_per_sequence(
         engine.config, engine.policy, context, record_guidance=False)
     for run in runs:

@@ -437,10 +437,6 @@ class SlotScheduler(_QueueFront):
     return self.decoder.prefill_sizes
 
   @property
-  def prompt_len(self) -> int:
-    return self.decoder.max_prompt_tokens
-
-  @property
   def max_prompt_tokens(self) -> int:
     return self.decoder.max_prompt_tokens
 
