@@ -17,6 +17,7 @@ static metadata) from the target's treedef; without one it returns nested dicts/
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -113,6 +114,15 @@ def _names(comps) -> list[str]:
   return [_storage_name(c) for c in comps] or ["value"]
 
 
+def _remove_tmp_dirs(directory: str) -> None:
+  """Deletes `<step>.orbax-checkpoint-tmp-*` directories (one process does it)."""
+  if jax.process_index() != 0 or not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    if ".orbax-checkpoint-tmp" in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
 # --------------------------------------------------------------------------- Checkpointer
 
 class Checkpointer:
@@ -135,10 +145,15 @@ class Checkpointer:
       raise ValueError(f"keep must be a positive int or None (keep all), got {keep!r}")
     self.keep = keep
     self.save_every = int(save_every)
+    # Leftovers of a save that was killed are removed when the next run starts. Orbax's own
+    # cleanup runs in a background thread (a restore can still see the junk), so local
+    # directories are cleaned here, synchronously; remote ones are left to orbax.
+    remote = "://" in self.directory
+    if not remote:
+      _remove_tmp_dirs(self.directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        # Leftovers of a save that was killed are removed when the next run starts.
-        cleanup_tmp_directories=True)
+        cleanup_tmp_directories=remote)
     self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
   # ------------------------------------------------------------------ queries
