@@ -1,7 +1,8 @@
-"""Decode attention over a bf16 / MXFP8 / NVFP4 / MXFP4 KV cache on the GPU: check, time, one
-JSON file + a table.
+"""Decode and prefill attention over a bf16 / MXFP8 / NVFP4 / MXFP4 KV cache on the GPU: check,
+time, one JSON file + a table.
 
-  PYTHONPATH=. python benchmarks/bench_attention.py --out bench_attention.json [--quick]
+  PYTHONPATH=. python benchmarks/bench_attention.py --out bench_attention.json [--quick] \
+      [--what decode|prefill|both]
 
 Shape: one Qwen3-30B-A3B attention layer (32 query heads, 4 KV heads, head_dim 128), one query
 token per sequence, batch B in {1, 16, 64} x context S in {1k, 8k, 32k} (combos whose bf16 KV
@@ -17,7 +18,11 @@ available, else a wall-clock loop with `block_until_ready` (the JSON says which)
 rotated over enough copies to exceed the 60 MB L2. GB/s are on the KV bytes the call must read
 (codes + block scales + NVFP4 per-token scales, K and V); % is of the 4.27 TB/s read ceiling.
 Speedups: vs the bf16-KV kernel at the same B and S, and vs XLA's attention on the reference
-path (same format, and bf16). Each variant runs in try/except (errors are recorded); a watchdog
+path (same format, and bf16).
+
+Prefill rows (`prefill_attention`, the flash kernel, against `prefill_attention_ref`, which
+materializes float32 scores): B prompts of T tokens in a cache of T + 256 slots, the first row
+left-padded by T/10; TFLOP/s count 4 * H * hd flops per visible (query, slot) pair. Each variant runs in try/except (errors are recorded); a watchdog
 ends a hung run; variants stop at --budget_s of total time.
 """
 
@@ -53,6 +58,7 @@ def main():
   ap.add_argument("--max_gb", type=float, default=20.0, help="skip combos with more bf16 KV")
   ap.add_argument("--budget_s", type=float, default=200.0, help="start no variant after this")
   ap.add_argument("--hang_s", type=float, default=90.0)
+  ap.add_argument("--what", default="both", choices=("decode", "prefill", "both"))
   ap.add_argument("--dry", action="store_true",
                   help="CPU with jax-cuda13-plugin: only lower every kernel for cuda")
   args = ap.parse_args()
@@ -91,12 +97,13 @@ def main():
   def ref_fn(q, k, v, valid):
     return kernels.decode_attention_ref(q, k, v, valid)
 
-  def time_fn(fn, q, kvs, valid):
+  def time_fn(fn, q, kvs, valid, kernel_name="decode_attention"):
     """Median us per call of fn over the copies `kvs` (one jit, all copies per iteration)."""
     one = jax.jit(fn)  # one callee: the kernel is lowered (and Triton-compiled) once
     multi = jax.jit(lambda q, kvs, valid: [one(q, k, v, valid) for k, v in kvs])
     if args.dry:
-      multi.trace(q, kvs, valid).lower(lowering_platforms=("cuda",))
+      with bench_util.abstract_h200():
+        multi.trace(q, kvs, valid).lower(lowering_platforms=("cuda",))
       return float("nan"), float("nan")
     compiled = multi.lower(q, kvs, valid).compile()
     n = len(kvs)
@@ -106,7 +113,7 @@ def main():
         per_iter, per_kernel = [], []
         for it in tim:
           per_iter.append(sum(ms for _, ms in it) * 1e3)
-          per_kernel.append(sum(ms for name, ms in it if "decode_attention" in name) * 1e3)
+          per_kernel.append(sum(ms for name, ms in it if kernel_name in name) * 1e3)
         us_kernel = statistics.median(per_kernel) / n
         return statistics.median(per_iter) / n, us_kernel if us_kernel > 0 else float("nan")
       except Exception:  # noqa: BLE001 - fall back to wall clock, say so in the row
@@ -138,6 +145,8 @@ def main():
     return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
   batches, contexts = ((16,), (8192,)) if args.quick else ((1, 16, 64), (1024, 8192, 32768))
+  if args.what == "prefill":
+    batches = ()
   key = jax.random.key(int(time.time()) % 100000)  # fresh data every run
   base = {}  # (b, s) -> bf16 kernel / reference us
   for b in batches:
@@ -201,6 +210,60 @@ def main():
             f"GB/s={row.get('GBps', float('nan')):7.0f} err={row.get('relerr_max')} "
             f"{row.get('error', '')[-300:]}")
 
+  def prefill_kernel_fn(q, k, v, key_mask):
+    return kernels.prefill_attention(q, k, v, key_mask, 0, use_kernel=True)
+
+  def prefill_ref_fn(q, k, v, key_mask):
+    return kernels.prefill_attention_ref(q, k, v, key_mask, 0)
+
+  shapes = () if args.what == "decode" else (((16, 2048),) if args.quick else
+                                              ((16, 2048), (64, 2048), (4, 8192)))
+  for b, t in shapes:
+    s = t + 256
+    for fmt in ("bf16", "nvfp4"):
+      name = f"prefill_B{b}_T{t}_{fmt}"
+      row = dict(name=name, kind="prefill", batch=b, prompt=t, cache_slots=s, kv=fmt,
+                 timing=timing)
+      if time.time() - T0 > args.budget_s:
+        row["skipped"] = f"time budget {args.budget_s} s"
+        res["rows"].append(row)
+        continue
+      state.update(t=time.time(), name=name)
+      try:
+        key, kq, kk, kv = jax.random.split(key, 4)
+        k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
+        q = (jax.ShapeDtypeStruct((b, t, H, HD), jnp.bfloat16) if args.dry
+             else jax.random.normal(kq, (b, t, H, HD), jnp.bfloat16))
+        mask = np.zeros((b, s), bool)
+        mask[:, :t] = True
+        mask[0, : t // 10] = False
+        visible = int(np.cumsum(mask[:, :t], axis=1).sum())  # query i sees slots <= i
+        flops = 4 * H * HD * visible
+        row.update(config=attention_pallas.default_prefill_config(t * H // KVH), flops=flops)
+        mask = jnp.asarray(mask)
+        if not args.dry:
+          got = jax.jit(prefill_kernel_fn)(q, k, v, mask)
+          want = jax.jit(prefill_ref_fn)(q, k, v, mask)
+          # queries before t/10 see no slot in row 0 (kernel 0, reference mean of V): skipped
+          row["relerr_max"] = relerr(got[:, t // 10:], want[:, t // 10:])
+          del got, want
+        us, us_kernel = time_fn(prefill_kernel_fn, q, [(k, v)], mask, "prefill_attention")
+        row.update(us_call=us, us_kernel=us_kernel, TFLOPs=flops / us / 1e6)
+        try:
+          us_ref, _ = time_fn(prefill_ref_fn, q, [(k, v)], mask)
+          row.update(us_xla_ref=us_ref, speedup_vs_xla_ref=us_ref / us)
+        except Exception:  # noqa: BLE001 - the reference can run out of memory at long prompts
+          row["xla_ref_error"] = traceback.format_exc()[-1000:]
+      except Exception:  # noqa: BLE001 - record and go on
+        row["error"] = traceback.format_exc()[-3000:]
+      state["t"] = None
+      res["rows"].append(row)
+      save()
+      log(f"{name:26s} us={row.get('us_call', float('nan')):10.1f} "
+          f"TFLOP/s={row.get('TFLOPs', float('nan')):6.1f} "
+          f"x_xla={row.get('speedup_vs_xla_ref', float('nan')):5.2f} "
+          f"err={row.get('relerr_max')} {row.get('error', '')[-300:]}")
+
   res["total_s"] = round(time.time() - T0, 1)
   save()
   log("DONE ->", args.out)
@@ -211,6 +274,11 @@ def main():
     if "error" in r or "skipped" in r:
       msg = r.get("skipped") or r["error"].strip().splitlines()[-1][:100]
       print(f"{r['name']:22s} {'SKIP' if 'skipped' in r else 'ERROR'} {msg}")
+      continue
+    if r.get("kind") == "prefill":
+      print(f"{r['name']:22s} {f(r, 'us_call', '8.1f'):>8s} {f(r, 'us_kernel', '8.1f'):>8s} "
+            f"TFLOP/s {f(r, 'TFLOPs', '6.1f')} x_xla {f(r, 'speedup_vs_xla_ref', '6.2f')} "
+            f"relerr {f(r, 'relerr_max', '8.1e')}")
       continue
     print(f"{r['name']:22s} {f(r, 'us_call', '8.1f'):>8s} {f(r, 'us_kernel', '8.1f'):>8s} "
           f"{f(r, 'GBps', '7.0f'):>7s} {f(r, 'pct_of_ceiling', '6.1f'):>6s} "

@@ -26,3 +26,12 @@ def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
         os._exit(3)
 
   threading.Thread(target=watch, daemon=True).start()
+
+
+def abstract_h200():
+  """Context for lowering Triton-lowered Pallas kernels for CUDA on a machine without a GPU
+  (`--dry`): the Triton lowering asks the device for its compute capability."""
+  import jax
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=dev))

@@ -195,6 +195,93 @@ def test_kernel_interpret_matches_reference(fmt):
     assert relerr(whole, want) < 1e-2 and relerr(split, whole) < 1e-2
 
 
+# ------------------------------------------------------------------ prefill (flash) kernel
+
+def np_prefill_allowed(key_mask, q_start, t):
+  """Slot s is visible to query i of row b iff key_mask[b, s] and s <= q_start[b] + i (loops)."""
+  b, s = key_mask.shape
+  out = np.zeros((b, t, s), bool)
+  for r in range(b):
+    for i in range(t):
+      for j in range(s):
+        out[r, i, j] = key_mask[r, j] and j <= q_start[r] + i
+  return out
+
+
+def _prefill_case(fmt, seed=20):
+  """B=3 rows, T=11 query tokens at slots q_start + i of an S=29 cache, GQA 3 heads per KV head:
+  row 0 left-padded (its first queries see nothing), row 1 with a hole, row 2 starting at 10
+  (a later chunk of a prompt)."""
+  b, t, s, kvh, g, hd = 3, 11, 29, 2, 3, 64
+  k, v = make_kv(fmt, (b, s, kvh, hd), seed), make_kv(fmt, (b, s, kvh, hd), seed + 1)
+  q = jax.random.normal(jax.random.key(seed + 2), (b, t, kvh * g, hd),
+                        jnp.float32).astype(jnp.bfloat16)
+  key_mask = np.ones((b, s), bool)
+  key_mask[0, :4] = False
+  key_mask[1, 5:7] = False
+  q_start = np.array([0, 3, 10])
+  return q, k, v, jnp.asarray(key_mask), q_start
+
+
+@pytest.mark.parametrize("fmt", [None, "nvfp4"])
+def test_prefill_reference_vs_numpy(fmt):
+  q, k, v, key_mask, q_start = _prefill_case(fmt)
+  got = jax.jit(R.prefill_attention_ref, static_argnames="scale")(
+      q, k, v, key_mask, jnp.asarray(q_start), scale=0.3)
+  allowed = np_prefill_allowed(np.asarray(key_mask), q_start, q.shape[1])
+  qn, kn, vn = np.asarray(q, np.float64), np_dequant(k), np_dequant(v)
+  for i in range(q.shape[1]):  # token i of every row is one decode-shaped attention
+    seen = allowed[:, i].any(1)
+    with np.errstate(invalid="ignore"):  # rows that see nothing: NaN, not compared
+      want = np_attention(qn[:, i], kn, vn, allowed[:, i], 0.3).reshape(q.shape[0], -1)
+    assert relerr(np.asarray(got[:, i])[seen], want[seen]) < 1e-2  # bf16 output
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_interpreted(cfg):
+  return jax.jit(functools.partial(AP.prefill_attention, interpret=True, out_dtype=jnp.float32,
+                                   config=dict(cfg)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_kernel_interpret_matches_reference(fmt):
+  """Tiles of 16 query rows (3 blocks of the 33 rows, the last padded) and 16 slots; per-row
+  and scalar starts. Rows that see a slot match the reference to bf16 rounding; rows that see
+  none give 0 (the reference averages V there)."""
+  q, k, v, key_mask, q_start = _prefill_case(fmt)
+  kern = _prefill_interpreted((("block_q", 16), ("block_k", 16)))
+  for start in (jnp.asarray(q_start), jnp.int32(2)):
+    got = np.asarray(kern(q, k, v, key_mask, start))
+    want = np.asarray(jax.jit(functools.partial(R.prefill_attention_ref, out_dtype=jnp.float32))(
+        q, k, v, key_mask, start))
+    seen = np_prefill_allowed(np.asarray(key_mask), np.broadcast_to(np.asarray(start), (3,)),
+                              q.shape[1]).any(-1)  # [B, T]
+    assert not seen.all() and seen.any()
+    assert relerr(got[seen], want[seen]) < 1e-2
+    np.testing.assert_array_equal(got[~seen], 0.0)
+
+
+def test_prefill_is_the_models_cache_attention():
+  """The model's prefill into a cache goes through `prefill_attention` (on CPU its reference): a
+  left-padded prompt prefilled in one call and in two chunks (the second starting at slot 7)
+  gives the same logits, and they equal a forward without a cache."""
+  cfg = M.tiny(num_layers=1, dtype="float32")
+  params = M.init_params(cfg, jax.random.key(3))
+  tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, cfg.vocab_size)
+  mask = jnp.ones((2, 12), bool).at[0, :3].set(False)
+  pos = M.default_positions(tokens, mask)
+  apply = jax.jit(M.apply, static_argnums=(2,))
+  whole = apply(params, tokens, cfg, positions=pos, token_mask=mask,
+                cache=M.init_cache(cfg, 2, 16, None), cache_index=0)
+  first = apply(params, tokens[:, :7], cfg, positions=pos[:, :7], token_mask=mask[:, :7],
+                cache=M.init_cache(cfg, 2, 16, None), cache_index=0)
+  second = apply(params, tokens[:, 7:], cfg, positions=pos[:, 7:], token_mask=mask[:, 7:],
+                 cache=first.cache, cache_index=7)
+  np.testing.assert_allclose(second.logits, whole.logits[:, 7:], rtol=1e-4, atol=1e-4)
+  plain = apply(params, tokens, cfg, positions=pos, token_mask=mask)
+  np.testing.assert_allclose(whole.logits[1], plain.logits[1], rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------ dispatch, errors, lowering
 
 def test_dispatch_cpu_uses_the_reference():
@@ -223,11 +310,20 @@ def test_bad_inputs_are_named():
 
 
 def test_lowers_for_cuda():
-  """The kernel's GPU lowering (Pallas -> Triton IR: shapes, masks, dots) runs on CPU with the
-  plugin, for every KV format at a Qwen3-30B-A3B head shape and a cache length of 1000."""
+  """The kernels' GPU lowering (Pallas -> Triton IR: shapes, masks, dots) runs on CPU with the
+  plugin, decode and prefill, for every KV format at a Qwen3-30B-A3B head shape and a cache
+  length of 1000."""
   pytest.importorskip("jax_cuda13_plugin")
   sds = jax.ShapeDtypeStruct
   b, s, kvh, h, hd = 2, 1000, 4, 32, 128
+  # Triton lowering asks the device for its compute capability: name an abstract H200
+  h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h200)):
+    _lower_all(sds, b, s, kvh, h, hd)
+
+
+def _lower_all(sds, b, s, kvh, h, hd):
   for fmt in FORMATS:
     kv = sds((b, s, kvh, hd), jnp.bfloat16) if fmt is None else jax.eval_shape(
         lambda x, f=fmt: tq.quantize(x, f, second_level="row", validate=False),
@@ -235,4 +331,8 @@ def test_lowers_for_cuda():
     lowered = jax.jit(AP.decode_attention).trace(
         sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
             lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+    lowered = jax.jit(AP.prefill_attention).trace(  # a 300-token prompt chunk
+        sds((b, 300, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_),
+        sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()

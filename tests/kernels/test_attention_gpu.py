@@ -1,6 +1,8 @@
 """GPU tests: the Pallas decode attention kernel against the reference (`decode_attention_ref`,
 the definition) over bf16 / MXFP8 / NVFP4 / MXFP4 caches, cache lengths 1, 17, 1000 and 8192,
-ragged batches, and the model's decode path on the GPU. Both sides read K/V as the same bf16
+ragged batches, and the model's decode path on the GPU; the flash prefill kernel against
+`prefill_attention_ref` (prompts of 1, 17, 300 and 2048 tokens, left padding, a later chunk) and
+the model's prefill on the GPU. Both sides read K/V as the same bf16
 values; they differ by float32 summation order and the kernel's bf16 rounding of
 probabilities against its running max, so the bound is 2e-2 of max |ref| (bf16 outputs).
 Run on the GPU machine:
@@ -106,3 +108,54 @@ def test_model_decode_step_uses_the_kernel(monkeypatch):
   assert "triton" in lowered  # the kernel is in the decode step
   a, b = np.asarray(one.logits[:, 0], np.float64), np.asarray(two.logits[:, 0], np.float64)
   assert np.max(np.abs(a - b)) < 0.05 * np.max(np.abs(b))
+
+
+@functools.partial(jax.jit, static_argnames=("use_kernel",))
+def _prefill(q, k, v, key_mask, q_start, use_kernel):
+  return kernels.prefill_attention(q, k, v, key_mask, q_start, use_kernel=use_kernel)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t", [1, 17, 300, 2048])
+def test_prefill_kernel_vs_reference(fmt, t):
+  """Rows: left padding of a third, a hole, a chunk starting at slot 40 (its cache holds 40
+  earlier tokens). Compared on the queries that see a slot (the others: kernel 0, reference the
+  mean of V)."""
+  b, kvh, g, hd = 3, 4, 8, 128
+  s = t + 40 + 7
+  k, v = make_kv(fmt, (b, s, kvh, hd), t), make_kv(fmt, (b, s, kvh, hd), t + 1)
+  q = jax.random.normal(jax.random.key(t), (b, t, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  key_mask = np.ones((b, s), bool)
+  key_mask[0, : t // 3] = False
+  key_mask[1, t // 2: t // 2 + 3] = False
+  q_start = jnp.asarray([0, 0, 40], jnp.int32)
+  got = np.asarray(_prefill(q, k, v, jnp.asarray(key_mask), q_start, True), np.float64)
+  want = np.asarray(_prefill(q, k, v, jnp.asarray(key_mask), q_start, False), np.float64)
+  slot = np.asarray(q_start)[:, None] + np.arange(t)  # [B, T]
+  seen = np.array([[key_mask[r, : slot[r, i] + 1].any() for i in range(t)] for r in range(b)])
+  assert relerr(got[seen], want[seen]) < TOL
+  assert np.all(got[~seen] == 0)
+
+
+def test_model_prefill_uses_the_kernel(monkeypatch):
+  """A bf16 model's prefill into an NVFP4 cache goes through the flash kernel on the GPU and
+  gives the logits of the reference path (set explicitly, so the test holds in any env)."""
+  from trace_jax.kernels import dispatch
+  cfg = M.tiny(num_layers=2, head_dim=64, dtype="bfloat16")
+  params = M.init_params(cfg, jax.random.key(0))
+  policy = tq.make_policy("kv4", "nvfp4")
+  ctx = M.QuantContext(policy, "rollout")
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 50)), jnp.int32)
+  mask = jnp.asarray(np.arange(50)[None] >= np.array([[9], [0]]))
+  outs, texts = [], []
+  for use in (True, False):
+    monkeypatch.setattr(dispatch, "_PREFILL_KERNEL", use)
+    jax.clear_caches()  # the flag is read at trace time: no cached trace of the other choice
+    fn = jax.jit(M.apply, static_argnums=(2, 3))
+    args = (params, tokens, cfg, ctx)
+    kw = dict(token_mask=mask, cache=M.init_cache(cfg, 2, 64, policy.kv))
+    texts.append(fn.lower(*args, **kw).as_text())
+    outs.append(np.asarray(fn(*args, **kw).logits, np.float64))
+  assert "triton" in texts[0] and "triton" not in texts[1]
+  m = np.asarray(mask)
+  assert np.max(np.abs(outs[0][m] - outs[1][m])) < 0.05 * np.max(np.abs(outs[1][m]))

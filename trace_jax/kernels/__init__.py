@@ -10,15 +10,18 @@ grouped matmul); on CPU the reference in `reference.py`.
 
 `decode_attention(q, k, v, valid)` (one query token over a bf16/FP8/FP4 KV cache): on GPU the
 Pallas kernel of `attention_pallas.py` (`TRACE_JAX_DECODE_ATTENTION=reference` opts out), else
-the reference `attention_ref.decode_attention_ref`; `attention` is the model's attention formula
-itself.
+the reference `attention_ref.decode_attention_ref`. `prefill_attention(q, k, v, key_mask,
+q_start)` (a prompt's tokens over the cache that holds them): on GPU the flash-style Pallas kernel
+of the same module (`TRACE_JAX_PREFILL_ATTENTION=reference` opts out), else
+`prefill_attention_ref`. `attention` is the model's attention formula itself.
 """
 
-from trace_jax.kernels.attention_ref import attention, decode_attention_ref
+from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
 from trace_jax.kernels.dispatch import (decode_attention, grouped_backend, grouped_matmul, matmul,
-                                        on_gpu, sort_by_group)
+                                        on_gpu, prefill_attention, sort_by_group)
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
 __all__ = ["PackedWeight", "attention", "decode_attention", "decode_attention_ref",
-           "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu", "prepare_tree",
-           "prepare_weight", "sort_by_group"]
+           "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
+           "prefill_attention", "prefill_attention_ref", "prepare_tree", "prepare_weight",
+           "sort_by_group"]

@@ -143,9 +143,16 @@ def _decode_tile(ops, fmt: tq.Format | None, parts: int, dtype):
   return [(x.reshape(t, nb, per) * d[:, :, None]).reshape(t, w).astype(dtype) for x in vals]
 
 
+def _load_slots(ref, off, ok, *, block_k: int):
+  """Slots `off .. off + block_k - 1` of a `[S, ...]` ref; slots where `ok` is false read 0."""
+  from jax.experimental.pallas import triton as plt
+  idx = (pl.ds(off, block_k),) + (slice(None),) * (len(ref.shape) - 1)
+  mask = ok.reshape((block_k,) + (1,) * (len(ref.shape) - 1))
+  return plt.load(ref.at[idx], mask=mask, other=0)
+
+
 def _kernel(len_ref, valid_ref, q_ref, *refs, n_k: int, fmt, parts: int, block_k: int,
             split_len: int, scale: float):
-  from jax.experimental.pallas import triton as plt
   k_refs, v_refs = refs[:n_k], refs[n_k:2 * n_k]
   o_ref, m_ref, l_ref = refs[2 * n_k:]
   gp = q_ref.shape[1]
@@ -155,10 +162,7 @@ def _kernel(len_ref, valid_ref, q_ref, *refs, n_k: int, fmt, parts: int, block_k
   qs = [q_ref[p] for p in range(parts)]
   ar = jnp.arange(block_k)
 
-  def load(ref, off, ok):
-    idx = (pl.ds(off, block_k),) + (slice(None),) * (len(ref.shape) - 1)
-    mask = ok.reshape((block_k,) + (1,) * (len(ref.shape) - 1))
-    return plt.load(ref.at[idx], mask=mask, other=0)
+  load = functools.partial(_load_slots, block_k=block_k)
 
   def body(i, carry):
     m, l, accs = carry
@@ -187,6 +191,14 @@ def _kernel(len_ref, valid_ref, q_ref, *refs, n_k: int, fmt, parts: int, block_k
     o_ref[p_] = a
   m_ref[...] = m
   l_ref[...] = l
+
+
+def _kv_spec(a):
+  """A program's view of a cache operand `[B, S, KVH, ...]`: all slots of head j of row i."""
+  s = a.shape[1]
+  if a.ndim == 3:
+    return pl.BlockSpec((None, s, None), lambda i, j, t: (i, 0, j))
+  return pl.BlockSpec((None, s, None, a.shape[3]), lambda i, j, t: (i, 0, j, 0))
 
 
 def default_config(b: int, kvh: int, s: int) -> dict:
@@ -228,11 +240,6 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   kv_len = jnp.where(jnp.any(allowed, axis=1), last, 0).astype(jnp.int32)
   valid8 = allowed.astype(jnp.int8)
 
-  def kv_spec(a):
-    if a.ndim == 3:
-      return pl.BlockSpec((None, s, None), lambda i, j, t: (i, 0, j))
-    return pl.BlockSpec((None, s, None, a.shape[3]), lambda i, j, t: (i, 0, j, 0))
-
   kernel = functools.partial(_kernel, n_k=len(k_ops), fmt=fmt, parts=parts, block_k=block_k,
                              split_len=split_len, scale=float(scale))
   compiler_params = None
@@ -246,7 +253,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
       in_specs=[pl.BlockSpec((1,), lambda i, j, t: (i,)),
                 pl.BlockSpec((None, s), lambda i, j, t: (i, 0)),
                 pl.BlockSpec((None, None, parts, gp, w), lambda i, j, t: (i, j, 0, 0, 0))]
-               + [kv_spec(a) for a in k_ops + v_ops],
+               + [_kv_spec(a) for a in k_ops + v_ops],
       out_specs=[pl.BlockSpec((None, None, None, parts, gp, w),
                               lambda i, j, t: (i, j, t, 0, 0, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda i, j, t: (i, j, t, 0)),
@@ -262,3 +269,118 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   out = combine_splits(jnp.moveaxis(o, 3, 2), m[:, :, None], l[:, :, None])  # [B, KVH, P, Gp, W]
   out = jnp.moveaxis(out, 2, -1).reshape(b, kvh, gp, hd)[:, :, :h // kvh]
   return out.reshape(b, h, hd).astype(out_dtype)
+
+
+# --------------------------------------------------------------------------- prefill (flash)
+
+def _prefill_kernel(start_ref, first_ref, mask_ref, q_ref, *refs, n_k: int, fmt, parts: int,
+                    block_q: int, block_k: int, g: int, t: int, scale: float):
+  """One program: `block_q` query rows (token-major, the G heads of one KV head) of one batch
+  row against the cache slots they may see, flash-style (online softmax over slot tiles)."""
+  k_refs, v_refs, o_ref = refs[:n_k], refs[n_k:2 * n_k], refs[2 * n_k]
+  s = mask_ref.shape[0]
+  r0 = pl.program_id(2) * block_q
+  q_slot = start_ref[0] + (r0 + jnp.arange(block_q)) // g  # [block_q]: each row's own slot
+  # slots a row may see: key_mask'ed slots in [first valid slot, own slot]
+  hi = jnp.minimum(start_ref[0] + jnp.minimum((r0 + block_q - 1) // g, t - 1) + 1, s)
+  lo = jnp.minimum(first_ref[0], hi) // block_k * block_k
+  n_tiles = (hi - lo + block_k - 1) // block_k
+  qs = [q_ref[p] for p in range(parts)]
+  ar = jnp.arange(block_k)
+  load = functools.partial(_load_slots, block_k=block_k)
+
+  def body(i, carry):
+    m, l, accs = carry
+    off = lo + i * block_k
+    inb = (off + ar) < hi
+    ok = inb & (load(mask_ref, off, inb) != 0)
+    allowed = ok[None, :] & ((off + ar)[None, :] <= q_slot[:, None])
+    ks = _decode_tile([load(r, off, inb) for r in k_refs], fmt, parts, jnp.bfloat16)
+    sc = sum(lax.dot_general(qp, kp, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) for qp, kp in zip(qs, ks))
+    sc = jnp.where(allowed, sc * scale, R.NEG)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    p = jnp.where(allowed, jnp.exp(sc - m_new[:, None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    vs = _decode_tile([load(r, off, inb) for r in v_refs], fmt, parts, jnp.bfloat16)
+    pb = p.astype(jnp.bfloat16)
+    accs = tuple(a * corr[:, None] + lax.dot_general(pb, vp, (((1,), (0,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)
+                 for a, vp in zip(accs, vs))
+    return m_new, l * corr + jnp.sum(p, axis=1), accs
+
+  w = qs[0].shape[1]
+  init = (jnp.full((block_q,), R.NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+          tuple(jnp.zeros((block_q, w), jnp.float32) for _ in range(parts)))
+  _, l, accs = lax.fori_loop(0, n_tiles, body, init)
+  inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)  # a row seeing no slot gives 0
+  for p_, a in enumerate(accs):
+    o_ref[p_] = (a * inv[:, None]).astype(o_ref.dtype)
+
+
+def default_prefill_config(rows: int) -> dict:
+  """128 query rows x 64 slots per step, 8 warps (the usual Hopper flash-forward tile); fewer
+  rows for short prompts."""
+  return dict(block_q=min(128, _pow2_at_least(rows, 16)), block_k=64, num_warps=8,
+              num_stages=2)
+
+
+def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
+                      out_dtype=None, config: dict | None = None,
+                      interpret: bool = False) -> jax.Array:
+  """The kernel path of `attention_ref.prefill_attention_ref` (same arguments; the same result up
+  to float32 summation order and bf16 rounding of the probabilities, except that a query row
+  that may see no slot gives 0 where the reference averages V): T query tokens per row over a
+  KV cache that already holds them, read in place in any format. Grid (batch, KV head, blocks
+  of `block_q` query rows); a program walks only the slot tiles between its rows' first
+  `key_mask`'ed slot and its last row's own slot (causal and left-padding skip)."""
+  b, t, h, hd = q.shape
+  _, _, _, s, kvh = R.check_decode_args(q[:, 0], k, v, key_mask)
+  if not interpret:
+    why = kernel_supported(q[:, 0], k, v)
+    if why:
+      raise ValueError(f"prefill attention kernel: {why}")
+  out_dtype = out_dtype or q.dtype
+  scale = hd ** -0.5 if scale is None else scale
+  allowed = R.allowed_slots(key_mask, s)
+  k_ops, fmt = _kv_operands(k)
+  v_ops, _ = _kv_operands(v)
+  parts = 2 if fmt is not None and fmt.is_fp4 else 1
+  g = h // kvh
+  rows = t * g
+  cfg = dict(default_prefill_config(rows), **(config or {}))
+  block_q, block_k = cfg["block_q"], cfg["block_k"]
+  rows_pad = -(-rows // block_q) * block_q
+
+  # q [B, T, H, hd] -> [B, KVH, P, rows_pad, hd / P]: rows token-major (row r: token r // G)
+  qr = jnp.swapaxes(q.astype(jnp.bfloat16).reshape(b, t, kvh, g, hd), 1, 2)
+  qr = jnp.pad(qr.reshape(b, kvh, rows, hd), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+  qr = qr[:, :, None] if parts == 1 else jnp.stack([qr[..., 0::2], qr[..., 1::2]], axis=2)
+  w = hd // parts
+  start = jnp.broadcast_to(jnp.asarray(q_start, jnp.int32).reshape(-1), (b,))
+  first = jnp.where(jnp.any(allowed, axis=1), jnp.argmax(allowed, axis=1), s).astype(jnp.int32)
+
+  kernel = functools.partial(_prefill_kernel, n_k=len(k_ops), fmt=fmt, parts=parts,
+                             block_q=block_q, block_k=block_k, g=g, t=t, scale=float(scale))
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    compiler_params = plt.CompilerParams(num_warps=cfg["num_warps"],
+                                         num_stages=cfg["num_stages"])
+  o = pl.pallas_call(
+      kernel,
+      grid=(b, kvh, rows_pad // block_q),
+      in_specs=[pl.BlockSpec((1,), lambda i, j, r: (i,)),
+                pl.BlockSpec((1,), lambda i, j, r: (i,)),
+                pl.BlockSpec((None, s), lambda i, j, r: (i, 0)),
+                pl.BlockSpec((None, None, parts, block_q, w), lambda i, j, r: (i, j, 0, r, 0))]
+               + [_kv_spec(a) for a in k_ops + v_ops],
+      out_specs=pl.BlockSpec((None, None, parts, block_q, w), lambda i, j, r: (i, j, 0, r, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, kvh, parts, rows_pad, w), out_dtype),
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name=f"prefill_attention_{fmt.name if fmt else 'bf16'}",
+  )(start, first, allowed.astype(jnp.int8), qr, *k_ops, *v_ops)
+  # [B, KVH, P, rows, W] -> [B, KVH, T, G, hd] (interleave even/odd) -> [B, T, H * hd]
+  o = jnp.moveaxis(o[:, :, :, :rows], 2, -1).reshape(b, kvh, t, g, hd)
+  return jnp.swapaxes(o, 1, 2).reshape(b, t, h * hd)

@@ -4,7 +4,9 @@ kernel's result (`decode_attention.py`) and the code the model's attention runs.
 `attention` is the one formula (GQA grouping, scores in float32 times `scale`, masked slots at a
 finite -1e30, float32 softmax, probabilities cast to the compute dtype for the value product).
 `decode_attention_ref` is that formula for one query token per sequence over a KV cache whose
-K/V are read exactly as the cache defines them (`read_kv`: `dequantize` to the compute dtype).
+K/V are read exactly as the cache defines them (`read_kv`: `dequantize` to the compute dtype);
+`prefill_attention_ref` is it for T query tokens per sequence (a prompt, or a chunk of one) that
+the cache already holds, under the causal mask of their slots.
 """
 
 from __future__ import annotations
@@ -85,3 +87,30 @@ def decode_attention_ref(q, k, v, valid, scale: float | None = None,
   out = attention(q[:, None].astype(dtype), read_kv(k, dtype), read_kv(v, dtype),
                   allowed[:, None], scale, dtype)
   return out.reshape(b, h, hd)
+
+
+def prefill_allowed(key_mask, q_start, t: int) -> jax.Array:
+  """`[B, T, S]`: query i of row b sits in slot `q_start (+ [b]) + i` and may see the slots at or
+  before it that `key_mask [B, S]` marks."""
+  q_slot = jnp.reshape(jnp.asarray(q_start), (-1, 1)) + jnp.arange(t)  # [1 or B, T]
+  k_slot = jnp.arange(key_mask.shape[1])
+  return (k_slot <= q_slot[:, :, None]) & key_mask[:, None, :]
+
+
+def prefill_attention_ref(q, k, v, key_mask, q_start, scale: float | None = None,
+                          out_dtype=None) -> jax.Array:
+  """Attention of T query tokens per sequence over a KV cache that already holds them.
+
+  q `[B, T, H, hd]`; k, v `[B, S, KVH, hd]` arrays or `QArray`s; key_mask `[B, S]` bool (slots
+  holding tokens); q_start: int or `[B]` ints, the slot of query 0 (`prefill_allowed`). K/V read
+  in `out_dtype` (default q's dtype) as `read_kv` defines. Returns `[B, T, H * hd]`."""
+  if q.ndim != 4:
+    raise ValueError(f"q must be [batch, tokens, heads, head_dim], got shape {tuple(q.shape)}")
+  b, t, h, hd = q.shape
+  check_decode_args(q[:, 0], k, v, key_mask)
+  if jnp.ndim(key_mask) != 2:
+    raise ValueError(f"key_mask must be [batch, slots], got shape {jnp.shape(key_mask)}")
+  dtype = out_dtype or q.dtype
+  scale = hd ** -0.5 if scale is None else scale
+  return attention(q.astype(dtype), read_kv(k, dtype), read_kv(v, dtype),
+                   prefill_allowed(key_mask, q_start, t), scale, dtype)

@@ -22,6 +22,12 @@ Decode attention: on GPU the Pallas kernel of `attention_pallas.py` for the oper
 dequantizes the whole cache to bf16 every step: on the H200 that was 31 us per layer and call
 at 384 slots, B=64), the reference `attention_ref` elsewhere. The environment variable
 `TRACE_JAX_DECODE_ATTENTION=reference` (read at import) keeps the reference on GPU too.
+
+Prefill attention (T query tokens over a cache that holds them, the rollout's prefill): on GPU the
+flash-style Pallas kernel `attention_pallas.prefill_attention` (it reads the cache in place; the
+reference materializes float32 scores `[B, H, T, S]`, 38 GB at B=64, prompt 2048), else
+`attention_ref.prefill_attention_ref`. `TRACE_JAX_PREFILL_ATTENTION=reference` opts out. The
+trainer's attention (no cache, differentiated) stays the reference formula.
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["decode_attention", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
-           "prepare_weight", "sort_by_group"]
+           "prefill_attention", "prepare_weight", "sort_by_group"]
 
 _ATTENTION_KERNEL = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "kernel") == "kernel"
+_PREFILL_KERNEL = os.environ.get("TRACE_JAX_PREFILL_ATTENTION", "kernel") == "kernel"
 
 
 def on_gpu() -> bool:
@@ -173,3 +180,17 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     return attention_ref.decode_attention_ref(q, k, v, valid, scale, out_dtype)
   return attention_pallas.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
                                            config=config)
+
+
+def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
+                      out_dtype=None, use_kernel: bool | None = None, config=None) -> jax.Array:
+  """Attention of T query tokens per sequence (`[B, T, H, hd]`, query i at slot `q_start + i`)
+  over a KV cache that already holds them, see `attention_ref.prefill_attention_ref`."""
+  from trace_jax.kernels import attention_pallas
+  if use_kernel is None:
+    use_kernel = (_PREFILL_KERNEL and on_gpu() and q.ndim == 4
+                  and attention_pallas.kernel_supported(q[:, 0], k, v) is None)
+  if not use_kernel:
+    return attention_ref.prefill_attention_ref(q, k, v, key_mask, q_start, scale, out_dtype)
+  return attention_pallas.prefill_attention(q, k, v, key_mask, q_start, scale=scale,
+                                            out_dtype=out_dtype, config=config)

@@ -154,8 +154,9 @@ class Attention(nn.Module):
     if layer is not None and t == 1:  # one decode token: the decode attention kernel on GPU
       o = kernels.decode_attention(q[:, 0], layer.k, layer.v, allowed[:, 0], scale=scale,
                                    out_dtype=dt).reshape(b, t, c.num_heads * c.head_dim)
-    elif layer is not None:
-      o = kernels.attention(q, kvc.read(layer.k, dt), kvc.read(layer.v, dt), allowed, scale, dt)
+    elif layer is not None:  # a prompt (chunk) over the cache: the flash kernel on GPU
+      o = kernels.prefill_attention(q, layer.k, layer.v, key_mask, cache_index, scale=scale,
+                                    out_dtype=dt)
     else:
       o = kernels.attention(q, k, v, allowed, scale, dt)
     o = activation_site(o, "attn/o_in", self.guided, ctx, guidance, records)
