@@ -110,12 +110,14 @@ elif [ "$stage" = final ]; then
     --out=$OUT/bench_rollout_12l_b64.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = attn ]; then
   # attention kernels: GPU tests (decode + flash prefill), decode and prefill benchmark rows,
-  # then the prompt-2048 rollout rows whose prefill the flash kernel serves
+  # then the prompt-2048 rollout rows with the flash prefill kernel (opt-in: session 3's rows
+  # in bench_rollout_h200_2026-11-30 are the reference-prefill baseline)
   JAX_PLATFORMS=cuda timeout 200 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
     tests/kernels/test_attention_gpu.py 2>&1 | grep -v "^I1\|^W1" | tail -12
   timeout 150 python3 benchmarks/bench_attention.py --quick --budget_s 120 \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -20
-  timeout ${ROWS_TIMEOUT:-300} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l \
+  TRACE_JAX_PREFILL_ATTENTION=kernel timeout ${ROWS_TIMEOUT:-300} python3 launch/bench_rollout.py \
+    --preset=qwen3_30b_a3b_12l \
     --batches=64 --policies=bf16,paper --paths=kernels --isolate --row_timeout=240 \
     --prompt_len=2048 --new_tokens=256 --repeats=2 --hf_peer=false \
     --out=$OUT/bench_rollout_12l_b64_p2048.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
