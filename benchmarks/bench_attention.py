@@ -22,13 +22,18 @@ path (same format, and bf16).
 
 Prefill rows (`prefill_attention`, the flash kernel, against `prefill_attention_ref`, which
 materializes float32 scores): B prompts of T tokens in a cache of T + 256 slots, the first row
-left-padded by T/10; TFLOP/s count 4 * H * hd flops per visible (query, slot) pair. Each variant runs in try/except (errors are recorded); a watchdog
+left-padded by T/10; TFLOP/s count 4 * H * hd flops per visible (query, slot) pair.
+
+--sweep: launch configurations (tile, splits, warps, stages) of the decode kernel at B=16/S=8k
+and B=64/S=1k (the RL rollout's shape) and of the prefill kernel at B=16/T=2048, NVFP4 and bf16
+KV, each checked against the reference and timed the same way (kernel rows only). Each variant runs in try/except (errors are recorded); a watchdog
 ends a hung run; variants stop at --budget_s of total time.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -59,6 +64,9 @@ def main():
   ap.add_argument("--budget_s", type=float, default=200.0, help="start no variant after this")
   ap.add_argument("--hang_s", type=float, default=90.0)
   ap.add_argument("--what", default="both", choices=("decode", "prefill", "both"))
+  ap.add_argument("--sweep", action="store_true",
+                  help="after the rows: time launch configurations of both kernels (rows of "
+                       "kind decode_sweep / prefill_sweep) to choose their defaults")
   ap.add_argument("--dry", action="store_true",
                   help="CPU with jax-cuda13-plugin: only lower every kernel for cuda")
   args = ap.parse_args()
@@ -264,6 +272,81 @@ def main():
           f"x_xla={row.get('speedup_vs_xla_ref', float('nan')):5.2f} "
           f"err={row.get('relerr_max')} {row.get('error', '')[-300:]}")
 
+  def sweep_row(kind, name, fn, cfg, q, kvs, mask, want, kernel_name):
+    row = dict(name=name, kind=kind, config=cfg, timing=timing)
+    if time.time() - T0 > args.budget_s:
+      row["skipped"] = f"time budget {args.budget_s} s"
+      res["rows"].append(row)
+      return
+    state.update(t=time.time(), name=name)
+    try:
+      f = functools.partial(fn, config=cfg)
+      if not args.dry:
+        got = jax.jit(f)(q, *kvs[0], mask)
+        row["relerr_max"] = relerr(got, want)
+      row["us_call"], row["us_kernel"] = time_fn(f, q, kvs, mask, kernel_name)
+    except Exception:  # noqa: BLE001 - record and go on
+      row["error"] = traceback.format_exc()[-2000:]
+    state["t"] = None
+    res["rows"].append(row)
+    save()
+    log(f"{name:40s} us={row.get('us_call', float('nan')):9.1f} err={row.get('relerr_max')} "
+        f"{row.get('error', '')[-200:]}")
+
+  def variants(base, changes):
+    out = []
+    for ch in [{}] + changes:
+      c = dict(base, **ch)
+      if c not in out:
+        out.append(c)
+    return out
+
+  for b, s in ((16, 8192), (64, 1024)) if args.sweep else ():
+    d = attention_pallas.default_config(b, KVH, s)
+    for fmt in ("nvfp4", "bf16"):
+      key, kq, kk, kv = jax.random.split(key, 4)
+      k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
+      q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
+           else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
+      valid = jnp.ones((b, s), bool)
+      want = None if args.dry else jax.jit(ref_fn)(q, k, v, valid)
+      n = int(min(16, max(1, np.ceil(2.5 * L2_BYTES / (nbytes(k) + nbytes(v))))))
+      kvs = [(k, v)] + [jax.tree.map(jnp.copy, (k, v)) for _ in range(n - 1)] if (
+          not args.dry) else [(k, v)] * n
+      changes = [dict(num_warps=8), dict(splits=2 * d["splits"]), dict(splits=4 * d["splits"]),
+                 dict(block_k=64), dict(block_k=64, splits=2 * d["splits"]), dict(num_stages=3),
+                 dict(num_warps=8, splits=2 * d["splits"]), dict(block_k=32, num_warps=2)]
+      if fmt == "bf16":
+        changes = changes[:2]
+      for cfg in variants(d, changes):
+        tag = "_".join(f"{a}{cfg[a]}" for a in ("block_k", "splits", "num_warps", "num_stages"))
+        sweep_row("decode_sweep", f"sweep_B{b}_S{s}_{fmt}_{tag}",
+                  functools.partial(kernels.decode_attention, use_kernel=True), cfg, q, kvs,
+                  valid, want, "decode_attention")
+      del kvs
+
+  for b, t in ((16, 2048),) if args.sweep else ():
+    s = t + 256
+    d = attention_pallas.default_prefill_config(t * H // KVH)
+    for fmt in ("nvfp4", "bf16"):
+      key, kq, kk, kv = jax.random.split(key, 4)
+      k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
+      q = (jax.ShapeDtypeStruct((b, t, H, HD), jnp.bfloat16) if args.dry
+           else jax.random.normal(kq, (b, t, H, HD), jnp.bfloat16))
+      mask = jnp.asarray(np.arange(s)[None].repeat(b, 0) < t)
+      want = None if args.dry else jax.jit(prefill_ref_fn)(q, k, v, mask)
+      changes = [dict(block_k=32), dict(block_k=128), dict(block_q=64), dict(block_q=64,
+                 num_warps=4), dict(num_stages=3), dict(block_k=128, num_stages=3),
+                 dict(num_warps=4)]
+      if fmt == "bf16":
+        changes = changes[:3]
+      for cfg in variants(d, changes):
+        tag = "_".join(f"{a}{cfg[a]}" for a in ("block_q", "block_k", "num_warps", "num_stages"))
+        sweep_row("prefill_sweep", f"sweep_prefill_B{b}_T{t}_{fmt}_{tag}",
+                  lambda q, k, v, m, config: kernels.prefill_attention(
+                      q, k, v, m, 0, use_kernel=True, config=config),
+                  cfg, q, [(k, v)], mask, want, "prefill_attention")
+
   res["total_s"] = round(time.time() - T0, 1)
   save()
   log("DONE ->", args.out)
@@ -274,6 +357,10 @@ def main():
     if "error" in r or "skipped" in r:
       msg = r.get("skipped") or r["error"].strip().splitlines()[-1][:100]
       print(f"{r['name']:22s} {'SKIP' if 'skipped' in r else 'ERROR'} {msg}")
+      continue
+    if r.get("kind") in ("decode_sweep", "prefill_sweep"):
+      print(f"{r['name']:22s} {f(r, 'us_call', '8.1f'):>8s} {f(r, 'us_kernel', '8.1f'):>8s} "
+            f"relerr {f(r, 'relerr_max', '8.1e')}")
       continue
     if r.get("kind") == "prefill":
       print(f"{r['name']:22s} {f(r, 'us_call', '8.1f'):>8s} {f(r, 'us_kernel', '8.1f'):>8s} "

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | serve | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | p2048 | serve | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -109,17 +109,18 @@ elif [ "$stage" = final ]; then
     --prompt_len=256 --new_tokens=512 --repeats=2 --hf_peer=false \
     --out=$OUT/bench_rollout_12l_b64.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = attn ]; then
-  # attention kernels: GPU tests (decode + flash prefill), decode and prefill benchmark rows,
-  # then the prompt-2048 rollout rows with the flash prefill kernel (opt-in: session 3's rows
-  # in bench_rollout_h200_2026-11-30 are the reference-prefill baseline)
+  # attention kernels: GPU tests (decode + flash prefill), then the decode and prefill rows and
+  # the launch-configuration sweep of both kernels (bench_attention.py --sweep)
   JAX_PLATFORMS=cuda timeout 200 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
     tests/kernels/test_attention_gpu.py 2>&1 | grep -v "^I1\|^W1" | tail -12
-  timeout 150 python3 benchmarks/bench_attention.py --quick --budget_s 120 \
-    --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -20
-  TRACE_JAX_PREFILL_ATTENTION=kernel timeout ${ROWS_TIMEOUT:-300} python3 launch/bench_rollout.py \
-    --preset=qwen3_30b_a3b_12l \
-    --batches=64 --policies=bf16,paper --paths=kernels --isolate --row_timeout=240 \
-    --prompt_len=2048 --new_tokens=256 --repeats=2 --hf_peer=false \
+  timeout 360 python3 benchmarks/bench_attention.py --quick --sweep --budget_s 320 \
+    --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -60
+elif [ "$stage" = p2048 ]; then
+  # the prompt-2048 rollout rows with the flash prefill kernel (opt-in: session 3's rows in
+  # bench_rollout_h200_2026-11-30 are the reference-prefill baseline)
+  TRACE_JAX_PREFILL_ATTENTION=kernel timeout ${ROWS_TIMEOUT:-560} python3 launch/bench_rollout.py \
+    --preset=qwen3_30b_a3b_12l --batches=64 --policies=bf16,paper --paths=kernels --isolate \
+    --row_timeout=270 --prompt_len=2048 --new_tokens=256 --repeats=2 --hf_peer=false \
     --out=$OUT/bench_rollout_12l_b64_p2048.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = x2 ]; then
   # nvidia-h200-x2: expert parallel over 2 GPUs vs 1 (issue 9), the ragged all-to-all check
