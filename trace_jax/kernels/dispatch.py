@@ -149,15 +149,24 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
 
 
 def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None = None,
-                   bm: int | None = None, config=None) -> jax.Array:
-  """Grouped (ragged) matmul of expert-sorted rows `x [M, K]` with `w [E, K, N]`."""
+                   bm: int | None = None, config=None, rows=None, out_rows=None) -> jax.Array:
+  """Grouped (ragged) matmul of expert-sorted rows `x [M, K]` with `w [E, K, N]`.
+
+  rows `[M]` ints: the sorted rows are `x[rows]` (x then holds e.g. one row per token, each
+  routed to several experts); out_rows: return `result[out_rows]` (e.g. back to token order).
+  Both are plain gathers on the reference and XLA paths; the kernel path folds them into the
+  gathers that lay out its operand and read its output."""
+  if _kernel_ok(x, w, use_kernel) and w.experts:
+    from trace_jax.kernels import fp4_mgpu
+    return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
+                                   config=config, rows=rows, out_rows=out_rows)
+  if rows is not None:
+    x = x[rows]
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
-    return xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
-  if not _kernel_ok(x, w, use_kernel) or not w.experts:
-    return reference.grouped_matmul_ref(x, w, group_sizes, out_dtype)
-  from trace_jax.kernels import fp4_mgpu
-  return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
-                                 config=config)
+    y = xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
+  else:
+    y = reference.grouped_matmul_ref(x, w, group_sizes, out_dtype)
+  return y if out_rows is None else y[out_rows]
 
 
 def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:

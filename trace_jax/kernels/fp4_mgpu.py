@@ -22,6 +22,9 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
   partial sums added by XLA), which made the 30B-A3B attention shapes 2.5-4x faster.
 - epilogue: acc * column factor (g * 2**shift, from GMEM via TMA) -> out [splits, chunks, N,
   bm]; XLA gathers the rows back (a transpose for the dense case).
+- around the grouped kernel, XLA does one gather in (`layout.permute_k_rows`: the caller's
+  row order, e.g. token -> expert-sorted, row pad, K pad and K permutation at once) and one
+  out (`_gather_rows`, composed with the caller's `out_rows`, e.g. back to token order).
 
 Mosaic imports happen inside the functions: the module imports on CPU, where `dispatch.py` runs
 the references and tests drive the wrappers with `emulate_chunked_matmul`.
@@ -405,10 +408,13 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int):
 
 def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
                    out_dtype=jnp.bfloat16, bm: int | None = None, config=None,
-                   kernel_fn=None):
+                   kernel_fn=None, rows: jax.Array | None = None,
+                   out_rows: jax.Array | None = None):
   """Ragged x [M, K] (bf16, rows sorted by expert) @ expert PackedWeight [E, K, N]; rows past
-  sum(group_sizes) give zeros. kernel_fn: as in `matmul`."""
-  m, k = x.shape
+  sum(group_sizes) give zeros. kernel_fn: as in `matmul`. rows [M]: the sorted rows are
+  `x[rows]` (fused into the one gather that lays out the kernel's operand); out_rows: return
+  `result[out_rows]` (fused into the output gather)."""
+  m = x.shape[0] if rows is None else rows.shape[0]
   e = pw.codes.shape[0]
   if m == 0:
     return jnp.zeros((0, pw.n), out_dtype)
@@ -421,11 +427,18 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
                             n_inner=n_inner), **config)
   ce, row0, slot = chunk_tables(group_sizes, m, bm)
   # chunks read bm rows from their first row on: pad so the last chunk stays in bounds
-  xp = jnp.pad(x.astype(jnp.bfloat16), ((0, -(-(m + bm) // 8) * 8 - m), (0, 0)))  # TMA: rows % 8
-  xc = L.permute_k(_pad_k(xp, pw.k_pad))
+  n_rows = -(-(m + bm) // 8) * 8  # TMA: rows % 8
+  if x.shape[1] % 2 == 0:
+    xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)
+  else:
+    xs = x if rows is None else x[rows]
+    xc = L.permute_k(_pad_k(jnp.pad(xs.astype(jnp.bfloat16), ((0, n_rows - m), (0, 0))),
+                            pw.k_pad))
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=out_dtype, **cfg)
+  if out_rows is not None:
+    slot = slot[out_rows]
   return _gather_rows(out[0, :, :pw.n, :], slot)  # out: [C, N, bm]
 
 

@@ -236,12 +236,13 @@ class MoE(nn.Module):
       flat = idx.reshape(-1)
       order, inverse = kernels.sort_by_group(flat)  # (token, slot) pairs sorted by expert
       group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-      xs = x_in[order // k].astype(dt)
-      gu = kernels.grouped_matmul(xs, w_gu, group_sizes, out_dtype=dt)
+      # sorted row i is token order[i] // k; the kernel path folds these gathers into its own
+      gu = kernels.grouped_matmul(x_in.astype(dt), w_gu, group_sizes, out_dtype=dt,
+                                  rows=order // k)
       h = nn.silu(gu[:, :f]) * gu[:, f:]
       h = _sorted_site(h, order, inverse, (b, t, k), self.guided, ctx, guidance, records)
-      ys = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt)
-      y = ys[inverse].reshape(n, k, d)
+      y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt,
+                                 out_rows=inverse).reshape(n, k, d)
       dropped = jnp.int32(0)
     out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
 
