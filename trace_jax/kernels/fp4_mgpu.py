@@ -22,9 +22,10 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
   partial sums added by XLA), which made the 30B-A3B attention shapes 2.5-4x faster.
 - epilogue: acc * column factor (g * 2**shift, from GMEM via TMA) -> out [splits, chunks, N,
   bm]; XLA gathers the rows back (a transpose for the dense case).
-- around the grouped kernel, XLA does one gather in (`layout.permute_k_rows`: the caller's
-  row order, e.g. token -> expert-sorted, row pad, K pad and K permutation at once) and one
-  out (`_gather_rows`, composed with the caller's `out_rows`, e.g. back to token order).
+- around the grouped kernel, XLA lays out the operand with two gathers (`layout.permute_k_rows`:
+  the caller's row order, e.g. token -> expert-sorted, with the row pad as out-of-range fill,
+  then the K permutation) and reads the output with one (`_gather_rows`, composed with the
+  caller's `out_rows`, e.g. back to token order).
 
 Mosaic imports happen inside the functions: the module imports on CPU, where `dispatch.py` runs
 the references and tests drive the wrappers with `emulate_chunked_matmul`.

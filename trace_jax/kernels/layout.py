@@ -118,15 +118,17 @@ def permute_k(x: jax.Array) -> jax.Array:
 
 def permute_k_rows(x: jax.Array, rows: jax.Array | None, n_rows: int, k_pad: int) -> jax.Array:
   """`permute_k` of the bf16 rows `x[rows]` (`x` itself without `rows`), zero-padded to `n_rows`
-  rows and `k_pad` columns, as ONE gather of 4-byte element pairs: the kernel's activation
-  operand without separate row-gather, pad and permute passes. x `[n, K]` (K even)."""
+  rows and `k_pad` columns: the kernel's activation operand from a row gather (past the rows:
+  filled with 0, no separate pad pass) and the pair permutation, two gathers with 1-D indices
+  that XLA may fuse. x `[n, K]` (K even)."""
   n, k = x.shape
   src = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
-  src = jnp.pad(src, (0, n_rows - src.shape[0]), constant_values=n)  # past the rows: fill 0
-  pair = _pair_perm(k_pad)
-  pair = np.where(pair < k // 2, pair, k // 2).astype(np.int32)  # past K: fill 0
+  src = jnp.pad(src, (0, n_rows - src.shape[0]), constant_values=n)  # out of range: fill 0
   u = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16).reshape(n, k // 2, 2), jnp.uint32)
-  g = u.at[src[:, None], jnp.asarray(pair)[None, :]].get(mode="fill", fill_value=0)
+  if k != k_pad:  # K not a multiple of the tile: pad the (unsorted, smaller) operand
+    u = jnp.pad(u, ((0, 0), (0, (k_pad - k) // 2)))
+  g = jnp.take(u, src, axis=0, mode="fill", fill_value=0)
+  g = jnp.take(g, jnp.asarray(_pair_perm(k_pad), jnp.int32), axis=1)
   return jax.lax.bitcast_convert_type(g, jnp.bfloat16).reshape(n_rows, k_pad)
 
 
