@@ -24,8 +24,11 @@ Prefill rows (`prefill_attention`, the flash kernel, against `prefill_attention_
 materializes float32 scores): B prompts of T tokens in a cache of T + 256 slots, the first row
 left-padded by T/10; TFLOP/s count 4 * H * hd flops per visible (query, slot) pair.
 
---sweep: launch configurations (tile, splits, warps, stages) of the decode kernel at B=16/S=8k
-and B=64/S=1k (the RL rollout's shape) and of the prefill kernel at B=16/T=2048, NVFP4 and bf16
+Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 cache.
+
+--sweep: launch configurations (tile, splits, warps, stages) of the decode kernels (Pallas, and
+Mosaic splits/stages) at B=16/S=8k and B=64/S=1k (the RL rollout's shape) and of the prefill
+kernel at B=16/T=2048, NVFP4 and bf16
 KV, each checked against the reference and timed the same way (kernel rows only). Each variant runs in try/except (errors are recorded); a watchdog
 ends a hung run; variants stop at --budget_s of total time.
 """
@@ -46,7 +49,7 @@ import bench_util
 READ_CEILING_TBPS = bench_util.READ_CEILING_TBPS
 L2_BYTES = bench_util.L2_BYTES
 H, KVH, HD = 32, 4, 128
-FORMATS = ("bf16", "mxfp8", "nvfp4", "mxfp4")
+FORMATS = ("bf16", "mxfp8", "nvfp4", "nvfp4_mosaic", "mxfp4")  # nvfp4_mosaic: attention_mgpu
 T0 = time.time()
 
 
@@ -77,7 +80,7 @@ def main():
   from trace_jax import kernels
   from trace_jax import provenance
   from trace_jax import quant as tq
-  from trace_jax.kernels import attention_pallas
+  from trace_jax.kernels import attention_mgpu, attention_pallas
 
   try:
     from jax.experimental.mosaic.gpu import profiler
@@ -101,6 +104,9 @@ def main():
 
   def kernel_fn(q, k, v, valid):
     return kernels.decode_attention(q, k, v, valid, use_kernel=True)
+
+  def mosaic_fn(q, k, v, valid):
+    return kernels.decode_attention(q, k, v, valid, use_kernel="mosaic")
 
   def ref_fn(q, k, v, valid):
     return kernels.decode_attention_ref(q, k, v, valid)
@@ -173,21 +179,25 @@ def main():
         try:
           key, kq, kk, kv = jax.random.split(key, 4)
           shape = (b, s, KVH, HD)
-          k, v = make_kv(fmt, shape, kk), make_kv(fmt, shape, kv)
+          data_fmt = fmt.removesuffix("_mosaic")
+          kfn = mosaic_fn if fmt.endswith("_mosaic") else kernel_fn
+          k, v = make_kv(data_fmt, shape, kk), make_kv(data_fmt, shape, kv)
           q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
                else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
           valid = np.ones((b, s), bool)
           valid[0, : s // 10] = False  # a left-padded row
           valid = jnp.asarray(valid)
           if not args.dry:
-            why = attention_pallas.kernel_supported(q, k, v)
+            why = (attention_mgpu if kfn is mosaic_fn else attention_pallas).kernel_supported(
+                q, k, v)
             if why:
               raise ValueError(why)
-          cfg = attention_pallas.default_config(b, KVH, s)
+          cfg = (dict(splits=attention_mgpu.default_splits(b, s)) if kfn is mosaic_fn
+                 else attention_pallas.default_config(b, KVH, s))
           kv_bytes = nbytes(k) + nbytes(v)
           row.update(kv_bytes=kv_bytes, config=cfg)
           if not args.dry:
-            got = jax.jit(kernel_fn)(q, k, v, valid)
+            got = jax.jit(kfn)(q, k, v, valid)
             want = jax.jit(ref_fn)(q, k, v, valid)
             row["relerr_max"] = relerr(got, want)
             del got, want
@@ -195,7 +205,7 @@ def main():
           kvs = [(k, v)] + [jax.tree.map(jnp.copy, (k, v)) for _ in range(n - 1)] if (
               not args.dry) else [(k, v)] * n
           row["n_copies"] = n
-          us, us_kernel = time_fn(kernel_fn, q, kvs, valid)
+          us, us_kernel = time_fn(kfn, q, kvs, valid)
           us_ref, _ = time_fn(ref_fn, q, kvs, valid)
           del kvs
           row.update(us_call=us, us_kernel=us_kernel, us_xla_ref=us_ref,
@@ -323,6 +333,14 @@ def main():
         sweep_row("decode_sweep", f"sweep_B{b}_S{s}_{fmt}_{tag}",
                   functools.partial(kernels.decode_attention, use_kernel=True), cfg, q, kvs,
                   valid, want, "decode_attention")
+      if fmt == "nvfp4":  # the Mosaic kernel: splits and pipeline stages
+        dm = attention_mgpu.default_splits(b, s)
+        for cfg in variants(dict(splits=dm, stages=2), [dict(splits=2 * dm), dict(
+            splits=max(1, dm // 2)), dict(stages=3)]):
+          sweep_row("decode_sweep", f"sweep_B{b}_S{s}_nvfp4_mosaic_splits{cfg['splits']}"
+                    f"_stages{cfg['stages']}",
+                    functools.partial(kernels.decode_attention, use_kernel="mosaic"), cfg, q,
+                    kvs, valid, want, "decode_attention")
       del kvs
 
   for b, t in ((16, 2048),) if args.sweep else ():

@@ -5,6 +5,7 @@ the reference (ragged masks, lengths 1 and non-multiples of the tile, several sp
 `test_lowers_for_cuda` lowers the GPU kernel where `jax-cuda13-plugin` is installed;
 tests/kernels/test_attention_gpu.py runs it on a GPU."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -310,9 +311,9 @@ def test_bad_inputs_are_named():
 
 
 def test_lowers_for_cuda():
-  """The kernels' GPU lowering (Pallas -> Triton IR: shapes, masks, dots) runs on CPU with the
-  plugin, decode and prefill, for every KV format at a Qwen3-30B-A3B head shape and a cache
-  length of 1000."""
+  """The kernels' GPU lowering (Pallas -> Triton IR: shapes, masks, dots; the Mosaic NVFP4
+  kernel: layouts, SMEM) runs on CPU with the plugin, decode and prefill, for every KV format at
+  a Qwen3-30B-A3B head shape and a cache length of 1000."""
   pytest.importorskip("jax_cuda13_plugin")
   sds = jax.ShapeDtypeStruct
   b, s, kvh, h, hd = 2, 1000, 4, 32, 128
@@ -336,3 +337,117 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b, 300, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_),
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
+    if fmt == "nvfp4":  # the Mosaic kernel (its SMEM budget is checked here too), 3 stages
+      from trace_jax.kernels import attention_mgpu as AM
+      lowered = jax.jit(functools.partial(AM.decode_attention, stages=3)).trace(
+          sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
+              lowering_platforms=("cuda",))
+      assert "mosaic" in lowered.as_text()
+
+
+# ------------------------------------------------------------------ Mosaic NVFP4 kernel (CPU parts)
+
+def _emulate_mosaic_decode(codes_u8, scales_u8, h):
+  """Numpy re-enactment of attention_mgpu's PTX (_SCALE_ASM, _DECODE_ASM) for one 64-token
+  tile: codes [64, 4*64] and scale bytes [64, 4*8] of the cache rows, warpgroup (= KV head) h.
+  Returns the two bf16 fragments as float32 [2, 64 rows, 64 physical columns]."""
+  import ml_dtypes
+  from tests.kernels.test_kernels_cpu import _bf16x2_mul, _prmt
+  words = codes_u8.reshape(64, 64, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 64]
+  swords = scales_u8.reshape(64, 8, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 8]
+  out = np.zeros((2, 64, 64), np.float32)
+  zero = np.zeros(1, np.uint32)
+  for t in range(128):
+    w, lane = t // 32, t % 32
+    g8, c = lane // 4, lane % 4
+    for ri in range(2):
+      r = 16 * w + 8 * ri + g8
+      w0, w1 = swords[r, 2 * h], swords[r, 2 * h + 1]  # the shuffle from lane (quad, h)
+      pk = _prmt(np.array([w0], np.uint32), np.array([w1], np.uint32), c | ((4 + c) << 4))
+      mults = []
+      for byte in (pk & 0xFF, (pk >> np.uint32(8)) & 0xFF):
+        val = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * 2.0 ** 118
+        bits = val.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+        mults.append(bits | (bits << np.uint32(16)))
+      for j in range(2):
+        for wi in range(2):
+          x = np.array([words[r, 16 * h + 8 * j + 2 * c + wi]], np.uint32)
+          regs = []
+          for sel in (0x4140, 0x4342):
+            y = _prmt(x, zero, sel)
+            for s_mag, s_sign in ((6, 12), (2, 8)):
+              a = ((y << np.uint32(s_mag)) & np.uint32(0x01C001C0)) | (
+                  (y << np.uint32(s_sign)) & np.uint32(0x80008000))
+              regs.append(_bf16x2_mul(a, mults[j]))
+          for o, val in enumerate(regs):
+            for v in range(2):
+              hb = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)
+              out[j, r, 8 * (4 * wi + o) + 2 * c + v] = hb.view(ml_dtypes.bfloat16).astype(
+                  np.float32)[0]
+  return out
+
+
+def test_mosaic_decode_ptx_places_code_times_scale():
+  """The Mosaic kernel's decode (PTX re-enacted in numpy) puts, at each fragment position,
+  the cache element that `PHYS_TO_LOGICAL` names, as `code * s * 2**-8` exactly; NaN scales
+  give NaN. Every warpgroup (KV head) of a 64-token tile of an NVFP4 cache."""
+  from trace_jax.kernels import attention_mgpu as AM
+  k = make_kv("nvfp4", (1, 64, 4, 128), 31)
+  sb = np.asarray(k.scales).view(np.uint8).copy()
+  sb[0, 5, 2, 3] = 0x7F  # a NaN block scale (head 2, block 3 of token 5)
+  k = dataclasses.replace(k, scales=jnp.asarray(sb).view(jnp.float8_e4m3fn))
+  codes = np.asarray(k.codes).reshape(64, 256)
+  want = np_dequant(dataclasses.replace(k, global_scale=jnp.ones_like(k.global_scale)))[0]
+  for h in range(4):
+    got = _emulate_mosaic_decode(codes, sb.reshape(64, 32), h)
+    for j in range(2):
+      exp = want[:, h, 64 * j + AM.PHYS_TO_LOGICAL[:64]] * 2.0 ** -8  # [64 rows, 64 phys]
+      np.testing.assert_array_equal(got[j], exp.astype(np.float32))
+  assert np.isnan(want[5, 2, 48:64]).all()
+
+
+def test_mosaic_wrapper_emulated_matches_reference():
+  """attention_mgpu.decode_attention around the kernel's jnp model: q permutation, row
+  factors, splits (S = 150: 3 tiles of 64, the last partial), the combine and un-permutation,
+  against the reference on ragged rows (left padding, one valid slot)."""
+  from trace_jax.kernels import attention_mgpu as AM
+  b, s, kvh, g, hd = 2, 150, 4, 8, 128
+  k, v = make_kv("nvfp4", (b, s, kvh, hd), 41), make_kv("nvfp4", (b, s, kvh, hd), 42)
+  q = jax.random.normal(jax.random.key(43), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  valid = np.ones((b, s), bool)
+  valid[0, :40] = False
+  valid[1, 1:] = False
+  valid = jnp.asarray(valid)
+  want = jax.jit(R.decode_attention_ref)(q, k, v, valid)
+  for splits in (1, 2):
+    got = jax.jit(functools.partial(AM.decode_attention, splits=splits, out_dtype=jnp.float32,
+                                    kernel_fn=AM.emulate_kernel))(q, k, v, valid)
+    assert relerr(got, want) < 1e-2
+  assert AM.kernel_supported(q, k, v) is None
+  assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)
+
+
+def test_mosaic_ptx_assembles(tmp_path):
+  """The Mosaic kernel's inline PTX (scale multipliers, nibble decode) assembles for sm_90a
+  (ptxas, where the CUDA toolkit is installed), wrapped in a kernel that uses every output."""
+  import re
+  import shutil
+  import subprocess
+  from trace_jax.kernels import attention_mgpu as AM
+  ptxas = shutil.which("ptxas")
+  if ptxas is None:
+    pytest.skip("ptxas not installed")
+  sub = lambda asm, regs: re.sub(r"\$(\d+)", lambda m: regs[int(m.group(1))], asm)  # noqa: E731
+  ptx = "\n".join([
+      ".version 8.5", ".target sm_90a", ".address_size 64",
+      ".visible .entry k(.param .u64 out) {", ".reg .b32 %r<16>;", ".reg .b64 %rd<4>;",
+      "ld.param.u64 %rd0, [out];", "cvta.to.global.u64 %rd1, %rd0;",
+      "ld.global.u32 %r2, [%rd1];", "ld.global.u32 %r3, [%rd1+4];", "ld.global.u32 %r8, [%rd1+8];",
+      sub(AM._SCALE_ASM, ["%r0", "%r1", "%r2", "%r3"]),
+      sub(AM._DECODE_ASM, ["%r4", "%r5", "%r6", "%r7", "%r8", "%r0"]),
+      "add.u32 %r9, %r4, %r5;", "add.u32 %r9, %r9, %r6;", "add.u32 %r9, %r9, %r7;",
+      "add.u32 %r9, %r9, %r1;", "st.global.u32 [%rd1], %r9;", "ret;", "}"])
+  (tmp_path / "k.ptx").write_text(ptx)
+  r = subprocess.run([ptxas, "-arch=sm_90a", str(tmp_path / "k.ptx"), "-o",
+                      str(tmp_path / "k.cubin")], capture_output=True, text=True, timeout=60)
+  assert r.returncode == 0, r.stderr

@@ -2,7 +2,8 @@
 the definition) over bf16 / MXFP8 / NVFP4 / MXFP4 caches, cache lengths 1, 17, 1000 and 8192,
 ragged batches, and the model's decode path on the GPU; the flash prefill kernel against
 `prefill_attention_ref` (prompts of 1, 17, 300 and 2048 tokens, left padding, a later chunk) and
-the model's prefill on the GPU. Both sides read K/V as the same bf16
+the model's prefill on the GPU; the Mosaic NVFP4 decode kernel (`attention_mgpu`) against the
+reference. Both sides read K/V as the same bf16
 values; they differ by float32 summation order and the kernel's bf16 rounding of
 probabilities against its running max, so the bound is 2e-2 of max |ref| (bf16 outputs).
 Run on the GPU machine:
@@ -159,3 +160,39 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
   assert "triton" in texts[0] and "triton" not in texts[1]
   m = np.asarray(mask)
   assert np.max(np.abs(outs[0][m] - outs[1][m])) < 0.05 * np.max(np.abs(outs[1][m]))
+
+
+# ------------------------------------------------------------------ Mosaic NVFP4 decode kernel
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages"))
+def _mosaic(q, k, v, valid, splits=None, stages=2):
+  from trace_jax.kernels import attention_mgpu
+  return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages)
+
+
+@pytest.mark.parametrize("s", [1, 17, 1000, 8192])
+def test_mosaic_kernel_vs_reference(s):
+  """The Mosaic GPU NVFP4 kernel (4 KV heads x 128, 8 query heads each: Qwen3-30B-A3B) against
+  the reference, ragged rows as in test_kernel_vs_reference."""
+  b, kvh, g, hd = 4, 4, 8, 128
+  k, v = make_kv("nvfp4", (b, s, kvh, hd), s + 7), make_kv("nvfp4", (b, s, kvh, hd), s + 8)
+  q = jax.random.normal(jax.random.key(s + 9), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  valid = np.ones((b, s), bool)
+  valid[1, : s // 3] = False
+  valid[2, max(1, s // 2):] = False
+  valid[3, 1:] = False
+  valid = jnp.asarray(valid)
+  got = _mosaic(q, k, v, valid)
+  want = _attn(q, k, v, valid, False)
+  assert relerr(got, want) < TOL
+
+
+@pytest.mark.parametrize("splits,stages", [(1, 2), (3, 3), (64, 2)])
+def test_mosaic_kernel_splits_and_stages(splits, stages):
+  b, s, kvh, g, hd = 3, 1000, 4, 5, 128  # 5 query heads per KV head (padded to 16)
+  k, v = make_kv("nvfp4", (b, s, kvh, hd), 1), make_kv("nvfp4", (b, s, kvh, hd), 2)
+  q = jax.random.normal(jax.random.key(3), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  lengths = jnp.asarray([1000, 17, 1])
+  got = _mosaic(q, k, v, lengths, splits=splits, stages=stages)
+  want = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)
+  assert relerr(got, want) < TOL

@@ -21,7 +21,9 @@ Decode attention: on GPU the Pallas kernel of `attention_pallas.py` for the oper
 `attention_pallas.kernel_supported` accepts (it reads an FP4 cache in place; the reference
 dequantizes the whole cache to bf16 every step: on the H200 that was 31 us per layer and call
 at 384 slots, B=64), the reference `attention_ref` elsewhere. The environment variable
-`TRACE_JAX_DECODE_ATTENTION=reference` (read at import) keeps the reference on GPU too.
+`TRACE_JAX_DECODE_ATTENTION=reference` (read at import) keeps the reference on GPU too;
+`=mosaic` uses the Mosaic GPU NVFP4 kernel of `attention_mgpu.py` where it applies (NVFP4 K/V,
+4 KV heads x head_dim 128; opt-in until its GPU tests have run) and the Pallas kernel elsewhere.
 
 Prefill attention (T query tokens over a cache that holds them, the rollout's prefill): with
 `TRACE_JAX_PREFILL_ATTENTION=kernel` on GPU the flash-style Pallas kernel
@@ -47,7 +49,12 @@ from trace_jax.quant.qarray import decode_blocks, from_blocks
 __all__ = ["decode_attention", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
            "prefill_attention", "prepare_weight", "sort_by_group"]
 
-_ATTENTION_KERNEL = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "kernel") == "kernel"
+_ATTENTION = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "kernel")
+if _ATTENTION not in ("kernel", "reference", "mosaic"):
+  raise ValueError(f"TRACE_JAX_DECODE_ATTENTION must be kernel, reference or mosaic, got "
+                   f"{_ATTENTION!r}")
+_ATTENTION_KERNEL = _ATTENTION != "reference"
+_ATTENTION_MOSAIC = _ATTENTION == "mosaic"
 # opt-in until its GPU tests have run on the H200 (lowered for CUDA and interpret-tested on CPU)
 _PREFILL_KERNEL = os.environ.get("TRACE_JAX_PREFILL_ATTENTION", "reference") == "kernel"
 
@@ -180,15 +187,21 @@ def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
-                     use_kernel: bool | None = None, config=None) -> jax.Array:
+                     use_kernel: bool | str | None = None, config=None) -> jax.Array:
   """Attention of one query token per sequence over a KV cache (`[B, H, hd]`), see
-  `attention_ref.decode_attention_ref`; k/v bf16 arrays or FP4/FP8 `QArray`s."""
-  from trace_jax.kernels import attention_pallas
+  `attention_ref.decode_attention_ref`; k/v bf16 arrays or FP4/FP8 `QArray`s. use_kernel:
+  None (the default choice), False (reference), True (a kernel), "mosaic" (the Mosaic NVFP4
+  kernel where it applies)."""
+  from trace_jax.kernels import attention_mgpu, attention_pallas
   if use_kernel is None:
     use_kernel = (_ATTENTION_KERNEL and on_gpu()
                   and attention_pallas.kernel_supported(q, k, v) is None)
   if not use_kernel:
     return attention_ref.decode_attention_ref(q, k, v, valid, scale, out_dtype)
+  if (use_kernel == "mosaic" or (use_kernel is True and _ATTENTION_MOSAIC)) and (
+      attention_mgpu.kernel_supported(q, k, v) is None):
+    return attention_mgpu.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
+                                           **(config or {}))
   return attention_pallas.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
                                            config=config)
 

@@ -1,0 +1,422 @@
+"""Mosaic GPU (Pallas `plgpu`, Hopper sm_90) decode attention over an NVFP4 KV cache: K and V
+decoded in registers straight into wgmma operands, the technique of the FP4 matmul kernels.
+
+Owns the kernel body, its inline PTX (the natural-layout nibble decode and the scale
+multipliers), the per-call plumbing (q permutation, per-head row factors, split combine) and a
+`jnp` model of the kernel (`emulate_kernel`) for CPU tests of that plumbing. The result is
+defined by `attention_ref.decode_attention_ref`.
+
+Design (one query token per sequence, GQA with 4 KV heads, head_dim 128, G <= 16 query heads
+per KV head; other shapes use `attention_pallas`):
+- grid (batch row, split of the sequence); a CTA holds 4 compute warpgroups, one per KV head,
+  and a TMA warpgroup (`emit_pipeline_warp_specialized`) streaming 64-token tiles of the cache
+  in place (`[B, S, KVH, ...]`): codes (64 x 256 B), scale bytes (64 x 32 B), and per call
+  transposed row factors `[B, KVH, S]` and a validity row.
+- K step, swap-AB: S^T[64 tokens, 16 heads] = K (registers) @ q^T (SMEM). A warpgroup loads
+  its head's codes as uint32 `[64, 16]` in the wgmma layout: a thread gets rows r, r+8 and
+  words (2c, 2c+1), (2c+8, 2c+9) = one 16-element block of each 64-wide head_dim half
+  (c = lane % 4). The head_dim permutation `PHYS_TO_LOGICAL` (applied to q outside) makes the
+  fragment's column pairs the pairs one `prmt` + shifts/masks produce from a byte pair:
+  E2M1 magnitude to bf16 bits 8..6 and sign to 15 gives `E2M1 * 2**-126`; times the block
+  scale multiplier `s * 2**118` (bf16x2, exact from the E4M3 byte via f16 and f32) gives
+  `E2M1 * s * 2**-8`, exact in bf16. The row factor `g * 2**8 * softmax_scale` is applied to
+  S^T's rows, so K enters the product as `code * s * g` up to float32 rounding.
+  Scale bytes: a wgmma-layout load of `[64, 8]` uint32 gives lane c head c's 8 bytes; one
+  `shfl` per word brings the warpgroup's head to every lane.
+- softmax over tokens (rows): column max / sum across the warpgroup, online over tiles.
+- V step: V decoded the same way, stored bf16 to SMEM; O^T[64 hd, 16] += V^T (SMEM,
+  transposed A) @ P'^T (SMEM, `[64 tokens, 16]`), with P' = p * g_v * 2**8 (the V row factor
+  varies along the contraction, so it rides on the probabilities: rounded to bf16 there).
+- per split: unnormalized O^T, running max and sum; `attention_pallas.combine_splits` merges.
+
+Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
+probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
+is rounded with the probabilities. Relative differences are at bf16 rounding level.
+
+Mosaic imports happen inside the functions: the module imports on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import quant as tq
+from trace_jax.kernels import attention_ref as R
+from trace_jax.kernels.attention_pallas import combine_splits
+
+NUM_SMS = 132  # H200
+KV_HEADS = 4  # compute warpgroups per CTA: one per KV head
+HEAD_DIM = 128
+GP = 16  # query heads per KV head, padded (the wgmma N side)
+TILE = 64  # tokens per pipeline step
+ROW_SHIFT = 8  # the decoded products carry 2**-8, the row factors 2**8
+_MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
+
+
+def _phys_to_logical() -> np.ndarray:
+  """Logical head_dim element of each physical position (the kernel's K order of q and the row
+  order of its output): in each 64 half, physical `8*cg + 2*c + v` holds logical
+  `16*c + 4*(cg // 2) + cg % 2 + 2*v`."""
+  p = np.arange(64)
+  cg, c, v = p // 8, (p % 8) // 2, p % 2
+  half = 16 * c + 4 * (cg // 2) + cg % 2 + 2 * v
+  return np.concatenate([half, 64 + half])
+
+
+PHYS_TO_LOGICAL = _phys_to_logical()
+
+
+def kernel_supported(q, k, v) -> str | None:
+  """None if this kernel handles these operands, else the reason it does not."""
+  if q.dtype != jnp.bfloat16:
+    return f"queries are {q.dtype}, the kernel takes bfloat16"
+  if not (isinstance(k, tq.QArray) and isinstance(v, tq.QArray)):
+    return "K/V are not quantized"
+  if k.fmt.name != "nvfp4" or v.fmt.name != "nvfp4":
+    return f"K/V format {k.fmt.name}, the kernel reads nvfp4"
+  if k.shape[-1] != HEAD_DIM or k.shape[2] != KV_HEADS:
+    return f"{k.shape[2]} KV heads x head_dim {k.shape[-1]}, the kernel takes 4 x 128"
+  if q.shape[1] // k.shape[2] > GP:
+    return f"more than {GP} query heads per KV head"
+  return None
+
+
+# --------------------------------------------------------------------------- inline PTX
+
+# Scale multipliers of one row: $2, $3 = this lane's scale words (head c = lane % 4, blocks 0-3
+# and 4-7); shuffle in the words of this warpgroup's head (tid / 128), take byte c of each
+# (block c of head_dim half 0 and half 1), E4M3 -> f16 -> f32 (exact), times 2**118, -> bf16x2.
+_SCALE_ASM = """{
+.reg .b32 lane, h, src, w0, w1, sel, pk;
+.reg .b16 e, junk, f0, f1;
+.reg .b32 hh;
+.reg .f32 x0, x1;
+mov.u32 lane, %laneid;
+mov.u32 h, %tid.x;
+shr.u32 h, h, 7;
+and.b32 src, lane, 0x1c;
+or.b32 src, src, h;
+shfl.sync.idx.b32 w0, $2, src, 0x1f, 0xffffffff;
+shfl.sync.idx.b32 w1, $3, src, 0x1f, 0xffffffff;
+and.b32 sel, lane, 3;
+shl.b32 pk, sel, 4;
+or.b32 sel, sel, pk;
+add.u32 sel, sel, 0x40;
+prmt.b32 pk, w0, w1, sel;
+mov.b32 {e, junk}, pk;
+cvt.rn.f16x2.e4m3x2 hh, e;
+mov.b32 {f0, f1}, hh;
+cvt.f32.f16 x0, f0;
+cvt.f32.f16 x1, f1;
+mul.f32 x0, x0, """ + _MULT_F32 + """;
+mul.f32 x1, x1, """ + _MULT_F32 + """;
+cvt.rn.bf16x2.f32 $0, x0, x0;
+cvt.rn.bf16x2.f32 $1, x1, x1;
+}"""
+
+# One code word ($4: 8 nibbles, logical elements e0..e7, even ones in low nibbles) and a
+# multiplier ($5) -> bf16x2 (e0, e2), (e1, e3), (e4, e6), (e5, e7), each `E2M1 * s * 2**-8`.
+_DECODE_ASM = """{
+.reg .b32 z, y, a, b;
+mov.b32 z, 0;
+prmt.b32 y, $4, z, 0x4140;
+shl.b32 a, y, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, y, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, $5;
+shl.b32 a, y, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, y, 8;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $1, a, $5;
+prmt.b32 y, $4, z, 0x4342;
+shl.b32 a, y, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, y, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $2, a, $5;
+shl.b32 a, y, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, y, 8;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $3, a, $5;
+}"""
+
+
+@functools.cache
+def _tile_decoder():
+  """inline_mgpu function: (codes uint32 [64, 16], scales uint32 [64, 8], both wgmma layout)
+  -> the two 64 x 64 halves of head_dim as bf16 wgmma-layout arrays (physical order)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm, vector
+
+  half = plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                     return_type=(half, half))
+  def decode(ctx, codes, scales):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    cregs, sregs = codes.registers, scales.registers  # [0, group, 0, 0, row, ...] vector<2xi32>
+    outs = []
+    mults = []
+    for ri in range(2):
+      sw = sregs[0, 0, 0, 0, ri, 0, 0, 0, 0]
+      w0, w1 = vector.extract(sw, [], [0]), vector.extract(sw, [], [1])
+      st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 2), [w0, w1], _SCALE_ASM,
+                           "=r,=r,r,r", has_side_effects=True)
+      mults.append([llvm.extractvalue(i32, st, [j]) for j in range(2)])
+    for j in range(2):  # head_dim half
+      regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, 64)), dtype=object)
+      for ri in range(2):
+        cw = cregs[0, j, 0, 0, ri, 0, 0, 0, 0]
+        for wi in range(2):  # word 2c (block elements 0-7), 2c + 1 (8-15)
+          word = vector.extract(cw, [], [wi])
+          st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [word, mults[ri][j]],
+                               _DECODE_ASM, "=r,=r,=r,=r,r,r")
+          for o in range(4):
+            regs[0, 4 * wi + o, 0, 0, ri, 0, 0, 0, 0] = mutils.bitcast(
+                llvm.extractvalue(i32, st, [o]), bf16x2)
+      outs.append(fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None))
+    return tuple(outs)
+
+  return decode
+
+
+# --------------------------------------------------------------------------- the kernel
+
+def _bf16_smem(shape, swizzle: int):
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  return plgpu.SMEM(shape, jnp.bfloat16, transforms=(
+      plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)))
+
+
+@functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages"))
+def mgpu_decode_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
+                       stages: int = 2):
+  """The raw kernel. qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
+  (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, 4, S] (row
+  factors: g * 2**8, K's times the softmax scale); vf float32 [B, S] (1: slot visible, 0 not).
+  Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
+  ml float32 [B, n_splits, 4, 2, 16]: running max and sum)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax import lax
+  from trace_jax.kernels.fp4_mgpu import _patch_register_pool
+  _patch_register_pool()
+
+  b = qp.shape[0]
+  wgmma_layout = plgpu.Layout.WGMMA
+  decode = _tile_decoder()
+
+  def decode_attention_mosaic(q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem, vg_gmem,
+                              vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem, ml_smem,
+                              q_bar):  # the name profiles show
+    bi = lax.axis_index("b")
+    si = lax.axis_index("s")
+    t0 = si * split_tiles
+
+    def compute_context(eval_pipeline):
+      wg = lax.axis_index("wg")
+      plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      init = (plgpu.layout_cast(jnp.full((GP,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
+              plgpu.layout_cast(jnp.zeros((GP,), jnp.float32), wgmma_layout.reduce(0)),
+              plgpu.layout_cast(jnp.zeros((64, GP), jnp.float32), wgmma_layout),
+              plgpu.layout_cast(jnp.zeros((64, GP), jnp.float32), wgmma_layout))
+      m, l, o0, o1 = eval_pipeline(init)
+      ml_smem[wg, 0] = m
+      ml_smem[wg, 1] = l
+      for j, o in enumerate((o0, o1)):  # one [64, 16] buffer per warpgroup: SMEM for stages
+        o_smem[wg] = o
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[bi, si, wg, j])
+        if j == 0:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.copy_smem_to_gmem(ml_smem.at[wg], ml_gmem.at[bi, si, wg])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def body(_, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+      m, l, o0, o1 = carry
+      wg = lax.axis_index("wg")
+      valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
+      k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+                      plgpu.load(ks_s, (), layout=wgmma_layout))
+
+      def s_scope(acc):
+        plgpu.wgmma(acc, k0, q_smem.at[wg, :, pl.ds(0, 64)].T)
+        plgpu.wgmma(acc, k1, q_smem.at[wg, :, pl.ds(64, 64)].T)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+      s = pl.run_scoped(s_scope, plgpu.ACC((64, GP), jnp.float32))
+      gk = plgpu.load(kg_s.at[wg], (), layout=wgmma_layout.reduce(1))
+      s = s * gk[:, None] + ((valid - 1.0) * 1e30)[:, None]
+      m_new = jnp.maximum(m, s.max(axis=0))
+      p = jnp.exp(s - m_new[None, :]) * valid[:, None]
+      corr = jnp.exp(m - m_new)
+      l = l * corr + p.sum(axis=0)
+      gv = plgpu.load(vg_s.at[wg], (), layout=wgmma_layout.reduce(1))
+      p_smem[wg] = (p * gv[:, None]).astype(jnp.bfloat16)
+      v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+                      plgpu.load(vs_s, (), layout=wgmma_layout))
+      v_smem[wg, 0] = v0
+      v_smem[wg, 1] = v1
+      plgpu.commit_smem()
+
+      def o_scope(acc0, acc1):
+        plgpu.wgmma(acc0, v_smem.at[wg, 0].T, p_smem.at[wg])
+        plgpu.wgmma(acc1, v_smem.at[wg, 1].T, p_smem.at[wg])
+        plgpu.wgmma_wait(0)
+        return acc0[...], acc1[...]
+
+      pv0, pv1 = pl.run_scoped(o_scope, plgpu.ACC((64, GP), jnp.float32),
+                               plgpu.ACC((64, GP), jnp.float32))
+      return m_new, l, o0 * corr[None, :] + pv0, o1 * corr[None, :] + pv1
+
+    row = lambda i: (t0 + i, 0)  # noqa: E731
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        body, grid=(split_tiles,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((TILE, 64), row), plgpu.BlockSpec((TILE, 64), row),
+                  plgpu.BlockSpec((TILE, 8), row), plgpu.BlockSpec((TILE, 8), row),
+                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, t0 + i)),
+                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, t0 + i)),
+                  plgpu.BlockSpec((TILE,), lambda i: (t0 + i,))],
+        wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
+        compute_context=compute_context)
+    pipeline(kc_gmem.at[bi], vc_gmem.at[bi], ks_gmem.at[bi], vs_gmem.at[bi], kg_gmem.at[bi],
+             vg_gmem.at[bi], vf_gmem.at[bi])
+
+  return plgpu.kernel(
+      decode_attention_mosaic,
+      out_type=(jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, 64, GP), jnp.float32),
+                jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, GP), jnp.float32)),
+      grid=(b, n_splits), grid_names=("b", "s"),
+      num_threads=KV_HEADS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=dict(
+          q_smem=_bf16_smem((KV_HEADS, GP, HEAD_DIM), 128),
+          v_smem=_bf16_smem((KV_HEADS, 2, 64, 64), 32),  # 32 B swizzle: wgmma pairs it with P
+          p_smem=_bf16_smem((KV_HEADS, 64, GP), 32),
+          o_smem=plgpu.SMEM((KV_HEADS, 64, GP), jnp.float32),
+          ml_smem=plgpu.SMEM((KV_HEADS, 2, GP), jnp.float32),
+          q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
+  )(qp, kc, vc, ks, vs, kg, vg, vf)
+
+
+def emulate_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
+                   stages: int = 2):
+  """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
+  their natural order, multiplies in the kernel's physical head_dim order, runs the same online
+  softmax per 64-token tile. Lets CPU tests cover the plumbing around the kernel."""
+  del stages
+  b, s = vf.shape
+  s_pad = n_splits * split_tiles * TILE
+
+  def decode(codes, scales):  # -> [B, S_pad, 4, 128] logical, `code * s * 2**-8` (f32)
+    c8 = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(b, s, KV_HEADS, 64)
+    from trace_jax.quant import e2m1
+    vals = e2m1.decode(e2m1.unpack_nibbles(c8)).astype(jnp.float32)  # [B, S, 4, 128]
+    sb = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(b, s, KV_HEADS, 8)
+    sv = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(jnp.float32)
+    x = vals * jnp.repeat(sv, 16, axis=-1) * 2.0 ** -ROW_SHIFT
+    return jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
+
+  kx, vx = decode(kc, ks), decode(vc, vs)
+  kp = kx[..., PHYS_TO_LOGICAL]  # physical head_dim order, as the fragments hold it
+  vp = vx[..., PHYS_TO_LOGICAL]
+  pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, s_pad - s)])  # noqa: E731
+  kg, vg, vf = pad(kg), pad(vg), pad(vf)
+  qf = qp.astype(jnp.float32)  # [B, 4, 16, 128]
+  hp = jax.lax.Precision.HIGHEST
+  t = s_pad // TILE
+
+  def tile(carry, i):
+    m, l, o = carry  # [B, 4, 16], [B, 4, 16], [B, 4, 16, 128]
+    sl = lambda a, ax: jax.lax.dynamic_slice_in_dim(a, i * TILE, TILE, ax)  # noqa: E731
+    kt, vt, val = sl(kp, 1), sl(vp, 1), sl(vf, 1)  # [B, 64, 4, 128], [B, 64]
+    sc = jnp.einsum("bhgd,bthd->bhgt", qf, kt.astype(jnp.bfloat16).astype(jnp.float32),
+                    precision=hp)
+    sc = sc * sl(kg, 2)[:, :, None, :] + ((val - 1.0) * 1e30)[:, None, None, :]
+    m_new = jnp.maximum(m, sc.max(-1))
+    p = jnp.exp(sc - m_new[..., None]) * val[:, None, None, :]
+    corr = jnp.exp(m - m_new)
+    pb = (p * sl(vg, 2)[:, :, None, :]).astype(jnp.bfloat16).astype(jnp.float32)
+    pv = jnp.einsum("bhgt,bthd->bhgd", pb, vt.astype(jnp.bfloat16).astype(jnp.float32),
+                    precision=hp)
+    return m_new, l * corr + p.sum(-1), o * corr[..., None] + pv
+
+  init = (jnp.full((b, KV_HEADS, GP), R.NEG, jnp.float32), jnp.zeros((b, KV_HEADS, GP)),
+          jnp.zeros((b, KV_HEADS, GP, HEAD_DIM)))
+  os_, ms, ls = [], [], []
+  for sp in range(n_splits):  # each split restarts the online softmax
+    carry = init
+    for i in range(sp * split_tiles, (sp + 1) * split_tiles):
+      carry = tile(carry, i)
+    m, l, o = carry
+    os_.append(o), ms.append(m), ls.append(l)
+  o = jnp.stack(os_, 1)  # [B, n, 4, 16, 128]
+  o = jnp.moveaxis(o.reshape(b, n_splits, KV_HEADS, GP, 2, 64), 3, -1)  # [B, n, 4, 2, 64, 16]
+  ml = jnp.stack([jnp.stack(ms, 1), jnp.stack(ls, 1)], 3)  # [B, n, 4, 2, 16]
+  return o, ml
+
+
+# --------------------------------------------------------------------------- the wrapper
+
+def default_splits(b: int, s: int) -> int:
+  """Splits for about one CTA per SM (5 warpgroups and ~190 KB of SMEM each)."""
+  tiles = -(-s // TILE)
+  return max(1, min(tiles, -(-NUM_SMS // b)))
+
+
+def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
+                     splits: int | None = None, stages: int = 2, kernel_fn=None) -> jax.Array:
+  """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
+  `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. kernel_fn replaces the kernel
+  (tests pass `emulate_kernel`)."""
+  b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
+  why = kernel_supported(q, k, v)
+  if why:
+    raise ValueError(f"Mosaic decode attention kernel: {why}")
+  out_dtype = out_dtype or q.dtype
+  scale = hd ** -0.5 if scale is None else scale
+  g = h // kvh
+  allowed = R.allowed_slots(valid, s)
+  tiles = -(-s // TILE)
+  split_tiles = -(-tiles // (splits or default_splits(b, s)))
+  n_splits = -(-tiles // split_tiles)
+
+  perm = jnp.asarray(PHYS_TO_LOGICAL, jnp.int32)
+  qp = jnp.take(q.astype(jnp.bfloat16).reshape(b, kvh, g, hd), perm, axis=-1)
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, GP - g), (0, 0)))
+  u32 = lambda a, n: jax.lax.bitcast_convert_type(  # noqa: E731  (bytes -> words, a view)
+      jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(b, s, n, 4), jnp.uint32)
+  kc, vc = u32(k.codes, 64), u32(v.codes, 64)
+  ks, vs = u32(k.scales, 8), u32(v.scales, 8)
+  row = lambda x, f: jnp.swapaxes(x.global_scale[..., 0].astype(jnp.float32) * f, 1, 2)  # noqa: E731
+  kg = row(k, float(2 ** ROW_SHIFT * scale))
+  vg = row(v, float(2 ** ROW_SHIFT))
+  vf = allowed.astype(jnp.float32)
+  o, ml = (kernel_fn or mgpu_decode_kernel)(qp, kc, vc, ks, vs, kg, vg, vf,
+                                            split_tiles=split_tiles, n_splits=n_splits,
+                                            stages=stages)
+  # [B, n, 4, 2, 64, 16] -> [B, 4, n, 16, 128 physical]
+  o = jnp.moveaxis(o, -1, 3).reshape(b, n_splits, kvh, GP, hd).swapaxes(1, 2)
+  m = jnp.swapaxes(ml[:, :, :, 0], 1, 2)
+  l = jnp.swapaxes(ml[:, :, :, 1], 1, 2)
+  out = combine_splits(o, m, l)  # [B, 4, 16, 128 physical]
+  out = jnp.take(out, jnp.asarray(np.argsort(PHYS_TO_LOGICAL), jnp.int32), axis=-1)
+  return out[:, :, :g].reshape(b, h, hd).astype(out_dtype)
