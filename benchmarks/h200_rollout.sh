@@ -109,11 +109,11 @@ elif [ "$stage" = final ]; then
     --prompt_len=256 --new_tokens=512 --repeats=2 --hf_peer=false \
     --out=$OUT/bench_rollout_12l_b64.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = attn ]; then
-  # attention kernels: GPU tests (decode + flash prefill), then the decode and prefill rows and
-  # the launch-configuration sweep of both kernels (bench_attention.py --sweep)
-  JAX_PLATFORMS=cuda timeout 200 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
-    tests/kernels/test_attention_gpu.py 2>&1 | grep -v "^I1\|^W1" | tail -12
-  timeout 360 python3 benchmarks/bench_attention.py --quick --sweep --budget_s 320 \
+  # attention kernels: GPU tests (Pallas decode, Mosaic NVFP4 decode, flash prefill), then the
+  # decode and prefill rows and the launch-configuration sweep (bench_attention.py --sweep)
+  JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+    tests/kernels/test_attention_gpu.py 2>&1 | grep -v "^I1\|^W1" | tail -14
+  timeout 330 python3 benchmarks/bench_attention.py --quick --sweep --budget_s 290 \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -60
 elif [ "$stage" = p2048 ]; then
   # the prompt-2048 rollout rows with the flash prefill kernel (opt-in: session 3's rows in
