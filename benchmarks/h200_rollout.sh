@@ -116,9 +116,11 @@ elif [ "$stage" = attn ]; then
   timeout 330 python3 benchmarks/bench_attention.py --quick --sweep --budget_s 290 \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -60
 elif [ "$stage" = p2048 ]; then
-  # the prompt-2048 rollout rows with the flash prefill kernel (opt-in: session 3's rows in
-  # bench_rollout_h200_2026-11-30 are the reference-prefill baseline)
-  TRACE_JAX_PREFILL_ATTENTION=kernel timeout ${ROWS_TIMEOUT:-560} python3 launch/bench_rollout.py \
+  # the prompt-2048 rollout rows with the flash prefill kernel and (FP4 row) the Mosaic NVFP4
+  # decode kernel, both opt-in (session 3's rows in bench_rollout_h200_2026-11-30 are the
+  # baseline); DECODE_ATTENTION=kernel keeps the Pallas decode kernel
+  TRACE_JAX_PREFILL_ATTENTION=kernel TRACE_JAX_DECODE_ATTENTION=${DECODE_ATTENTION:-mosaic} \
+    timeout ${ROWS_TIMEOUT:-560} python3 launch/bench_rollout.py \
     --preset=qwen3_30b_a3b_12l --batches=64 --policies=bf16,paper --paths=kernels --isolate \
     --row_timeout=270 --prompt_len=2048 --new_tokens=256 --repeats=2 --hf_peer=false \
     --out=$OUT/bench_rollout_12l_b64_p2048.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
