@@ -29,6 +29,13 @@ per KV head; other shapes use `attention_pallas`):
   varies along the contraction, so it rides on the probabilities: rounded to bf16 there).
 - per split: unnormalized O^T, running max and sum; `attention_pallas.combine_splits` merges.
 
+Mosaic constraints behind this shape (jax 0.11.2, found by lowering for CUDA on CPU): a
+wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided slice does not
+("no transfer pattern that avoids bank conflicts"); a row-vector load of a strided column does
+not ("cannot apply swizzle to non-contiguous refs"), hence the per-call `[B, KVH, S]` copies of
+the row factors; wgmma with both operands in SMEM needs equal swizzles (V at 32 B, as P
+`[64, 16]` bf16); SMEM holds 2 or 3 pipeline stages (~39 KB each) beside ~110 KB of buffers.
+
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
 is rounded with the probabilities. Relative differences are at bf16 rounding level.
