@@ -212,9 +212,11 @@ def _bf16_smem(shape, swizzle: int):
 
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages"))
-def mgpu_decode_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
+def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        stages: int = 2):
-  """The raw kernel. qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
+  """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
+  slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
+  tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
   (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, 4, S] (row
   factors: g * 2**8, K's times the softmax scale); vf float32 [B, S] (1: slot visible, 0 not).
   Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
@@ -229,12 +231,14 @@ def mgpu_decode_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   wgmma_layout = plgpu.Layout.WGMMA
   decode = _tile_decoder()
 
-  def decode_attention_mosaic(q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem, vg_gmem,
-                              vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem, ml_smem,
-                              q_bar):  # the name profiles show
+  def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
+                              vg_gmem, vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem,
+                              ml_smem, q_bar):  # the name profiles show
     bi = lax.axis_index("b")
     si = lax.axis_index("s")
     t0 = si * split_tiles
+    need = kt_gmem[bi]  # tiles this row needs
+    last = jnp.maximum(need - 1, 0)
 
     def compute_context(eval_pipeline):
       wg = lax.axis_index("wg")
@@ -256,7 +260,12 @@ def mgpu_decode_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
       plgpu.copy_smem_to_gmem(ml_smem.at[wg], ml_gmem.at[bi, si, wg])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def body(_, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+      return lax.cond(t0 + idx[0] < need,
+                      lambda c: step(kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, c),
+                      lambda c: c, carry)
+
+    def step(kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       m, l, o0, o1 = carry
       wg = lax.axis_index("wg")
       valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
@@ -294,14 +303,15 @@ def mgpu_decode_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
                                plgpu.ACC((64, GP), jnp.float32))
       return m_new, l, o0 * corr[None, :] + pv0, o1 * corr[None, :] + pv1
 
-    row = lambda i: (t0 + i, 0)  # noqa: E731
+    tile = lambda i: jnp.minimum(t0 + i, last)  # noqa: E731
+    row = lambda i: (tile(i), 0)  # noqa: E731
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(split_tiles,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((TILE, 64), row), plgpu.BlockSpec((TILE, 64), row),
                   plgpu.BlockSpec((TILE, 8), row), plgpu.BlockSpec((TILE, 8), row),
-                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, t0 + i)),
-                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, t0 + i)),
-                  plgpu.BlockSpec((TILE,), lambda i: (t0 + i,))],
+                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, tile(i))),
+                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, tile(i))),
+                  plgpu.BlockSpec((TILE,), lambda i: (tile(i),))],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
         compute_context=compute_context)
     pipeline(kc_gmem.at[bi], vc_gmem.at[bi], ks_gmem.at[bi], vs_gmem.at[bi], kg_gmem.at[bi],
@@ -321,14 +331,15 @@ def mgpu_decode_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
           o_smem=plgpu.SMEM((KV_HEADS, 64, GP), jnp.float32),
           ml_smem=plgpu.SMEM((KV_HEADS, 2, GP), jnp.float32),
           q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
-  )(qp, kc, vc, ks, vs, kg, vg, vf)
+  )(kt, qp, kc, vc, ks, vs, kg, vg, vf)
 
 
-def emulate_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
+def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    stages: int = 2):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
-  softmax per 64-token tile. Lets CPU tests cover the plumbing around the kernel."""
+  softmax per 64-token tile (tiles at or past `kt` leave the state as it is). Lets CPU tests
+  cover the plumbing around the kernel."""
   del stages
   b, s = vf.shape
   s_pad = n_splits * split_tiles * TILE
@@ -372,7 +383,9 @@ def emulate_kernel(qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits
   for sp in range(n_splits):  # each split restarts the online softmax
     carry = init
     for i in range(sp * split_tiles, (sp + 1) * split_tiles):
-      carry = tile(carry, i)
+      new = tile(carry, i)
+      carry = jax.tree.map(lambda a, b_: jnp.where(
+          (i < kt).reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), new, carry)
     m, l, o = carry
     os_.append(o), ms.append(m), ls.append(l)
   o = jnp.stack(os_, 1)  # [B, n, 4, 16, 128]
@@ -417,7 +430,9 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   kg = row(k, float(2 ** ROW_SHIFT * scale))
   vg = row(v, float(2 ** ROW_SHIFT))
   vf = allowed.astype(jnp.float32)
-  o, ml = (kernel_fn or mgpu_decode_kernel)(qp, kc, vc, ks, vs, kg, vg, vf,
+  last = s - jnp.argmax(allowed[:, ::-1], axis=1)  # one past the last visible slot
+  kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
+  o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
                                             split_tiles=split_tiles, n_splits=n_splits,
                                             stages=stages)
   # [B, n, 4, 2, 64, 16] -> [B, 4, n, 16, 128 physical]
