@@ -54,6 +54,7 @@ import numpy as np
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels.attention_pallas import combine_splits
+from trace_jax.quant import e2m1
 
 NUM_SMS = 132  # H200
 KV_HEADS = 4  # compute warpgroups per CTA: one per KV head
@@ -125,38 +126,31 @@ cvt.rn.bf16x2.f32 $0, x0, x0;
 cvt.rn.bf16x2.f32 $1, x1, x1;
 }"""
 
+# One byte pair of the code word in $4, moved by `prmt` (selector SEL) into the low bytes of
+# both 16-bit halves of y, -> bf16x2 of its low nibbles ($LO) and of its high nibbles ($HI):
+# magnitude bits to 8..6, sign to 15, times the multiplier $5.
+_BYTE_PAIR_ASM = """prmt.b32 y, $4, z, SEL;
+shl.b32 a, y, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, y, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $LO, a, $5;
+shl.b32 a, y, 2;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, y, 8;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $HI, a, $5;
+"""
+
 # One code word ($4: 8 nibbles, logical elements e0..e7, even ones in low nibbles) and a
 # multiplier ($5) -> bf16x2 (e0, e2), (e1, e3), (e4, e6), (e5, e7), each `E2M1 * s * 2**-8`.
-_DECODE_ASM = """{
-.reg .b32 z, y, a, b;
-mov.b32 z, 0;
-prmt.b32 y, $4, z, 0x4140;
-shl.b32 a, y, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, y, 12;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 $0, a, $5;
-shl.b32 a, y, 2;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, y, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 $1, a, $5;
-prmt.b32 y, $4, z, 0x4342;
-shl.b32 a, y, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, y, 12;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 $2, a, $5;
-shl.b32 a, y, 2;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, y, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 $3, a, $5;
-}"""
+_DECODE_ASM = ("{\n.reg .b32 z, y, a, b;\nmov.b32 z, 0;\n"
+               + "".join(_BYTE_PAIR_ASM.replace("SEL", sel).replace("$LO", lo)
+                         .replace("$HI", hi)
+                         for sel, lo, hi in (("0x4140", "$0", "$1"), ("0x4342", "$2", "$3")))
+               + "}")
 
 
 @functools.cache
@@ -346,7 +340,6 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 
   def decode(codes, scales):  # -> [B, S_pad, 4, 128] logical, `code * s * 2**-8` (f32)
     c8 = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(b, s, KV_HEADS, 64)
-    from trace_jax.quant import e2m1
     vals = e2m1.decode(e2m1.unpack_nibbles(c8)).astype(jnp.float32)  # [B, S, 4, 128]
     sb = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(b, s, KV_HEADS, 8)
     sv = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(jnp.float32)
@@ -360,7 +353,6 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   kg, vg, vf = pad(kg), pad(vg), pad(vf)
   qf = qp.astype(jnp.float32)  # [B, 4, 16, 128]
   hp = jax.lax.Precision.HIGHEST
-  t = s_pad // TILE
 
   def tile(carry, i):
     m, l, o = carry  # [B, 4, 16], [B, 4, 16], [B, 4, 16, 128]

@@ -151,6 +151,36 @@ def _load_slots(ref, off, ok, *, block_k: int):
   return plt.load(ref.at[idx], mask=mask, other=0)
 
 
+def _attend_tile(carry, qs, k_refs, v_refs, off, inb, allowed, *, fmt, parts: int,
+                 block_k: int, scale: float):
+  """One online-softmax step over the slot tile at `off` (shared by the decode and prefill
+  kernels): `carry` (running max, running sum, unnormalized outputs per part) updated by the
+  query rows `qs` against the tile's K/V; `allowed` (broadcastable to [rows, block_k]) masks
+  scores, `inb` masks the loads."""
+  m, l, accs = carry
+  ks = _decode_tile([_load_slots(r, off, inb, block_k=block_k) for r in k_refs], fmt, parts,
+                    jnp.bfloat16)
+  s = sum(lax.dot_general(qp, kp, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32) for qp, kp in zip(qs, ks))
+  s = jnp.where(allowed, s * scale, R.NEG)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)
+  corr = jnp.exp(m - m_new)
+  vs = _decode_tile([_load_slots(r, off, inb, block_k=block_k) for r in v_refs], fmt, parts,
+                    jnp.bfloat16)
+  pb = p.astype(jnp.bfloat16)
+  accs = tuple(a * corr[:, None] + lax.dot_general(pb, vp, (((1,), (0,)), ((), ())),
+                                                  preferred_element_type=jnp.float32)
+               for a, vp in zip(accs, vs))
+  return m_new, l * corr + jnp.sum(p, axis=1), accs
+
+
+def _attend_init(rows: int, width: int, parts: int):
+  """The online-softmax state before the first tile: max -1e30, sum 0, outputs 0."""
+  return (jnp.full((rows,), R.NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(parts)))
+
+
 def _kernel(len_ref, valid_ref, q_ref, *refs, n_k: int, fmt, parts: int, block_k: int,
             split_len: int, scale: float):
   k_refs, v_refs = refs[:n_k], refs[n_k:2 * n_k]
@@ -162,30 +192,14 @@ def _kernel(len_ref, valid_ref, q_ref, *refs, n_k: int, fmt, parts: int, block_k
   qs = [q_ref[p] for p in range(parts)]
   ar = jnp.arange(block_k)
 
-  load = functools.partial(_load_slots, block_k=block_k)
-
   def body(i, carry):
-    m, l, accs = carry
     off = start + i * block_k
     inb = (off + ar) < end
-    ok = inb & (load(valid_ref, off, inb) != 0)
-    ks = _decode_tile([load(r, off, inb) for r in k_refs], fmt, parts, jnp.bfloat16)
-    s = sum(lax.dot_general(qp, kp, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) for qp, kp in zip(qs, ks))
-    s = jnp.where(ok[None, :], s * scale, R.NEG)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    vs = _decode_tile([load(r, off, inb) for r in v_refs], fmt, parts, jnp.bfloat16)
-    pb = p.astype(jnp.bfloat16)
-    accs = tuple(a * corr[:, None] + lax.dot_general(pb, vp, (((1,), (0,)), ((), ())),
-                                                    preferred_element_type=jnp.float32)
-                 for a, vp in zip(accs, vs))
-    return m_new, l * corr + jnp.sum(p, axis=1), accs
+    ok = inb & (_load_slots(valid_ref, off, inb, block_k=block_k) != 0)
+    return _attend_tile(carry, qs, k_refs, v_refs, off, inb, ok[None, :], fmt=fmt,
+                        parts=parts, block_k=block_k, scale=scale)
 
-  w = qs[0].shape[1]
-  init = (jnp.full((gp,), R.NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
-          tuple(jnp.zeros((gp, w), jnp.float32) for _ in range(parts)))
+  init = _attend_init(gp, qs[0].shape[1], parts)
   m, l, accs = lax.fori_loop(0, n_tiles, body, init)
   for p_, a in enumerate(accs):
     o_ref[p_] = a
@@ -287,31 +301,16 @@ def _prefill_kernel(start_ref, first_ref, mask_ref, q_ref, *refs, n_k: int, fmt,
   n_tiles = (hi - lo + block_k - 1) // block_k
   qs = [q_ref[p] for p in range(parts)]
   ar = jnp.arange(block_k)
-  load = functools.partial(_load_slots, block_k=block_k)
 
   def body(i, carry):
-    m, l, accs = carry
     off = lo + i * block_k
     inb = (off + ar) < hi
-    ok = inb & (load(mask_ref, off, inb) != 0)
+    ok = inb & (_load_slots(mask_ref, off, inb, block_k=block_k) != 0)
     allowed = ok[None, :] & ((off + ar)[None, :] <= q_slot[:, None])
-    ks = _decode_tile([load(r, off, inb) for r in k_refs], fmt, parts, jnp.bfloat16)
-    sc = sum(lax.dot_general(qp, kp, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32) for qp, kp in zip(qs, ks))
-    sc = jnp.where(allowed, sc * scale, R.NEG)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    p = jnp.where(allowed, jnp.exp(sc - m_new[:, None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    vs = _decode_tile([load(r, off, inb) for r in v_refs], fmt, parts, jnp.bfloat16)
-    pb = p.astype(jnp.bfloat16)
-    accs = tuple(a * corr[:, None] + lax.dot_general(pb, vp, (((1,), (0,)), ((), ())),
-                                                    preferred_element_type=jnp.float32)
-                 for a, vp in zip(accs, vs))
-    return m_new, l * corr + jnp.sum(p, axis=1), accs
+    return _attend_tile(carry, qs, k_refs, v_refs, off, inb, allowed, fmt=fmt, parts=parts,
+                        block_k=block_k, scale=scale)
 
-  w = qs[0].shape[1]
-  init = (jnp.full((block_q,), R.NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32),
-          tuple(jnp.zeros((block_q, w), jnp.float32) for _ in range(parts)))
+  init = _attend_init(block_q, qs[0].shape[1], parts)
   _, l, accs = lax.fori_loop(0, n_tiles, body, init)
   inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)  # a row seeing no slot gives 0
   for p_, a in enumerate(accs):

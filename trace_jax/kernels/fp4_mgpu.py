@@ -324,11 +324,6 @@ def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
   return max(d for d in range(1, n_tiles + 1) if n_tiles % d == 0 and d <= want)
 
 
-def _pad_k(x: jax.Array, k_pad: int) -> jax.Array:
-  k = x.shape[-1]
-  return x if k == k_pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, k_pad - k)])
-
-
 def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                            kb: int, bm: int, splits: int = 1, out_dtype=jnp.bfloat16,
                            **unused_config):
@@ -367,7 +362,7 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
                             n_ctas=pw.n_pad // 256, split=True), **(config or {}))
   part_dtype = jnp.float32 if cfg["splits"] > 1 else out_dtype
   x2 = x.reshape(rows, k).astype(jnp.bfloat16)
-  xc = L.permute_k(_pad_k(jnp.pad(x2, ((0, bm - rows), (0, 0))), pw.k_pad))
+  xc = L.permute_k_rows(x2, None, bm, pw.k_pad)
   zero = jnp.zeros((1,), jnp.int32)
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, zero, zero, fmt=pw.fmt, kb=pw.kb, bm=bm,
@@ -429,12 +424,7 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   ce, row0, slot = chunk_tables(group_sizes, m, bm)
   # chunks read bm rows from their first row on: pad so the last chunk stays in bounds
   n_rows = -(-(m + bm) // 8) * 8  # TMA: rows % 8
-  if x.shape[1] % 2 == 0:
-    xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)
-  else:
-    xs = x if rows is None else x[rows]
-    xc = L.permute_k(_pad_k(jnp.pad(xs.astype(jnp.bfloat16), ((0, n_rows - m), (0, 0))),
-                            pw.k_pad))
+  xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=out_dtype, **cfg)
