@@ -158,75 +158,85 @@ def main():
       return float("nan")
     return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
+  def run_row(row, fill, describe):
+    """Unless past the time budget: fill(row) (errors recorded in the row), then save and log
+    the row (describe(row): its figures)."""
+    if time.time() - T0 > args.budget_s:
+      row["skipped"] = f"time budget {args.budget_s} s"
+      res["rows"].append(row)
+      return
+    state.update(t=time.time(), name=row["name"])
+    try:
+      fill(row)
+    except Exception:  # noqa: BLE001 - record and go on
+      row["error"] = traceback.format_exc()[-3000:]
+    state["t"] = None
+    res["rows"].append(row)
+    save()
+    log(f"{row['name']:26s} {describe(row)} err={row.get('relerr_max')} "
+        f"{row.get('error', '')[-300:]}")
+
+  nan = float("nan")
   batches, contexts = ((16,), (8192,)) if args.quick else ((1, 16, 64), (1024, 8192, 32768))
   if args.what == "prefill":
     batches = ()
   key = jax.random.key(int(time.time()) % 100000)  # fresh data every run
   base = {}  # (b, s) -> bf16 kernel / reference us
+
+  def decode_row(b, s, fmt, row):
+    nonlocal key
+    key, kq, kk, kv = jax.random.split(key, 4)
+    shape = (b, s, KVH, HD)
+    data_fmt = fmt.removesuffix("_mosaic")
+    kfn = mosaic_fn if fmt.endswith("_mosaic") else kernel_fn
+    k, v = make_kv(data_fmt, shape, kk), make_kv(data_fmt, shape, kv)
+    q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
+         else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
+    valid = np.ones((b, s), bool)
+    valid[0, : s // 10] = False  # a left-padded row
+    valid = jnp.asarray(valid)
+    if not args.dry:
+      why = (attention_mgpu if kfn is mosaic_fn else attention_pallas).kernel_supported(
+          q, k, v)
+      if why:
+        raise ValueError(why)
+    cfg = (dict(splits=attention_mgpu.default_splits(b, s)) if kfn is mosaic_fn
+           else attention_pallas.default_config(b, KVH, s))
+    kv_bytes = nbytes(k) + nbytes(v)
+    row.update(kv_bytes=kv_bytes, config=cfg)
+    if not args.dry:
+      got = jax.jit(kfn)(q, k, v, valid)
+      want = jax.jit(ref_fn)(q, k, v, valid)
+      row["relerr_max"] = relerr(got, want)
+      del got, want
+    n = int(min(16, max(1, np.ceil(2.5 * L2_BYTES / kv_bytes))))
+    kvs = [(k, v)] + [jax.tree.map(jnp.copy, (k, v)) for _ in range(n - 1)] if (
+        not args.dry) else [(k, v)] * n
+    row["n_copies"] = n
+    us, us_kernel = time_fn(kfn, q, kvs, valid)
+    us_ref, _ = time_fn(ref_fn, q, kvs, valid)
+    del kvs
+    row.update(us_call=us, us_kernel=us_kernel, us_xla_ref=us_ref,
+               GBps=kv_bytes / us / 1e3, GBps_kernel_only=kv_bytes / us_kernel / 1e3,
+               pct_of_ceiling=100 * kv_bytes / us / 1e3 / (READ_CEILING_TBPS * 1e3),
+               speedup_vs_xla_ref=us_ref / us)
+    if state.pop("timing_fallback", None):
+      row["timing"] = "wall_clock(block_until_ready) after profiler error"
+    if fmt == "bf16":
+      base[(b, s)] = (us, us_ref)
+    if (b, s) in base:
+      row["speedup_vs_bf16_kernel"] = base[(b, s)][0] / us
+      row["speedup_vs_xla_ref_bf16"] = base[(b, s)][1] / us
+
   for b in batches:
     for s in contexts:
       if b * s * KVH * HD * 2 * 2 > args.max_gb * 1e9:
         res["rows"].append(dict(name=f"B{b}_S{s}", skipped=f"bf16 KV over {args.max_gb} GB"))
         continue
       for fmt in FORMATS:
-        name = f"B{b}_S{s}_{fmt}"
-        row = dict(name=name, batch=b, context=s, kv=fmt, timing=timing)
-        if time.time() - T0 > args.budget_s:
-          row["skipped"] = f"time budget {args.budget_s} s"
-          res["rows"].append(row)
-          continue
-        state.update(t=time.time(), name=name)
-        try:
-          key, kq, kk, kv = jax.random.split(key, 4)
-          shape = (b, s, KVH, HD)
-          data_fmt = fmt.removesuffix("_mosaic")
-          kfn = mosaic_fn if fmt.endswith("_mosaic") else kernel_fn
-          k, v = make_kv(data_fmt, shape, kk), make_kv(data_fmt, shape, kv)
-          q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
-               else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
-          valid = np.ones((b, s), bool)
-          valid[0, : s // 10] = False  # a left-padded row
-          valid = jnp.asarray(valid)
-          if not args.dry:
-            why = (attention_mgpu if kfn is mosaic_fn else attention_pallas).kernel_supported(
-                q, k, v)
-            if why:
-              raise ValueError(why)
-          cfg = (dict(splits=attention_mgpu.default_splits(b, s)) if kfn is mosaic_fn
-                 else attention_pallas.default_config(b, KVH, s))
-          kv_bytes = nbytes(k) + nbytes(v)
-          row.update(kv_bytes=kv_bytes, config=cfg)
-          if not args.dry:
-            got = jax.jit(kfn)(q, k, v, valid)
-            want = jax.jit(ref_fn)(q, k, v, valid)
-            row["relerr_max"] = relerr(got, want)
-            del got, want
-          n = int(min(16, max(1, np.ceil(2.5 * L2_BYTES / kv_bytes))))
-          kvs = [(k, v)] + [jax.tree.map(jnp.copy, (k, v)) for _ in range(n - 1)] if (
-              not args.dry) else [(k, v)] * n
-          row["n_copies"] = n
-          us, us_kernel = time_fn(kfn, q, kvs, valid)
-          us_ref, _ = time_fn(ref_fn, q, kvs, valid)
-          del kvs
-          row.update(us_call=us, us_kernel=us_kernel, us_xla_ref=us_ref,
-                     GBps=kv_bytes / us / 1e3, GBps_kernel_only=kv_bytes / us_kernel / 1e3,
-                     pct_of_ceiling=100 * kv_bytes / us / 1e3 / (READ_CEILING_TBPS * 1e3),
-                     speedup_vs_xla_ref=us_ref / us)
-          if state.pop("timing_fallback", None):
-            row["timing"] = "wall_clock(block_until_ready) after profiler error"
-          if fmt == "bf16":
-            base[(b, s)] = (us, us_ref)
-          if (b, s) in base:
-            row["speedup_vs_bf16_kernel"] = base[(b, s)][0] / us
-            row["speedup_vs_xla_ref_bf16"] = base[(b, s)][1] / us
-        except Exception:  # noqa: BLE001 - record and go on
-          row["error"] = traceback.format_exc()[-3000:]
-        state["t"] = None
-        res["rows"].append(row)
-        save()
-        log(f"{name:22s} us={row.get('us_call', float('nan')):9.1f} "
-            f"GB/s={row.get('GBps', float('nan')):7.0f} err={row.get('relerr_max')} "
-            f"{row.get('error', '')[-300:]}")
+        run_row(dict(name=f"B{b}_S{s}_{fmt}", batch=b, context=s, kv=fmt, timing=timing),
+                functools.partial(decode_row, b, s, fmt),
+                lambda r: f"us={r.get('us_call', nan):9.1f} GB/s={r.get('GBps', nan):7.0f}")
 
   def prefill_kernel_fn(q, k, v, key_mask):
     return kernels.prefill_attention(q, k, v, key_mask, 0, use_kernel=True)
@@ -234,74 +244,52 @@ def main():
   def prefill_ref_fn(q, k, v, key_mask):
     return kernels.prefill_attention_ref(q, k, v, key_mask, 0)
 
+  def prefill_row(b, t, s, fmt, row):
+    nonlocal key
+    key, kq, kk, kv = jax.random.split(key, 4)
+    k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
+    q = (jax.ShapeDtypeStruct((b, t, H, HD), jnp.bfloat16) if args.dry
+         else jax.random.normal(kq, (b, t, H, HD), jnp.bfloat16))
+    mask = np.zeros((b, s), bool)
+    mask[:, :t] = True
+    mask[0, : t // 10] = False
+    visible = int(np.cumsum(mask[:, :t], axis=1).sum())  # query i sees slots <= i
+    flops = 4 * H * HD * visible
+    row.update(config=attention_pallas.default_prefill_config(t * H // KVH), flops=flops)
+    mask = jnp.asarray(mask)
+    if not args.dry:
+      got = jax.jit(prefill_kernel_fn)(q, k, v, mask)
+      want = jax.jit(prefill_ref_fn)(q, k, v, mask)
+      # queries before t/10 see no slot in row 0 (kernel 0, reference mean of V): skipped
+      row["relerr_max"] = relerr(got[:, t // 10:], want[:, t // 10:])
+      del got, want
+    us, us_kernel = time_fn(prefill_kernel_fn, q, [(k, v)], mask, "prefill_attention")
+    row.update(us_call=us, us_kernel=us_kernel, TFLOPs=flops / us / 1e6)
+    try:
+      us_ref, _ = time_fn(prefill_ref_fn, q, [(k, v)], mask)
+      row.update(us_xla_ref=us_ref, speedup_vs_xla_ref=us_ref / us)
+    except Exception:  # noqa: BLE001 - the reference can run out of memory at long prompts
+      row["xla_ref_error"] = traceback.format_exc()[-1000:]
+
   shapes = () if args.what == "decode" else (((16, 2048),) if args.quick else
                                               ((16, 2048), (64, 2048), (4, 8192)))
   for b, t in shapes:
     s = t + 256
     for fmt in ("bf16", "nvfp4"):
-      name = f"prefill_B{b}_T{t}_{fmt}"
-      row = dict(name=name, kind="prefill", batch=b, prompt=t, cache_slots=s, kv=fmt,
-                 timing=timing)
-      if time.time() - T0 > args.budget_s:
-        row["skipped"] = f"time budget {args.budget_s} s"
-        res["rows"].append(row)
-        continue
-      state.update(t=time.time(), name=name)
-      try:
-        key, kq, kk, kv = jax.random.split(key, 4)
-        k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
-        q = (jax.ShapeDtypeStruct((b, t, H, HD), jnp.bfloat16) if args.dry
-             else jax.random.normal(kq, (b, t, H, HD), jnp.bfloat16))
-        mask = np.zeros((b, s), bool)
-        mask[:, :t] = True
-        mask[0, : t // 10] = False
-        visible = int(np.cumsum(mask[:, :t], axis=1).sum())  # query i sees slots <= i
-        flops = 4 * H * HD * visible
-        row.update(config=attention_pallas.default_prefill_config(t * H // KVH), flops=flops)
-        mask = jnp.asarray(mask)
-        if not args.dry:
-          got = jax.jit(prefill_kernel_fn)(q, k, v, mask)
-          want = jax.jit(prefill_ref_fn)(q, k, v, mask)
-          # queries before t/10 see no slot in row 0 (kernel 0, reference mean of V): skipped
-          row["relerr_max"] = relerr(got[:, t // 10:], want[:, t // 10:])
-          del got, want
-        us, us_kernel = time_fn(prefill_kernel_fn, q, [(k, v)], mask, "prefill_attention")
-        row.update(us_call=us, us_kernel=us_kernel, TFLOPs=flops / us / 1e6)
-        try:
-          us_ref, _ = time_fn(prefill_ref_fn, q, [(k, v)], mask)
-          row.update(us_xla_ref=us_ref, speedup_vs_xla_ref=us_ref / us)
-        except Exception:  # noqa: BLE001 - the reference can run out of memory at long prompts
-          row["xla_ref_error"] = traceback.format_exc()[-1000:]
-      except Exception:  # noqa: BLE001 - record and go on
-        row["error"] = traceback.format_exc()[-3000:]
-      state["t"] = None
-      res["rows"].append(row)
-      save()
-      log(f"{name:26s} us={row.get('us_call', float('nan')):10.1f} "
-          f"TFLOP/s={row.get('TFLOPs', float('nan')):6.1f} "
-          f"x_xla={row.get('speedup_vs_xla_ref', float('nan')):5.2f} "
-          f"err={row.get('relerr_max')} {row.get('error', '')[-300:]}")
+      run_row(dict(name=f"prefill_B{b}_T{t}_{fmt}", kind="prefill", batch=b, prompt=t,
+                   cache_slots=s, kv=fmt, timing=timing),
+              functools.partial(prefill_row, b, t, s, fmt),
+              lambda r: (f"us={r.get('us_call', nan):10.1f} TFLOP/s={r.get('TFLOPs', nan):6.1f} "
+                         f"x_xla={r.get('speedup_vs_xla_ref', nan):5.2f}"))
 
   def sweep_row(kind, name, fn, cfg, q, kvs, mask, want, kernel_name):
-    row = dict(name=name, kind=kind, config=cfg, timing=timing)
-    if time.time() - T0 > args.budget_s:
-      row["skipped"] = f"time budget {args.budget_s} s"
-      res["rows"].append(row)
-      return
-    state.update(t=time.time(), name=name)
-    try:
+    def fill(row):
       f = functools.partial(fn, config=cfg)
       if not args.dry:
-        got = jax.jit(f)(q, *kvs[0], mask)
-        row["relerr_max"] = relerr(got, want)
+        row["relerr_max"] = relerr(jax.jit(f)(q, *kvs[0], mask), want)
       row["us_call"], row["us_kernel"] = time_fn(f, q, kvs, mask, kernel_name)
-    except Exception:  # noqa: BLE001 - record and go on
-      row["error"] = traceback.format_exc()[-2000:]
-    state["t"] = None
-    res["rows"].append(row)
-    save()
-    log(f"{name:40s} us={row.get('us_call', float('nan')):9.1f} err={row.get('relerr_max')} "
-        f"{row.get('error', '')[-200:]}")
+    run_row(dict(name=name, kind=kind, config=cfg, timing=timing), fill,
+            lambda r: f"us={r.get('us_call', nan):9.1f}")
 
   def variants(base, changes):
     out = []

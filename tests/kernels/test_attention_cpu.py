@@ -173,9 +173,9 @@ def test_combine_splits_equals_softmax():
 # ------------------------------------------------------------------ the kernel (interpret mode)
 
 @functools.lru_cache(maxsize=None)
-def _interpreted(cfg):
-  return jax.jit(functools.partial(AP.decode_attention, interpret=True, out_dtype=jnp.float32,
-                                   config=dict(cfg)))
+def _interpreted(cfg, fn=AP.decode_attention):
+  """fn (a Pallas attention kernel) in interpret mode with launch config `cfg`, jitted once."""
+  return jax.jit(functools.partial(fn, interpret=True, out_dtype=jnp.float32, config=dict(cfg)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -237,19 +237,13 @@ def test_prefill_reference_vs_numpy():
     assert relerr(np.asarray(got[:, i])[seen], want[seen]) < 1e-2  # bf16 output
 
 
-@functools.lru_cache(maxsize=None)
-def _prefill_interpreted(cfg):
-  return jax.jit(functools.partial(AP.prefill_attention, interpret=True, out_dtype=jnp.float32,
-                                   config=dict(cfg)))
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_kernel_interpret_matches_reference(fmt):
   """Tiles of 16 query rows (3 blocks of the 33 rows, the last padded) and 16 slots; per-row
-  starts (and for NVFP4 one scalar start). Rows that see a slot match the reference to bf16 rounding; rows that see
-  none give 0 (the reference averages V there)."""
+  starts (and for NVFP4 one scalar start). Rows that see a slot match the reference to bf16
+  rounding; rows that see none give 0 (the reference averages V there)."""
   q, k, v, key_mask, q_start = _prefill_case(fmt)
-  kern = _prefill_interpreted((("block_q", 16), ("block_k", 16)))
+  kern = _interpreted((("block_q", 16), ("block_k", 16)), AP.prefill_attention)
   starts = [jnp.asarray(q_start)] + ([jnp.int32(2)] if fmt == "nvfp4" else [])
   for start in starts:
     got = np.asarray(kern(q, k, v, key_mask, start))
