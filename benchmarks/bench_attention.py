@@ -66,6 +66,8 @@ def main():
   ap.add_argument("--max_gb", type=float, default=20.0, help="skip combos with more bf16 KV")
   ap.add_argument("--budget_s", type=float, default=200.0, help="start no variant after this")
   ap.add_argument("--hang_s", type=float, default=90.0)
+  ap.add_argument("--batches", default="", help="decode batch sizes, e.g. 16,64 (else by --quick)")
+  ap.add_argument("--contexts", default="", help="decode cache lengths, e.g. 8192,32768")
   ap.add_argument("--what", default="both", choices=("decode", "prefill", "both"))
   ap.add_argument("--sweep", action="store_true",
                   help="after the rows: time launch configurations of both kernels (rows of "
@@ -178,6 +180,10 @@ def main():
 
   nan = float("nan")
   batches, contexts = ((16,), (8192,)) if args.quick else ((1, 16, 64), (1024, 8192, 32768))
+  if args.batches:
+    batches = tuple(int(x) for x in args.batches.split(","))
+  if args.contexts:
+    contexts = tuple(int(x) for x in args.contexts.split(","))
   if args.what == "prefill":
     batches = ()
   key = jax.random.key(int(time.time()) % 100000)  # fresh data every run
@@ -201,7 +207,7 @@ def main():
       if why:
         raise ValueError(why)
     cfg = (dict(splits=attention_mgpu.default_splits(b, s)) if kfn is mosaic_fn
-           else attention_pallas.default_config(b, KVH, s))
+           else attention_pallas.default_config(b, KVH, s, data_fmt.endswith("fp4")))
     kv_bytes = nbytes(k) + nbytes(v)
     row.update(kv_bytes=kv_bytes, config=cfg)
     if not args.dry:
@@ -300,8 +306,8 @@ def main():
     return out
 
   for b, s in ((16, 8192), (64, 1024)) if args.sweep else ():
-    d = attention_pallas.default_config(b, KVH, s)
     for fmt in ("nvfp4", "bf16"):
+      d = attention_pallas.default_config(b, KVH, s, fmt == "nvfp4")
       key, kq, kk, kv = jax.random.split(key, 4)
       k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
       q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
@@ -324,7 +330,7 @@ def main():
       if fmt == "nvfp4":  # the Mosaic kernel: splits and pipeline stages
         dm = attention_mgpu.default_splits(b, s)
         for cfg in variants(dict(splits=dm, stages=2), [dict(splits=2 * dm), dict(
-            splits=max(1, dm // 2)), dict(stages=3)]):
+            splits=max(1, dm // 2)), dict(stages=1)]):
           sweep_row("decode_sweep", f"sweep_B{b}_S{s}_nvfp4_mosaic_splits{cfg['splits']}"
                     f"_stages{cfg['stages']}",
                     functools.partial(kernels.decode_attention, use_kernel="mosaic"), cfg, q,

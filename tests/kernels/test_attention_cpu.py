@@ -331,9 +331,9 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b, 300, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_),
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
-    if fmt == "nvfp4":  # the Mosaic kernel (its SMEM budget is checked here too), 3 stages
+    if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages
       from trace_jax.kernels import attention_mgpu as AM
-      lowered = jax.jit(functools.partial(AM.decode_attention, stages=3)).trace(
+      lowered = jax.jit(functools.partial(AM.decode_attention, stages=2)).trace(
           sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
               lowering_platforms=("cuda",))
       assert "mosaic" in lowered.as_text()
@@ -402,10 +402,11 @@ def test_mosaic_decode_ptx_places_code_times_scale():
 
 def test_mosaic_wrapper_emulated_matches_reference():
   """attention_mgpu.decode_attention around the kernel's jnp model: q permutation, row
-  factors, splits (S = 150: 3 tiles of 64, the last partial), the combine and un-permutation,
-  against the reference on ragged rows (left padding, one valid slot)."""
+  factors, splits (S = 152: 3 tiles of 64, the last partial), the combine and un-permutation,
+  against the reference on ragged rows (left padding, one valid slot); what the kernel refuses
+  is named."""
   from trace_jax.kernels import attention_mgpu as AM
-  b, s, kvh, g, hd = 2, 150, 4, 8, 128
+  b, s, kvh, g, hd = 2, 152, 4, 8, 128
   k, v = make_kv("nvfp4", (b, s, kvh, hd), 41), make_kv("nvfp4", (b, s, kvh, hd), 42)
   q = jax.random.normal(jax.random.key(43), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
   valid = np.ones((b, s), bool)
@@ -419,6 +420,10 @@ def test_mosaic_wrapper_emulated_matches_reference():
     assert relerr(got, want) < 1e-2
   assert AM.kernel_supported(q, k, v) is None
   assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)
+  odd = make_kv("nvfp4", (b, 150, kvh, hd), 1)
+  assert "multiple of 8" in AM.kernel_supported(q, odd, odd)
+  with pytest.raises(ValueError, match="pipeline stages"):
+    AM.decode_attention(q, k, v, valid, stages=3)
 
 
 def test_mosaic_ptx_assembles(tmp_path):

@@ -84,13 +84,19 @@ def test_kernel_configs_ragged(config):
   assert relerr(got, want) < TOL
 
 
-def test_model_decode_step_uses_the_kernel(monkeypatch):
-  """A decode step of a bf16 model with head_dim 64 and an FP4 cache goes through the kernel
-  on the GPU (the default there; set explicitly so the test holds under any environment) and
-  agrees with the same token through the general attention path."""
+@pytest.mark.parametrize("heads,want", [((4, 2, 64), "triton"),
+                                        ((8, 4, 128), "decode_attention_mosaic")])
+def test_model_decode_step_uses_the_kernel(monkeypatch, heads, want):
+  """A decode step of a bf16 model with an NVFP4 cache goes through a kernel on the GPU (the
+  default there; set explicitly so the test holds under any environment): the Pallas kernel at
+  head_dim 64, the Mosaic kernel at 4 KV heads x 128; it agrees with the same token through
+  the general attention path."""
   from trace_jax.kernels import dispatch
   monkeypatch.setattr(dispatch, "_ATTENTION_KERNEL", True)
-  cfg = M.tiny(num_layers=2, head_dim=64, dtype="bfloat16")
+  monkeypatch.setattr(dispatch, "_ATTENTION_MOSAIC", True)
+  jax.clear_caches()  # the flags are read at trace time
+  h, kvh, hd = heads
+  cfg = M.tiny(num_layers=2, num_heads=h, num_kv_heads=kvh, head_dim=hd, dtype="bfloat16")
   params = M.init_params(cfg, jax.random.key(0))
   apply = jax.jit(M.apply, static_argnums=(2, 3))
   policy = tq.make_policy("kv4", "nvfp4")
@@ -106,7 +112,7 @@ def test_model_decode_step_uses_the_kernel(monkeypatch):
               token_mask=jnp.asarray([[True, False]] * 2), cache=out.cache, cache_index=6)
   lowered = jax.jit(M.apply, static_argnums=(2, 3)).lower(
       params, tokens[:, 6:], cfg, ctx, positions=pos, cache=out.cache, cache_index=6).as_text()
-  assert "triton" in lowered  # the kernel is in the decode step
+  assert want in lowered  # the kernel is in the decode step
   a, b = np.asarray(one.logits[:, 0], np.float64), np.asarray(two.logits[:, 0], np.float64)
   assert np.max(np.abs(a - b)) < 0.05 * np.max(np.abs(b))
 
@@ -170,10 +176,14 @@ def _mosaic(q, k, v, valid, splits=None, stages=2):
   return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages)
 
 
-@pytest.mark.parametrize("s", [1, 17, 1000, 8192])
+MOSAIC_TOL = 3e-2  # K unrounded in the kernel, bf16 in the reference: see attention_mgpu
+
+
+@pytest.mark.parametrize("s", [8, 24, 1000, 8192])
 def test_mosaic_kernel_vs_reference(s):
   """The Mosaic GPU NVFP4 kernel (4 KV heads x 128, 8 query heads each: Qwen3-30B-A3B) against
-  the reference, ragged rows as in test_kernel_vs_reference."""
+  the reference, ragged rows as in test_kernel_vs_reference (lengths down to 1; cache lengths
+  are multiples of 8, the kernel's requirement)."""
   b, kvh, g, hd = 4, 4, 8, 128
   k, v = make_kv("nvfp4", (b, s, kvh, hd), s + 7), make_kv("nvfp4", (b, s, kvh, hd), s + 8)
   q = jax.random.normal(jax.random.key(s + 9), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
@@ -184,10 +194,10 @@ def test_mosaic_kernel_vs_reference(s):
   valid = jnp.asarray(valid)
   got = _mosaic(q, k, v, valid)
   want = _attn(q, k, v, valid, False)
-  assert relerr(got, want) < TOL
+  assert relerr(got, want) < MOSAIC_TOL
 
 
-@pytest.mark.parametrize("splits,stages", [(1, 2), (3, 3), (64, 2)])
+@pytest.mark.parametrize("splits,stages", [(1, 2), (3, 1), (64, 2)])
 def test_mosaic_kernel_splits_and_stages(splits, stages):
   b, s, kvh, g, hd = 3, 1000, 4, 5, 128  # 5 query heads per KV head (padded to 16)
   k, v = make_kv("nvfp4", (b, s, kvh, hd), 1), make_kv("nvfp4", (b, s, kvh, hd), 2)
@@ -195,4 +205,4 @@ def test_mosaic_kernel_splits_and_stages(splits, stages):
   lengths = jnp.asarray([1000, 17, 1])
   got = _mosaic(q, k, v, lengths, splits=splits, stages=stages)
   want = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)
-  assert relerr(got, want) < TOL
+  assert relerr(got, want) < MOSAIC_TOL

@@ -34,11 +34,18 @@ wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided sl
 ("no transfer pattern that avoids bank conflicts"); a row-vector load of a strided column does
 not ("cannot apply swizzle to non-contiguous refs"), hence the per-call `[B, KVH, S]` copies of
 the row factors; wgmma with both operands in SMEM needs equal swizzles (V at 32 B, as P
-`[64, 16]` bf16); SMEM holds 2 or 3 pipeline stages (~39 KB each) beside ~110 KB of buffers.
+`[64, 16]` bf16); SMEM holds 2 pipeline stages (~38 KB each) beside ~113 KB of buffers (3 need 233.5 KB of 227).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
-is rounded with the probabilities. Relative differences are at bf16 rounding level.
+is rounded with the probabilities. Relative differences are at bf16 rounding level of K and of
+the probabilities, amplified by sharp softmaxes: up to 2.3e-2 of max |ref| seen on the H200 at
+8k context with log-normal K row scales (tests allow 3e-2; the Pallas kernel, which rounds K as
+the reference does, stays under 2e-2).
+
+Cross-warp reductions (the softmax's column max and sum) go through `_column_reducer` with a
+scratch row per warpgroup: Pallas's lowering of `x.max(axis=0)` shares one scratch offset among
+all warpgroups of the CTA (a race, found on the H200).
 
 Mosaic imports happen inside the functions: the module imports on CPU.
 """
@@ -90,6 +97,9 @@ def kernel_supported(q, k, v) -> str | None:
     return f"{k.shape[2]} KV heads x head_dim {k.shape[-1]}, the kernel takes 4 x 128"
   if q.shape[1] // k.shape[2] > GP:
     return f"more than {GP} query heads per KV head"
+  if k.shape[1] % 8:
+    # the TMA tiles of the cache rows take 8-row multiples (seen: S = 17 refused by Mosaic)
+    return f"cache length {k.shape[1]} is not a multiple of 8"
   return None
 
 
@@ -197,6 +207,31 @@ def _tile_decoder():
   return decode
 
 
+@functools.cache
+def _column_reducer(op: str):
+  """inline_mgpu function: (x float32 [64, 16] wgmma layout, scratch float32 [RED_ELEMS] SMEM)
+  -> x reduced over its 64 rows (op "max" or "add").
+
+  Pallas's own lowering of `x.max(axis=0)` under warpgroup semantics (jax 0.11.2) puts the
+  cross-warp scratch at one SMEM offset for the whole CTA: four compute warpgroups reducing at
+  once overwrite each other's partials (seen on the H200: wrong running maxima in warpgroups
+  0-2, warpgroup 3 right). Each warpgroup here passes its own scratch row."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((GP,), jnp.float32,
+                                                        layout=plgpu.Layout.WGMMA.reduce(0)))
+  def reduce(ctx, x, scratch):
+    del ctx
+    return x.reduce(op, 0, scratch=scratch)
+
+  return reduce
+
+
+# 4 warps x 32 lanes x 2 floats per output register, 2 output registers (16 columns)
+RED_ELEMS = 4 * 32 * 2 * (GP // 8)
+
+
 # --------------------------------------------------------------------------- the kernel
 
 def _bf16_smem(shape, swizzle: int):
@@ -224,10 +259,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   b = qp.shape[0]
   wgmma_layout = plgpu.Layout.WGMMA
   decode = _tile_decoder()
+  col_max, col_sum = _column_reducer("max"), _column_reducer("add")
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem,
-                              ml_smem, q_bar):  # the name profiles show
+                              ml_smem, red_smem, q_bar):  # the name profiles show
     bi = lax.axis_index("b")
     si = lax.axis_index("s")
     t0 = si * split_tiles
@@ -275,10 +311,10 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       s = pl.run_scoped(s_scope, plgpu.ACC((64, GP), jnp.float32))
       gk = plgpu.load(kg_s.at[wg], (), layout=wgmma_layout.reduce(1))
       s = s * gk[:, None] + ((valid - 1.0) * 1e30)[:, None]
-      m_new = jnp.maximum(m, s.max(axis=0))
+      m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
       p = jnp.exp(s - m_new[None, :]) * valid[:, None]
       corr = jnp.exp(m - m_new)
-      l = l * corr + p.sum(axis=0)
+      l = l * corr + col_sum(p, red_smem.at[wg])
       gv = plgpu.load(vg_s.at[wg], (), layout=wgmma_layout.reduce(1))
       p_smem[wg] = (p * gv[:, None]).astype(jnp.bfloat16)
       v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
@@ -324,6 +360,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
           p_smem=_bf16_smem((KV_HEADS, 64, GP), 32),
           o_smem=plgpu.SMEM((KV_HEADS, 64, GP), jnp.float32),
           ml_smem=plgpu.SMEM((KV_HEADS, 2, GP), jnp.float32),
+          red_smem=plgpu.SMEM((KV_HEADS, RED_ELEMS), jnp.float32),  # per-warpgroup scratch
           q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
   )(kt, qp, kc, vc, ks, vs, kg, vg, vf)
 
@@ -335,7 +372,7 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is). Lets CPU tests
   cover the plumbing around the kernel."""
   del stages
-  b, s = vf.shape
+  b, s = kc.shape[:2]
   s_pad = n_splits * split_tiles * TILE
 
   def decode(codes, scales):  # -> [B, S_pad, 4, 128] logical, `code * s * 2**-8` (f32)
@@ -349,7 +386,7 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   kx, vx = decode(kc, ks), decode(vc, vs)
   kp = kx[..., PHYS_TO_LOGICAL]  # physical head_dim order, as the fragments hold it
   vp = vx[..., PHYS_TO_LOGICAL]
-  pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, s_pad - s)])  # noqa: E731
+  pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, s_pad - a.shape[-1])])  # noqa: E731
   kg, vg, vf = pad(kg), pad(vg), pad(vf)
   qf = qp.astype(jnp.float32)  # [B, 4, 16, 128]
   hp = jax.lax.Precision.HIGHEST
@@ -403,6 +440,10 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   why = kernel_supported(q, k, v)
   if why:
     raise ValueError(f"Mosaic decode attention kernel: {why}")
+  if stages not in (1, 2):
+    # 38 KB per stage beside 113 KB of buffers: 3 stages need 233.5 KB of the 227 KB (H200)
+    raise ValueError(f"Mosaic decode attention kernel: {stages} pipeline stages, 1 or 2 fit "
+                     "in shared memory")
   out_dtype = out_dtype or q.dtype
   scale = hd ** -0.5 if scale is None else scale
   g = h // kvh
@@ -418,10 +459,14 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
       jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(b, s, n, 4), jnp.uint32)
   kc, vc = u32(k.codes, 64), u32(v.codes, 64)
   ks, vs = u32(k.scales, 8), u32(v.scales, 8)
-  row = lambda x, f: jnp.swapaxes(x.global_scale[..., 0].astype(jnp.float32) * f, 1, 2)  # noqa: E731
+  # the per-call side arrays are padded to whole tiles: TMA needs 16-byte row strides (S = 1
+  # gave 4), and the padding slots are invisible (vf 0)
+  pad_s = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, tiles * TILE - s)])  # noqa: E731
+  row = lambda x, f: pad_s(jnp.swapaxes(  # noqa: E731
+      x.global_scale[..., 0].astype(jnp.float32) * f, 1, 2))
   kg = row(k, float(2 ** ROW_SHIFT * scale))
   vg = row(v, float(2 ** ROW_SHIFT))
-  vf = allowed.astype(jnp.float32)
+  vf = pad_s(allowed.astype(jnp.float32))
   last = s - jnp.argmax(allowed[:, ::-1], axis=1)  # one past the last visible slot
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
   o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
