@@ -2,7 +2,11 @@
 time, one JSON file + a table.
 
   PYTHONPATH=. python benchmarks/bench_attention.py --out bench_attention.json [--quick] \
-      [--what decode|prefill|both]
+      [--what decode|prefill|both] [--batches 16,64 --contexts 8192,32768]
+  python benchmarks/bench_attention.py --plot bench_attention.json   # the PNG of a saved run
+
+The decode rows also go to a PNG beside the JSON (time per call by KV format, and % of the
+read ceiling, per batch x context).
 
 Shape: one Qwen3-30B-A3B attention layer (32 query heads, 4 KV heads, head_dim 128), one query
 token per sequence, batch B in {1, 16, 64} x context S in {1k, 8k, 32k} (combos whose bf16 KV
@@ -57,6 +61,38 @@ def log(*a):
   print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+def plot(res: dict, path: str) -> None:
+  """Decode rows of a run as a PNG: per (batch, context), each KV format's time per call and
+  its share of the 4.27 TB/s read ceiling (on the bytes of its own cache)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in res["rows"] if r.get("kind", "decode") == "decode" and "us_call" in r]
+  if not rows:
+    return
+  groups = sorted({(r["batch"], r["context"]) for r in rows})
+  fmts = [f for f in FORMATS if any(r["kv"] == f for r in rows)]
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+  width = 0.8 / len(fmts)
+  for i, fmt in enumerate(fmts):
+    by = {(r["batch"], r["context"]): r for r in rows if r["kv"] == fmt}
+    xs = [j + i * width for j in range(len(groups))]
+    for ax, key in zip(axes, ("us_call", "pct_of_ceiling")):
+      ax.bar(xs, [by[g][key] if g in by else 0 for g in groups], width, label=fmt)
+  for ax, title in zip(axes, ("time per call (us, lower is better)",
+                              "% of the 4.27 TB/s read ceiling on its KV bytes")):
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"B{b}\nS{s // 1024}k" for b, s in groups])
+    ax.set_title(title, fontsize=10)
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"decode attention, 32 q / 4 KV heads x 128, {res.get('device_kind', '')} "
+               f"jax {res.get('jax_version', '')} {res.get('date', '')} "
+               f"{res.get('git_commit', '')}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,14 +103,20 @@ def main():
   ap.add_argument("--budget_s", type=float, default=200.0, help="start no variant after this")
   ap.add_argument("--hang_s", type=float, default=90.0)
   ap.add_argument("--batches", default="", help="decode batch sizes, e.g. 16,64 (else by --quick)")
+  ap.add_argument("--formats", default=",".join(FORMATS), help="decode KV formats to run")
   ap.add_argument("--contexts", default="", help="decode cache lengths, e.g. 8192,32768")
   ap.add_argument("--what", default="both", choices=("decode", "prefill", "both"))
   ap.add_argument("--sweep", action="store_true",
                   help="after the rows: time launch configurations of both kernels (rows of "
                        "kind decode_sweep / prefill_sweep) to choose their defaults")
+  ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
   ap.add_argument("--dry", action="store_true",
                   help="CPU with jax-cuda13-plugin: only lower every kernel for cuda")
   args = ap.parse_args()
+  if args.plot:
+    with open(args.plot) as f:
+      plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+    return
 
   import jax
   import jax.numpy as jnp
@@ -239,7 +281,7 @@ def main():
       if b * s * KVH * HD * 2 * 2 > args.max_gb * 1e9:
         res["rows"].append(dict(name=f"B{b}_S{s}", skipped=f"bf16 KV over {args.max_gb} GB"))
         continue
-      for fmt in FORMATS:
+      for fmt in args.formats.split(","):
         run_row(dict(name=f"B{b}_S{s}_{fmt}", batch=b, context=s, kv=fmt, timing=timing),
                 functools.partial(decode_row, b, s, fmt),
                 lambda r: f"us={r.get('us_call', nan):9.1f} GB/s={r.get('GBps', nan):7.0f}")
@@ -361,6 +403,8 @@ def main():
 
   res["total_s"] = round(time.time() - T0, 1)
   save()
+  if not args.dry:
+    plot(res, args.out.removesuffix(".json") + ".png")
   log("DONE ->", args.out)
   print(f"\ntiming: {timing}\n{'name':22s} {'us':>8s} {'us_kern':>8s} {'GB/s':>7s} {'%4.27':>6s} "
         f"{'x_bf16':>6s} {'x_xla':>6s} {'x_xlabf':>7s} {'relerr':>8s}")

@@ -25,6 +25,8 @@ def git_commit() -> str:
 
 def run_info() -> dict:
   import jax
-  return dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0]),
+  dev = jax.devices()[0]
+  return dict(date=datetime.date.today().isoformat(), device=str(dev),
+              device_kind=dev.device_kind,
               platform=platform.platform(), jax_version=jax.__version__,
               git_commit=git_commit(), command=" ".join([sys.executable] + sys.argv))
