@@ -13,7 +13,8 @@ token per sequence, batch B in {1, 16, 64} x context S in {1k, 8k, 32k} (combos 
 would exceed --max_gb are skipped) x KV format. Every slot is valid except a left-padded first
 row, so the kernel streams the whole cache.
 
-Per variant: the kernel path (`trace_jax.kernels.decode_attention`, the Pallas kernel) is
+Per variant: the Pallas kernel (`attention_pallas.decode_attention`; row `nvfp4_mosaic`: the
+Mosaic kernel, which the dispatch `kernels.decode_attention` picks for NVFP4 on GPU) is
 checked against the reference (`decode_attention_ref`, the definition) on fresh random data
 (max |kernel - ref| / max |ref|), then both are timed. Timing: CUPTI device time from
 `jax.experimental.mosaic.gpu.profiler.measure(f, aggregate=False, iterations=n)` (median over
@@ -146,8 +147,8 @@ def main():
   state = {}
   bench_util.start_watchdog(state, args.hang_s, res["rows"], save, log)
 
-  def kernel_fn(q, k, v, valid):
-    return kernels.decode_attention(q, k, v, valid, use_kernel=True)
+  def kernel_fn(q, k, v, valid):  # the Pallas kernel (the dispatch would pick Mosaic for NVFP4)
+    return attention_pallas.decode_attention(q, k, v, valid)
 
   def mosaic_fn(q, k, v, valid):
     return kernels.decode_attention(q, k, v, valid, use_kernel="mosaic")
@@ -303,7 +304,8 @@ def main():
     mask[0, : t // 10] = False
     visible = int(np.cumsum(mask[:, :t], axis=1).sum())  # query i sees slots <= i
     flops = 4 * H * HD * visible
-    row.update(config=attention_pallas.default_prefill_config(t * H // KVH), flops=flops)
+    row.update(config=attention_pallas.default_prefill_config(t * H // KVH, fmt.endswith("fp4")),
+               flops=flops)
     mask = jnp.asarray(mask)
     if not args.dry:
       got = jax.jit(prefill_kernel_fn)(q, k, v, mask)
@@ -367,7 +369,7 @@ def main():
       for cfg in variants(d, changes):
         tag = "_".join(f"{a}{cfg[a]}" for a in ("block_k", "splits", "num_warps", "num_stages"))
         sweep_row("decode_sweep", f"sweep_B{b}_S{s}_{fmt}_{tag}",
-                  functools.partial(kernels.decode_attention, use_kernel=True), cfg, q, kvs,
+                  attention_pallas.decode_attention, cfg, q, kvs,
                   valid, want, "decode_attention")
       if fmt == "nvfp4":  # the Mosaic kernel: splits and pipeline stages
         dm = attention_mgpu.default_splits(b, s)
@@ -381,19 +383,19 @@ def main():
 
   for b, t in ((16, 2048),) if args.sweep else ():
     s = t + 256
-    d = attention_pallas.default_prefill_config(t * H // KVH)
     for fmt in ("nvfp4", "bf16"):
+      d = attention_pallas.default_prefill_config(t * H // KVH, fmt == "nvfp4")
       key, kq, kk, kv = jax.random.split(key, 4)
       k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
       q = (jax.ShapeDtypeStruct((b, t, H, HD), jnp.bfloat16) if args.dry
            else jax.random.normal(kq, (b, t, H, HD), jnp.bfloat16))
       mask = jnp.asarray(np.arange(s)[None].repeat(b, 0) < t)
       want = None if args.dry else jax.jit(prefill_ref_fn)(q, k, v, mask)
-      changes = [dict(block_k=32), dict(block_k=128), dict(block_q=64), dict(block_q=64,
-                 num_warps=4), dict(num_stages=3), dict(block_k=128, num_stages=3),
-                 dict(num_warps=4)]
+      changes = [dict(block_k=32), dict(block_k=64), dict(block_k=128), dict(block_q=64),
+                 dict(num_warps=4), dict(num_warps=8), dict(num_stages=3),
+                 dict(block_k=128, num_stages=3)]
       if fmt == "bf16":
-        changes = changes[:3]
+        changes = changes[:6]
       for cfg in variants(d, changes):
         tag = "_".join(f"{a}{cfg[a]}" for a in ("block_q", "block_k", "num_warps", "num_stages"))
         sweep_row("prefill_sweep", f"sweep_prefill_B{b}_T{t}_{fmt}_{tag}",

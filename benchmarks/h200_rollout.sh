@@ -124,13 +124,14 @@ elif [ "$stage" = attn ]; then
     --budget_s $(( ${BENCH_TIMEOUT:-280} - 30 )) \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -70
 elif [ "$stage" = p2048 ]; then
-  # the prompt-2048 rollout rows with the flash prefill kernel and (FP4 row) the Mosaic NVFP4
-  # decode kernel, both opt-in (session 3's rows in bench_rollout_h200_2026-11-30 are the
-  # baseline); DECODE_ATTENTION=kernel keeps the Pallas decode kernel
-  TRACE_JAX_PREFILL_ATTENTION=kernel TRACE_JAX_DECODE_ATTENTION=${DECODE_ATTENTION:-mosaic} \
+  # the prompt-2048 rollout rows with the GPU defaults: flash prefill kernel, Mosaic NVFP4 decode
+  # attention for the FP4 row (session 3's rows in bench_rollout_h200_2026-11-30 ran without
+  # them; session 5's in session5_h200_2026-11-30 with them); DECODE_ATTENTION=kernel keeps
+  # the Pallas decode kernel
+  TRACE_JAX_DECODE_ATTENTION=${DECODE_ATTENTION:-mosaic} \
     timeout ${ROWS_TIMEOUT:-560} python3 launch/bench_rollout.py \
-    --preset=qwen3_30b_a3b_12l --batches=64 --policies=bf16,paper --paths=kernels --isolate \
-    --row_timeout=270 --prompt_len=2048 --new_tokens=256 --repeats=2 --hf_peer=false \
+    --preset=qwen3_30b_a3b_12l --batches=64 --policies=paper,bf16 --paths=kernels --isolate \
+    --row_timeout=200 --prompt_len=2048 --new_tokens=256 --repeats=1 --hf_peer=false \
     --out=$OUT/bench_rollout_12l_b64_p2048.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = x2 ]; then
   # nvidia-h200-x2: expert parallel over 2 GPUs vs 1 (issue 9), the ragged all-to-all check

@@ -9,11 +9,12 @@ Mosaic GPU kernel (`fp4_mgpu.py`); on a GPU otherwise the XLA path (bf16 decode,
 grouped matmul); on CPU the reference in `reference.py`.
 
 `decode_attention(q, k, v, valid)` (one query token over a bf16/FP8/FP4 KV cache): on GPU the
-Pallas kernel of `attention_pallas.py` (`TRACE_JAX_DECODE_ATTENTION=reference` opts out), else
+Mosaic NVFP4 kernel of `attention_mgpu.py` where it applies, else the Pallas kernel of
+`attention_pallas.py` (`TRACE_JAX_DECODE_ATTENTION=kernel|reference` choose otherwise), else
 the reference `attention_ref.decode_attention_ref`. `prefill_attention(q, k, v, key_mask,
-q_start)` (a prompt's tokens over the cache that holds them): with
-`TRACE_JAX_PREFILL_ATTENTION=kernel` on GPU the flash-style Pallas kernel of the same module
-(opt-in until its GPU tests have run), else `prefill_attention_ref`. `attention` is the model's attention formula itself.
+q_start)` (a prompt's tokens over the cache that holds them): on GPU the flash-style Pallas
+kernel of `attention_pallas.py` (`TRACE_JAX_PREFILL_ATTENTION=reference` opts out), else
+`prefill_attention_ref`. `attention` is the model's attention formula itself.
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref

@@ -62,6 +62,17 @@ def _empty(shape, fmt: tq.Format | None, dtype):
                              global_scale=grow(one.global_scale), shape=tuple(shape))
 
 
+TILE_SLOTS = 64
+
+
+def padded_length(n: int) -> int:
+  """`n` slots rounded up to whole 64-slot tiles, the cache length the rollout allocates: the
+  decode attention kernels stream whole tiles, and the Mosaic NVFP4 kernel (the GPU default)
+  takes only lengths that are multiples of 8. The extra slots are never valid, so they never
+  take part in attention."""
+  return -(-n // TILE_SLOTS) * TILE_SLOTS
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, kv_format: str | tq.Format | None,
                dtype=None) -> KVCache:
   """An empty cache; `kv_format` None keeps K/V in `dtype` (default: the compute dtype)."""

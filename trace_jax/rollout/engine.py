@@ -104,7 +104,7 @@ def _prefill(params, prompt_tokens, prompt_mask, *, config: M.ModelConfig, ctx: 
   rows' prompt length, and their decode carry (GRPO groups share the prefill: cache and
   next-token logits repeated n times)."""
   b, p = prompt_tokens.shape
-  cache = M.init_cache(config, b, p + steps, kv_format)
+  cache = M.init_cache(config, b, kvc.padded_length(p + steps), kv_format)
   positions = M.default_positions(prompt_tokens, prompt_mask)
   pre = M.apply(params, prompt_tokens, config, ctx, positions=positions, token_mask=prompt_mask,
                 cache=cache, cache_index=0, last_logits_only=True)

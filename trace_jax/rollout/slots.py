@@ -92,7 +92,8 @@ def empty_state(config: M.ModelConfig, slots: int, max_len: int, kv_format,
   """All slots free (done)."""
   zeros = jnp.zeros((slots,), jnp.int32)
   keys = jax.random.split(jax.random.key(0), slots)
-  return SlotState(M.init_cache(config, slots, max_len, kv_format), zeros, zeros, zeros, zeros,
+  return SlotState(M.init_cache(config, slots, kvc.padded_length(max_len), kv_format), zeros,
+                   zeros, zeros, zeros,
                    keys, zeros, jnp.ones((slots,), bool),
                    RowSampling(jnp.zeros((slots,), jnp.float32), zeros,
                                jnp.ones((slots,), jnp.float32)),
