@@ -29,7 +29,9 @@ Prefill rows (`prefill_attention`, the flash kernel, against `prefill_attention_
 materializes float32 scores): B prompts of T tokens in a cache of T + 256 slots, the first row
 left-padded by T/10; TFLOP/s count 4 * H * hd flops per visible (query, slot) pair.
 
-Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 cache.
+Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 cache;
+`nvfp4_mosaicg` the same kernel reading the cache's row scales in place (`natural_g=True`, no
+per-call transposed copies; not in the default rows until it has passed on a GPU).
 
 --sweep: launch configurations (tile, splits, warps, stages) of the decode kernels (Pallas, and
 Mosaic splits/stages) at B=16/S=8k and B=64/S=1k (the RL rollout's shape) and of the prefill
@@ -72,7 +74,7 @@ def plot(res: dict, path: str) -> None:
   if not rows:
     return
   groups = sorted({(r["batch"], r["context"]) for r in rows})
-  fmts = [f for f in FORMATS if any(r["kv"] == f for r in rows)]
+  fmts = [f for f in FORMATS + ("nvfp4_mosaicg",) if any(r["kv"] == f for r in rows)]
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
   width = 0.8 / len(fmts)
   for i, fmt in enumerate(fmts):
@@ -150,8 +152,8 @@ def main():
   def kernel_fn(q, k, v, valid):  # the Pallas kernel (the dispatch would pick Mosaic for NVFP4)
     return attention_pallas.decode_attention(q, k, v, valid)
 
-  def mosaic_fn(q, k, v, valid):
-    return kernels.decode_attention(q, k, v, valid, use_kernel="mosaic")
+  def mosaic_fn(q, k, v, valid, natural_g=False):
+    return attention_mgpu.decode_attention(q, k, v, valid, natural_g=natural_g)
 
   def ref_fn(q, k, v, valid):
     return kernels.decode_attention_ref(q, k, v, valid)
@@ -236,8 +238,9 @@ def main():
     nonlocal key
     key, kq, kk, kv = jax.random.split(key, 4)
     shape = (b, s, KVH, HD)
-    data_fmt = fmt.removesuffix("_mosaic")
-    kfn = mosaic_fn if fmt.endswith("_mosaic") else kernel_fn
+    data_fmt, _, variant = fmt.partition("_")
+    kfn = (functools.partial(mosaic_fn, natural_g=variant == "mosaicg")
+           if variant.startswith("mosaic") else kernel_fn)
     k, v = make_kv(data_fmt, shape, kk), make_kv(data_fmt, shape, kv)
     q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
          else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
@@ -245,11 +248,11 @@ def main():
     valid[0, : s // 10] = False  # a left-padded row
     valid = jnp.asarray(valid)
     if not args.dry:
-      why = (attention_mgpu if kfn is mosaic_fn else attention_pallas).kernel_supported(
+      why = (attention_mgpu if variant else attention_pallas).kernel_supported(
           q, k, v)
       if why:
         raise ValueError(why)
-    cfg = (dict(splits=attention_mgpu.default_splits(b, s)) if kfn is mosaic_fn
+    cfg = (dict(splits=attention_mgpu.default_splits(b, s)) if variant
            else attention_pallas.default_config(b, KVH, s, data_fmt.endswith("fp4")))
     kv_bytes = nbytes(k) + nbytes(v)
     row.update(kv_bytes=kv_bytes, config=cfg)

@@ -110,8 +110,9 @@ elif [ "$stage" = final ]; then
     --out=$OUT/bench_rollout_12l_b64.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = attn ]; then
   # attention kernels: GPU tests (Mosaic NVFP4 decode first: a hang there must not eat the call,
-  # then Pallas decode and flash prefill), then the decode and prefill rows and the
-  # launch-configuration sweep (bench_attention.py --sweep); full test logs under $OUT
+  # then Pallas decode and flash prefill), then decode rows B 16/64 x S 8k/32k with the Mosaic
+  # kernel both ways of reading row scales (BENCH_ARGS="--quick --sweep" for the launch
+  # sweep instead); full test logs under $OUT
   JAX_PLATFORMS=cuda timeout -k 5 ${MOSAIC_TIMEOUT:-100} python3 -m pytest -q -x -m gpu \
     -p no:xdist -o addopts="" -k mosaic tests/kernels/test_attention_gpu.py \
     > $OUT/test_attn_mosaic.txt 2>&1; echo "mosaic tests rc=$?"
@@ -120,7 +121,8 @@ elif [ "$stage" = attn ]; then
     -p no:xdist -o addopts="" -k "not mosaic" --durations=5 tests/kernels/test_attention_gpu.py \
     > $OUT/test_attn_pallas.txt 2>&1; echo "pallas tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_attn_pallas.txt | tail -25
-  timeout -k 5 ${BENCH_TIMEOUT:-280} python3 benchmarks/bench_attention.py --quick --sweep \
+  timeout -k 5 ${BENCH_TIMEOUT:-280} python3 benchmarks/bench_attention.py ${BENCH_ARGS:-\
+    --formats bf16,nvfp4,nvfp4_mosaic,nvfp4_mosaicg --batches 16,64 --contexts 8192,32768} \
     --budget_s $(( ${BENCH_TIMEOUT:-280} - 30 )) \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -70
 elif [ "$stage" = p2048 ]; then

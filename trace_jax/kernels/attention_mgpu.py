@@ -232,6 +232,37 @@ def _column_reducer(op: str):
 RED_ELEMS = 4 * 32 * 2 * (GP // 8)
 
 
+@functools.cache
+def _row_scaler(factor: float):
+  """inline_mgpu function: (x float32 [64, 16] wgmma layout, g float32 [64, KV_HEADS] SMEM: a
+  tile of the cache's own `[S, KVH]` row scales) -> x with row r times `g[r, warpgroup] *
+  factor` (the product rounded to float32 first, as the transposed side arrays had it). Rows
+  come from the layout's own `thread_idxs`, so no register order is assumed here."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, memref, vector
+
+  out = plgpu.ShapeDtypeStruct((64, GP), jnp.float32, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()), return_type=out)
+  def scale(ctx, x, g_ref):
+    del ctx
+    f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+    wg = arith.index_castui(index, arith.divui(mutils.thread_idx(), mutils.c(128, i32)))
+    const = mutils.c(float(factor), f32)
+    regs = np.empty(x.registers.shape, dtype=object)
+    for (row, _), pos in zip(x.layout.thread_idxs(x.shape), np.ndindex(x.registers.shape),
+                             strict=True):
+      reg = x.registers[pos]
+      g = arith.mulf(memref.load(g_ref, [row, wg]), const)
+      regs[pos] = arith.mulf(reg, vector.broadcast(reg.type, g))
+    return fa.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=None)
+
+  return scale
+
+
 # --------------------------------------------------------------------------- the kernel
 
 def _bf16_smem(shape, swizzle: int):
@@ -240,14 +271,18 @@ def _bf16_smem(shape, swizzle: int):
       plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)))
 
 
-@functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages"))
+@functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
+                                             "v_factor"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                       stages: int = 2):
+                       stages: int = 2, k_factor: float | None = None,
+                       v_factor: float | None = None):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
   slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
   tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
   (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, 4, S] (row
-  factors: g * 2**8, K's times the softmax scale); vf float32 [B, S] (1: slot visible, 0 not).
+  factors: g * 2**8, K's times the softmax scale), or with k_factor / v_factor given, the
+  cache's own g float32 [B, S, 4], times those factors in the kernel (no per-call transposes);
+  vf float32 [B, S] (1: slot visible, 0 not).
   Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, 16]: running max and sum)."""
   import jax.experimental.pallas as pl
@@ -260,6 +295,9 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   wgmma_layout = plgpu.Layout.WGMMA
   decode = _tile_decoder()
   col_max, col_sum = _column_reducer("max"), _column_reducer("add")
+  natural = k_factor is not None
+  if natural != (v_factor is not None):
+    raise ValueError("k_factor and v_factor go together")
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem,
@@ -309,14 +347,20 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
         return acc[...]
 
       s = pl.run_scoped(s_scope, plgpu.ACC((64, GP), jnp.float32))
-      gk = plgpu.load(kg_s.at[wg], (), layout=wgmma_layout.reduce(1))
-      s = s * gk[:, None] + ((valid - 1.0) * 1e30)[:, None]
+      if natural:
+        s = _row_scaler(k_factor)(s, kg_s)
+      else:
+        s = s * plgpu.load(kg_s.at[wg], (), layout=wgmma_layout.reduce(1))[:, None]
+      s = s + ((valid - 1.0) * 1e30)[:, None]
       m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
       p = jnp.exp(s - m_new[None, :]) * valid[:, None]
       corr = jnp.exp(m - m_new)
       l = l * corr + col_sum(p, red_smem.at[wg])
-      gv = plgpu.load(vg_s.at[wg], (), layout=wgmma_layout.reduce(1))
-      p_smem[wg] = (p * gv[:, None]).astype(jnp.bfloat16)
+      if natural:
+        pg = _row_scaler(v_factor)(p, vg_s)
+      else:
+        pg = p * plgpu.load(vg_s.at[wg], (), layout=wgmma_layout.reduce(1))[:, None]
+      p_smem[wg] = pg.astype(jnp.bfloat16)
       v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                       plgpu.load(vs_s, (), layout=wgmma_layout))
       v_smem[wg, 0] = v0
@@ -339,8 +383,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
         body, grid=(split_tiles,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((TILE, 64), row), plgpu.BlockSpec((TILE, 64), row),
                   plgpu.BlockSpec((TILE, 8), row), plgpu.BlockSpec((TILE, 8), row),
-                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, tile(i))),
-                  plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, tile(i))),
+                  *[plgpu.BlockSpec((TILE, KV_HEADS), row) if natural else
+                    plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, tile(i)))] * 2,
                   plgpu.BlockSpec((TILE,), lambda i: (tile(i),))],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
         compute_context=compute_context)
@@ -366,12 +410,16 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
 
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                   stages: int = 2):
+                   stages: int = 2, k_factor: float | None = None,
+                   v_factor: float | None = None):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is). Lets CPU tests
   cover the plumbing around the kernel."""
   del stages
+  if k_factor is not None:  # the cache's own g [B, S, 4]: the kernel's factors, transposed
+    kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)
+    vg = jnp.swapaxes(vg * jnp.float32(v_factor), 1, 2)
   b, s = kc.shape[:2]
   s_pad = n_splits * split_tiles * TILE
 
@@ -436,10 +484,13 @@ def default_splits(b: int, s: int) -> int:
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
-                     splits: int | None = None, stages: int = 2, kernel_fn=None) -> jax.Array:
+                     splits: int | None = None, stages: int = 2, natural_g: bool = False,
+                     kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
-  `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. kernel_fn replaces the kernel
-  (tests pass `emulate_kernel`)."""
+  `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. natural_g: the kernel reads
+  the cache's row scales `[B, S, 4]` in place and applies the factors itself (no per-call
+  transposed copies: 4 passes over B*S*16 bytes and two XLA kernels fewer); not yet run on a
+  GPU, so off by default. kernel_fn replaces the kernel (tests pass `emulate_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
   if why:
@@ -466,16 +517,21 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   # the per-call side arrays are padded to whole tiles: TMA needs 16-byte row strides (S = 1
   # gave 4), and the padding slots are invisible (vf 0)
   pad_s = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, tiles * TILE - s)])  # noqa: E731
-  row = lambda x, f: pad_s(jnp.swapaxes(  # noqa: E731
-      x.global_scale[..., 0].astype(jnp.float32) * f, 1, 2))
-  kg = row(k, float(2 ** ROW_SHIFT * scale))
-  vg = row(v, float(2 ** ROW_SHIFT))
+  k_factor, v_factor = float(2 ** ROW_SHIFT * scale), float(2 ** ROW_SHIFT)
+  if natural_g:
+    kg, vg = (x.global_scale[..., 0].astype(jnp.float32) for x in (k, v))  # views of the cache
+    factors = dict(k_factor=k_factor, v_factor=v_factor)
+  else:
+    row = lambda x, f: pad_s(jnp.swapaxes(  # noqa: E731
+        x.global_scale[..., 0].astype(jnp.float32) * f, 1, 2))
+    kg, vg = row(k, k_factor), row(v, v_factor)
+    factors = {}
   vf = pad_s(allowed.astype(jnp.float32))
   last = s - jnp.argmax(allowed[:, ::-1], axis=1)  # one past the last visible slot
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
   o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
                                             split_tiles=split_tiles, n_splits=n_splits,
-                                            stages=stages)
+                                            stages=stages, **factors)
   # [B, n, 4, 2, 64, 16] -> [B, 4, n, 16, 128 physical]
   o = jnp.moveaxis(o, -1, 3).reshape(b, n_splits, kvh, GP, hd).swapaxes(1, 2)
   m = jnp.swapaxes(ml[:, :, :, 0], 1, 2)
