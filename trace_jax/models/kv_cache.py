@@ -62,15 +62,17 @@ def _empty(shape, fmt: tq.Format | None, dtype):
                              global_scale=grow(one.global_scale), shape=tuple(shape))
 
 
-TILE_SLOTS = 64
+SLOT_MULTIPLE = 8
 
 
 def padded_length(n: int) -> int:
-  """`n` slots rounded up to whole 64-slot tiles, the cache length the rollout allocates: the
-  decode attention kernels stream whole tiles, and the Mosaic NVFP4 kernel (the GPU default)
-  takes only lengths that are multiples of 8. The extra slots are never valid, so they never
-  take part in attention."""
-  return -(-n // TILE_SLOTS) * TILE_SLOTS
+  """`n` slots rounded up to a multiple of 8, the cache length the rollout allocates: the
+  Mosaic NVFP4 decode kernel (the GPU default) takes only such lengths (its TMA tiles). Not to
+  whole 64-slot tiles: the kernels handle a partial last tile, and on CPU the reference reads
+  every slot (the default job's rollout took 0.097 s per RL step with 64-slot padding against
+  0.062 s with this, whole job 1 min 48 s against 1 min 40 s, same venv). The extra slots are
+  never valid, so they never take part in attention."""
+  return -(-n // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, kv_format: str | tq.Format | None,
