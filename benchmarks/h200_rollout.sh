@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | p2048 | serve | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | probe | p2048 | serve | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -125,6 +125,12 @@ elif [ "$stage" = attn ]; then
     --formats bf16,nvfp4,nvfp4_mosaic,nvfp4_mosaicg --batches 16,64 --contexts 8192,32768} \
     --budget_s $(( ${BENCH_TIMEOUT:-280} - 30 )) \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -70
+elif [ "$stage" = probe ]; then
+  # the Mosaic decode-attention kernel piece by piece against its jnp model (decoder alone, then
+  # running max / sum / output per warpgroup for inputs that isolate the K and V steps): the
+  # first thing to run when its GPU tests fail (it found the shared-reduction-scratch race)
+  timeout -k 5 150 python3 benchmarks/probe_attention_mgpu.py --out $OUT/probe.npz 2>&1 \
+    | grep -v "^I1\|^W1\|Deprecation\|plgpu.load" | cut -c1-600 | tail -12
 elif [ "$stage" = p2048 ]; then
   # the prompt-2048 rollout rows with the GPU defaults: flash prefill kernel, Mosaic NVFP4 decode
   # attention for the FP4 row (session 3's rows in bench_rollout_h200_2026-11-30 ran without
