@@ -136,23 +136,22 @@ cvt.rn.bf16x2.f32 $0, x0, x0;
 cvt.rn.bf16x2.f32 $1, x1, x1;
 }"""
 
-# One byte pair of the code word in $4, moved by `prmt` (selector SEL) into the low bytes of
-# both 16-bit halves of y, -> bf16x2 of its low nibbles ($LO) and of its high nibbles ($HI):
-# magnitude bits to 8..6, sign to 15, times the multiplier $5.
-_BYTE_PAIR_ASM = """prmt.b32 y, $4, z, SEL;
-shl.b32 a, y, 6;
+# One nibble of each 16-bit half of y -> bf16x2 in OUT: magnitude bits shifted by MAG to 8..6,
+# sign by SIGN to 15, times the multiplier $5.
+_NIBBLE_ASM = """shl.b32 a, y, MAG;
 and.b32 a, a, 0x01C001C0;
-shl.b32 b, y, 12;
+shl.b32 b, y, SIGN;
 and.b32 b, b, 0x80008000;
 or.b32 a, a, b;
-mul.rn.bf16x2 $LO, a, $5;
-shl.b32 a, y, 2;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, y, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 $HI, a, $5;
+mul.rn.bf16x2 OUT, a, $5;
 """
+
+# One byte pair of the code word in $4, moved by `prmt` (selector SEL) into the low bytes of
+# both 16-bit halves of y, -> bf16x2 of its low nibbles ($LO: shifts 6, 12) and of its high
+# nibbles ($HI: shifts 2, 8).
+_BYTE_PAIR_ASM = "prmt.b32 y, $4, z, SEL;\n" + "".join(
+    _NIBBLE_ASM.replace("MAG", mag).replace("SIGN", sign).replace("OUT", out)
+    for mag, sign, out in (("6", "12", "$LO"), ("2", "8", "$HI")))
 
 # One code word ($4: 8 nibbles, logical elements e0..e7, even ones in low nibbles) and a
 # multiplier ($5) -> bf16x2 (e0, e2), (e1, e3), (e4, e6), (e5, e7), each `E2M1 * s * 2**-8`.
