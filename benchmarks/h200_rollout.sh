@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | probe | p2048 | serve | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | probe | p2048 | serve | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -76,10 +76,6 @@ elif [ "$stage" = profile ]; then
     --guidance_cost --out $OUT/profile_decode_paper_kernels.json 2>&1 | grep -v "^I1\|^W1"
   timeout 110 python3 benchmarks/profile_decode.py --layers 4 --policy bf16 --path xla \
     --out $OUT/profile_decode_bf16.json 2>&1 | grep -v "^I1\|^W1"
-  # the grouped FP4 kernel's epilogue: gather rows from the chunk layout instead of transposing
-  TRACE_JAX_GROUPED_EPILOGUE=gather timeout 120 python3 benchmarks/profile_decode.py --layers 4 \
-    --policy paper --path kernels --out $OUT/profile_decode_paper_gather.json 2>&1 \
-    | grep -v "^I1\|^W1" | head -12
   TRACE_JAX_DECODE_ATTENTION=kernel JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -q -x \
     -m gpu -p no:xdist -o addopts="" \
     tests/kernels/test_attention_gpu.py 2>&1 | tail -5
@@ -125,6 +121,24 @@ elif [ "$stage" = attn ]; then
     --formats bf16,nvfp4,nvfp4_mosaic,nvfp4_mosaicg --batches 16,64 --contexts 8192,32768} \
     --budget_s $(( ${BENCH_TIMEOUT:-280} - 30 )) \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -70
+elif [ "$stage" = check ]; then
+  # after a kernel change: the FP4 matmul kernels' GPU tests (dense + grouped, the row-major
+  # output epilogue) and the Mosaic decode-attention tests, then the grouped rows of
+  # bench_kernels (tokamax bf16 vs FP4 n_inner 2/4/all) and the decode attention rows
+  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-170} python3 -m pytest -q -x -m gpu \
+    -p no:xdist -o addopts="" tests/kernels/test_kernels_gpu.py > $OUT/test_kernels_gpu.txt 2>&1
+  echo "kernel tests rc=$?"; grep -v "^I1\|^W1" $OUT/test_kernels_gpu.txt | tail -4
+  JAX_PLATFORMS=cuda timeout -k 5 ${MOSAIC_TIMEOUT:-120} python3 -m pytest -q -x -m gpu \
+    -p no:xdist -o addopts="" -k mosaic tests/kernels/test_attention_gpu.py \
+    > $OUT/test_attn_mosaic.txt 2>&1; echo "mosaic tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_attn_mosaic.txt | tail -4
+  timeout -k 5 ${BK_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --iters 20 \
+    --only ${KERNEL_ROWS:-M256_tokamax,M512_tokamax,M256_nvfp4_in,M512_nvfp4_in} --out $OUT \
+    2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -16
+  timeout -k 5 ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_attention.py --what decode \
+    ${BENCH_ARGS:---formats bf16,nvfp4_mosaic,nvfp4_mosaic2r --batches 16,64 --contexts 8192,32768} \
+    --budget_s $(( ${BENCH_TIMEOUT:-150} - 30 )) --out $OUT/bench_attention.json 2>&1 \
+    | grep -v "^I1\|^W1" | tail -16
 elif [ "$stage" = probe ]; then
   # the Mosaic decode-attention kernel piece by piece against its jnp model (decoder alone, then
   # running max / sum / output per warpgroup for inputs that isolate the K and V steps): the

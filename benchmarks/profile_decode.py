@@ -109,6 +109,7 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
   by_name, by_scope, by_thread, by_source = (collections.Counter() for _ in range(4))
   sources = sources or {}
   count, ops_by_scope = collections.Counter(), collections.Counter()
+  name_source = {}
   arg_keys = set()
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
@@ -130,9 +131,19 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
     # kernels inside the decode loop's command buffer carry no hlo_op; a fusion's kernel is
     # named after its HLO instruction, so the name finds it
     op = sources.get(_norm(str(args.get("hlo_op", "")))) or sources.get(_norm(e["name"]))
-    by_source[_source(op) if op else "(unattributed) " + e["name"][:60]] += e["dur"]
+    src = _source(op) if op else "(unattributed) " + e["name"][:60]
+    by_source[src] += e["dur"]
+    name_source[e["name"][:120]] = src
   total = sum(by_name.values())
   per_step = lambda us: us / max(steps, 1) / 1e3  # noqa: E731 - ms per decode step
+  # the decode loop alone: kernels that run at least once per step (prefill kernels, which the
+  # traced call also holds, run a fraction of a time per step)
+  decode_names = [k for k in by_name if count[k] >= 0.5 * steps]
+  decode_source, decode_calls = collections.Counter(), collections.Counter()
+  for k in decode_names:
+    decode_source[name_source.get(k, k)] += by_name[k]
+    decode_calls[name_source.get(k, k)] += count[k]
+  decode_total = sum(by_name[k] for k in decode_names)
   return {
       "trace_file": os.path.basename(files[0]),
       "device_kernel_ms_per_step": per_step(total),
@@ -143,6 +154,12 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
                      for k, v in by_scope.most_common(top)],
       "top_sources": [{"source": k, "ms_per_step": per_step(v), "frac": v / max(total, 1)}
                       for k, v in by_source.most_common(top)],
+      "decode_loop": {
+          "kernel_ms_per_step": per_step(decode_total),
+          "kernels_per_step": sum(count[k] for k in decode_names) / max(steps, 1),
+          "sources": [{"source": k, "ms_per_step": per_step(v),
+                       "calls_per_step": decode_calls[k] / max(steps, 1)}
+                      for k, v in decode_source.most_common(60)]},
       "hlo_instructions_mapped": len(sources),
       "top_xla_op_scopes": [{"scope": k, "ms_per_step": per_step(v)}
                             for k, v in ops_by_scope.most_common(top)],
@@ -194,12 +211,12 @@ def main():
       p = out["profile"]
       print("device kernel ms/step", p.get("device_kernel_ms_per_step"), p.get("error", ""),
             "| HLO instructions mapped:", p.get("hlo_instructions_mapped"))
-      for row in p.get("top_sources", [])[:30]:
-        print(f"  src {row['ms_per_step']:8.3f} ms {row['frac']:6.1%}  {row['source']}")
-      for row in p.get("top_scopes", [])[:25]:
-        print(f"  {row['ms_per_step']:8.3f} ms {row['frac']:6.1%}  {row['scope']}")
-      for row in p.get("top_xla_op_scopes", [])[:15]:
-        print(f"  op {row['ms_per_step']:8.3f} ms  {row['scope']}")
+      loop = p.get("decode_loop", {})
+      print(f"decode loop: {loop.get('kernel_ms_per_step', 0):.3f} ms of kernels, "
+            f"{loop.get('kernels_per_step', 0):.0f} kernels per step")
+      for row in loop.get("sources", [])[:45]:
+        print(f"  loop {1e3 * row['ms_per_step']:7.1f} us x{row['calls_per_step']:5.1f}"
+              f"  {row['source']}")
       for row in p.get("top_kernels", [])[:25]:
         print(f"  {row['ms_per_step']:8.3f} ms {row['frac']:6.1%} x{row['calls_per_step']:5.1f}"
               f"  {row['name'][:90]}")

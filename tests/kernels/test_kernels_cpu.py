@@ -246,21 +246,6 @@ def test_dense_wrapper_emulated(fmt, leads):
     assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
 
 
-def test_grouped_epilogues_gather_the_same_rows(monkeypatch):
-  """Both ways from the kernel's [chunks, N, bm] output to rows give the same rows, zeros for
-  rows past the groups (slot C * bm)."""
-  out = jax.random.normal(jax.random.key(3), (5, 7, 16), jnp.float32)
-  slot = jnp.asarray([0, 17, 79, 5 * 16, 33, 5 * 16, 64], jnp.int32)
-  want = np.concatenate([np.swapaxes(np.asarray(out), 1, 2).reshape(-1, 7), np.zeros((1, 7))])
-  for how in ("transpose", "gather"):
-    monkeypatch.setattr(fp4_mgpu, "GROUPED_EPILOGUE", how)
-    np.testing.assert_array_equal(np.asarray(fp4_mgpu._gather_rows(out, slot)),
-                                  want[np.asarray(slot)])
-  monkeypatch.setattr(fp4_mgpu, "GROUPED_EPILOGUE", "bogus")
-  with pytest.raises(ValueError, match="TRACE_JAX_GROUPED_EPILOGUE"):
-    fp4_mgpu._gather_rows(out, slot)
-
-
 def test_grouped_n_inner_and_stages(monkeypatch):
   """n_inner: the setting, cut to the largest divisor of the column tiles; chained pipelines
   get a stage count that divides the steps per tile (enumerated against a brute-force rule)."""
@@ -325,9 +310,16 @@ def test_lowers_for_cuda():
     pw = layout.PackedWeight(sds((1, n // 64, k // 4, 32), jnp.uint32),
                              sds((1, n // 64, k // 32, 32), jnp.uint32),
                              sds((1, n), jnp.float32), fmt, (k, n), 4)
-    for b in (1, 64):
+    for b in (1, 64):  # bm 16 (K split: float32 partial sums) and 64
       jax.jit(lambda x, p: fp4_mgpu.matmul(x, p)).trace(
           sds((b, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
+    pe = layout.PackedWeight(sds((8, n // 64, k // 4, 32), jnp.uint32),
+                             sds((8, n // 64, k // 32, 32), jnp.uint32),
+                             sds((8, n), jnp.float32), fmt, (8, k, n), 4)
+    for m in (40, 512):  # grouped: bm 16 and 64, bf16 rows out
+      jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g)).trace(
+          sds((m, k), jnp.bfloat16), pe, sds((8,), jnp.int32)).lower(
+              lowering_platforms=("cuda",))
 
 
 def test_prepare_tree():

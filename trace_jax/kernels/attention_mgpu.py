@@ -2,7 +2,7 @@
 decoded in registers straight into wgmma operands, the technique of the FP4 matmul kernels.
 
 Owns the kernel body, its inline PTX (the natural-layout nibble decode and the scale
-multipliers), the per-call plumbing (q permutation, per-head row factors, split combine) and a
+multipliers), the per-call plumbing (q permutation, validity row, split combine) and a
 `jnp` model of the kernel (`emulate_kernel`) for CPU tests of that plumbing. The result is
 defined by `attention_ref.decode_attention_ref`.
 
@@ -10,8 +10,8 @@ Design (one query token per sequence, GQA with 4 KV heads, head_dim 128, G <= 16
 per KV head; other shapes use `attention_pallas`):
 - grid (batch row, split of the sequence); a CTA holds 4 compute warpgroups, one per KV head,
   and a TMA warpgroup (`emit_pipeline_warp_specialized`) streaming 64-token tiles of the cache
-  in place (`[B, S, KVH, ...]`): codes (64 x 256 B), scale bytes (64 x 32 B), and per call
-  transposed row factors `[B, KVH, S]` and a validity row.
+  in place (`[B, S, KVH, ...]`): codes (64 x 256 B), scale bytes (64 x 32 B), the row scales
+  g (64 x 4 float32), and a per-call validity row.
 - K step, swap-AB: S^T[64 tokens, 16 heads] = K (registers) @ q^T (SMEM). A warpgroup loads
   its head's codes as uint32 `[64, 16]` in the wgmma layout: a thread gets rows r, r+8 and
   words (2c, 2c+1), (2c+8, 2c+9) = one 16-element block of each 64-wide head_dim half
@@ -20,7 +20,8 @@ per KV head; other shapes use `attention_pallas`):
   E2M1 magnitude to bf16 bits 8..6 and sign to 15 gives `E2M1 * 2**-126`; times the block
   scale multiplier `s * 2**118` (bf16x2, exact from the E4M3 byte via f16 and f32) gives
   `E2M1 * s * 2**-8`, exact in bf16. The row factor `g * 2**8 * softmax_scale` is applied to
-  S^T's rows, so K enters the product as `code * s * g` up to float32 rounding.
+  S^T's rows (`_row_scaler`: each thread reads its rows' g from the SMEM tile), so K enters
+  the product as `code * s * g` up to float32 rounding.
   Scale bytes: a wgmma-layout load of `[64, 8]` uint32 gives lane c head c's 8 bytes; one
   `shfl` per word brings the warpgroup's head to every lane.
 - softmax over tokens (rows): column max / sum across the warpgroup, online over tiles.
@@ -32,8 +33,9 @@ per KV head; other shapes use `attention_pallas`):
 Mosaic constraints behind this shape (jax 0.11.2, found by lowering for CUDA on CPU): a
 wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided slice does not
 ("no transfer pattern that avoids bank conflicts"); a row-vector load of a strided column does
-not ("cannot apply swizzle to non-contiguous refs"), hence the per-call `[B, KVH, S]` copies of
-the row factors; wgmma with both operands in SMEM needs equal swizzles (V at 32 B, as P
+not ("cannot apply swizzle to non-contiguous refs"), hence the row scales are read per thread
+through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, cost 12-34 us
+per call around the kernel on the H200 and was 5-7% slower in all); wgmma with both operands in SMEM needs equal swizzles (V at 32 B, as P
 `[64, 16]` bf16); SMEM holds 2 pipeline stages (~38 KB each) beside ~113 KB of buffers (3 need 233.5 KB of 227).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
@@ -235,7 +237,7 @@ RED_ELEMS = 4 * 32 * 2 * (GP // 8)
 def _row_scaler(factor: float):
   """inline_mgpu function: (x float32 [64, 16] wgmma layout, g float32 [64, KV_HEADS] SMEM: a
   tile of the cache's own `[S, KVH]` row scales) -> x with row r times `g[r, warpgroup] *
-  factor` (the product rounded to float32 first, as the transposed side arrays had it). Rows
+  factor` (the product rounded to float32 first). Rows
   come from the layout's own `thread_idxs`, so no register order is assumed here."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -271,17 +273,18 @@ def _bf16_smem(shape, swizzle: int):
 
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
-                                             "v_factor"))
+                                             "v_factor", "lazy_sum"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                       stages: int = 2, k_factor: float | None = None,
-                       v_factor: float | None = None):
+                       k_factor: float, v_factor: float, stages: int = 2,
+                       lazy_sum: bool = True):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
   slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
   tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
-  (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, 4, S] (row
-  factors: g * 2**8, K's times the softmax scale), or with k_factor / v_factor given, the
-  cache's own g float32 [B, S, 4], times those factors in the kernel (no per-call transposes);
-  vf float32 [B, S] (1: slot visible, 0 not).
+  (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, S, 4] (the
+  cache's own row scales g, read in place), times k_factor / v_factor in the kernel (2**8, K's
+  also times the softmax scale); vf float32 [B, S_pad] (1: slot visible, 0 not). lazy_sum:
+  the softmax denominator stays a per-thread [64, 16] partial (rescaled with the output) and is
+  reduced across warps once per split, so a tile has one cross-warp reduction (the max), not two.
   Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, 16]: running max and sum)."""
   import jax.experimental.pallas as pl
@@ -294,9 +297,6 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   wgmma_layout = plgpu.Layout.WGMMA
   decode = _tile_decoder()
   col_max, col_sum = _column_reducer("max"), _column_reducer("add")
-  natural = k_factor is not None
-  if natural != (v_factor is not None):
-    raise ValueError("k_factor and v_factor go together")
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem,
@@ -311,11 +311,14 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       wg = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
+      zeros = plgpu.layout_cast(jnp.zeros((64, GP), jnp.float32), wgmma_layout)
       init = (plgpu.layout_cast(jnp.full((GP,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
-              plgpu.layout_cast(jnp.zeros((GP,), jnp.float32), wgmma_layout.reduce(0)),
-              plgpu.layout_cast(jnp.zeros((64, GP), jnp.float32), wgmma_layout),
-              plgpu.layout_cast(jnp.zeros((64, GP), jnp.float32), wgmma_layout))
+              zeros if lazy_sum else plgpu.layout_cast(jnp.zeros((GP,), jnp.float32),
+                                                       wgmma_layout.reduce(0)),
+              zeros, zeros)
       m, l, o0, o1 = eval_pipeline(init)
+      if lazy_sum:
+        l = col_sum(l, red_smem.at[wg])
       ml_smem[wg, 0] = m
       ml_smem[wg, 1] = l
       for j, o in enumerate((o0, o1)):  # one [64, 16] buffer per warpgroup: SMEM for stages
@@ -346,20 +349,13 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
         return acc[...]
 
       s = pl.run_scoped(s_scope, plgpu.ACC((64, GP), jnp.float32))
-      if natural:
-        s = _row_scaler(k_factor)(s, kg_s)
-      else:
-        s = s * plgpu.load(kg_s.at[wg], (), layout=wgmma_layout.reduce(1))[:, None]
+      s = _row_scaler(k_factor)(s, kg_s)
       s = s + ((valid - 1.0) * 1e30)[:, None]
       m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
       p = jnp.exp(s - m_new[None, :]) * valid[:, None]
       corr = jnp.exp(m - m_new)
-      l = l * corr + col_sum(p, red_smem.at[wg])
-      if natural:
-        pg = _row_scaler(v_factor)(p, vg_s)
-      else:
-        pg = p * plgpu.load(vg_s.at[wg], (), layout=wgmma_layout.reduce(1))[:, None]
-      p_smem[wg] = pg.astype(jnp.bfloat16)
+      l = l * corr[None, :] + p if lazy_sum else l * corr + col_sum(p, red_smem.at[wg])
+      p_smem[wg] = _row_scaler(v_factor)(p, vg_s).astype(jnp.bfloat16)
       v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                       plgpu.load(vs_s, (), layout=wgmma_layout))
       v_smem[wg, 0] = v0
@@ -382,8 +378,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
         body, grid=(split_tiles,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((TILE, 64), row), plgpu.BlockSpec((TILE, 64), row),
                   plgpu.BlockSpec((TILE, 8), row), plgpu.BlockSpec((TILE, 8), row),
-                  *[plgpu.BlockSpec((TILE, KV_HEADS), row) if natural else
-                    plgpu.BlockSpec((KV_HEADS, TILE), lambda i: (0, tile(i)))] * 2,
+                  plgpu.BlockSpec((TILE, KV_HEADS), row), plgpu.BlockSpec((TILE, KV_HEADS), row),
                   plgpu.BlockSpec((TILE,), lambda i: (tile(i),))],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
         compute_context=compute_context)
@@ -409,16 +404,15 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
 
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                   stages: int = 2, k_factor: float | None = None,
-                   v_factor: float | None = None):
+                   k_factor: float, v_factor: float, stages: int = 2, lazy_sum: bool = True):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is). Lets CPU tests
   cover the plumbing around the kernel."""
-  del stages
-  if k_factor is not None:  # the cache's own g [B, S, 4]: the kernel's factors, transposed
-    kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)
-    vg = jnp.swapaxes(vg * jnp.float32(v_factor), 1, 2)
+  del stages, lazy_sum  # the sum's order is not modelled
+  # the row factors as the kernel forms them: g times the factor, rounded to float32
+  kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)  # [B, 4, S]
+  vg = jnp.swapaxes(vg * jnp.float32(v_factor), 1, 2)
   b, s = kc.shape[:2]
   s_pad = n_splits * split_tiles * TILE
 
@@ -483,13 +477,12 @@ def default_splits(b: int, s: int) -> int:
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
-                     splits: int | None = None, stages: int = 2, natural_g: bool = False,
+                     splits: int | None = None, stages: int = 2, lazy_sum: bool = True,
                      kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
-  `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. natural_g: the kernel reads
-  the cache's row scales `[B, S, 4]` in place and applies the factors itself (no per-call
-  transposed copies: 4 passes over B*S*16 bytes and two XLA kernels fewer); not yet run on a
-  GPU, so off by default. kernel_fn replaces the kernel (tests pass `emulate_kernel`)."""
+  `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
+  (codes, scales, row scales) in place. kernel_fn replaces the kernel (tests pass
+  `emulate_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
   if why:
@@ -513,24 +506,17 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
       jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(b, s, n, 4), jnp.uint32)
   kc, vc = u32(k.codes, 64), u32(v.codes, 64)
   ks, vs = u32(k.scales, 8), u32(v.scales, 8)
-  # the per-call side arrays are padded to whole tiles: TMA needs 16-byte row strides (S = 1
+  kg, vg = (x.global_scale[..., 0].astype(jnp.float32) for x in (k, v))  # views of the cache
+  # the per-call validity row is padded to whole tiles: TMA needs 16-byte row strides (S = 1
   # gave 4), and the padding slots are invisible (vf 0)
-  pad_s = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, tiles * TILE - s)])  # noqa: E731
-  k_factor, v_factor = float(2 ** ROW_SHIFT * scale), float(2 ** ROW_SHIFT)
-  if natural_g:
-    kg, vg = (x.global_scale[..., 0].astype(jnp.float32) for x in (k, v))  # views of the cache
-    factors = dict(k_factor=k_factor, v_factor=v_factor)
-  else:
-    row = lambda x, f: pad_s(jnp.swapaxes(  # noqa: E731
-        x.global_scale[..., 0].astype(jnp.float32) * f, 1, 2))
-    kg, vg = row(k, k_factor), row(v, v_factor)
-    factors = {}
-  vf = pad_s(allowed.astype(jnp.float32))
+  vf = jnp.pad(allowed.astype(jnp.float32), ((0, 0), (0, tiles * TILE - s)))
   last = s - jnp.argmax(allowed[:, ::-1], axis=1)  # one past the last visible slot
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
   o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
                                             split_tiles=split_tiles, n_splits=n_splits,
-                                            stages=stages, **factors)
+                                            stages=stages, lazy_sum=lazy_sum,
+                                            k_factor=float(2 ** ROW_SHIFT * scale),
+                                            v_factor=float(2 ** ROW_SHIFT))
   # [B, n, 4, 2, 64, 16] -> [B, 4, n, 16, 128 physical]
   o = jnp.moveaxis(o, -1, 3).reshape(b, n_splits, kvh, GP, hd).swapaxes(1, 2)
   m = jnp.swapaxes(ml[:, :, :, 0], 1, 2)

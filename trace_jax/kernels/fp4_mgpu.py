@@ -20,12 +20,15 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
   dynamic row), so groups are padded to nothing: empty experts cost no weight traffic and
   empty chunks exit at once. Dense calls with fewer than 132 CTAs split K across CTAs (f32
   partial sums added by XLA), which made the 30B-A3B attention shapes 2.5-4x faster.
-- epilogue: acc * column factor (g * 2**shift, from GMEM via TMA) -> out [splits, chunks, N,
-  bm]; XLA gathers the rows back (a transpose for the dense case).
+- epilogue: acc * column factor (g * 2**shift, from GMEM via TMA), stored transposed to SMEM
+  (the accumulator is W^T x^T: columns by rows) -> out [splits, chunks, bm, N], row-major, so
+  XLA's gather of the wanted rows reads whole rows. (Until 2026-11-30 the kernel wrote
+  [.., N, bm] and XLA transposed every chunk before gathering: 17 us per MoE layer of the
+  4-layer FP4 decode step on the H200, for 20x more chunk rows than real ones at decode sizes.)
 - around the grouped kernel, XLA lays out the operand with two gathers (`layout.permute_k_rows`:
   the caller's row order, e.g. token -> expert-sorted, with the row pad as out-of-range fill,
-  then the K permutation) and reads the output with one (`_gather_rows`, composed with the
-  caller's `out_rows`, e.g. back to token order).
+  then the K permutation) and reads the output with one (composed with the caller's
+  `out_rows`, e.g. back to token order).
 
 Mosaic imports happen inside the functions: the module imports on CPU, where `dispatch.py` runs
 the references and tests drive the wrappers with `emulate_chunked_matmul`.
@@ -155,12 +158,35 @@ def _make_tile_decoder(fmt: str, kb: int, j: int):
 
 # --------------------------------------------------------------------------- the kernel
 
-def _out_smem(wgs: int, bm: int, dtype):
+@functools.cache
+def _transposed_store():
+  """inline_mgpu function: (x [64, bm] wgmma layout, ref [bm, 64] SMEM, untiled) -> ref = x^T,
+  element by element at the positions the layout's own `thread_idxs` name. Pallas's store
+  through `transpose_ref` of a tiled ref finds no layout (jax 0.11.2), and the epilogue's 8-32
+  values per thread make scalar stores cheap beside the kernel's main loop."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  bits = jnp.dtype(dtype).itemsize * 8
-  sw = plgpu.find_swizzle(bm * bits, "out")
-  return plgpu.SMEM((wgs, 64, bm), dtype, transforms=(
-      plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw)))
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, memref, vector
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(ctx, x, ref):
+    del ctx
+    index = ir.IndexType.get()
+    for (row, col), pos in zip(x.layout.thread_idxs(x.shape), np.ndindex(x.registers.shape),
+                               strict=True):
+      reg = x.registers[pos]
+      for j in range(ir.VectorType(reg.type).shape[0]):
+        c = arith.addi(col, mutils.c(j, index)) if j else col  # thread_idxs are index values
+        memref.store(vector.extract(reg, [], [j]), ref, [c, row])
+
+  return store
+
+
+def _out_smem(wgs: int, bm: int, dtype):
+  """Output staging, [rows, 64 columns] per warpgroup, untiled (see `_transposed_store`)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  return plgpu.SMEM((wgs, bm, 64), dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
@@ -177,7 +203,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   steps of the current one compute): fewer, longer CTAs, so the per-CTA start (launch, barrier
   set-up, the first loads' latency) is paid once per n_inner tiles, which matters when K is
   short (the 30B-A3B down projection: 3 steps of 256 K per tile).
-  Returns out_dtype [splits, C, N_pad, bm]: out[s, c, n, i] = row i of chunk c times column n
+  Returns out_dtype [splits, C, bm, N_pad]: out[s, c, i, n] = row i of chunk c times column n
   over K part s (already times the column factor)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -216,9 +242,10 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
           eval_pipeline(acc_ref)
           plgpu.barrier_wait(f_bar.at[wg])
           f = plgpu.load(f_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-          out_smem[wg] = (acc_ref[...] * f[:, None]).astype(out_dtype)
+          _transposed_store()((acc_ref[...] * f[:, None]).astype(out_dtype), out_smem.at[wg])
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[s_idx, c_idx, pl.ds(col0, 64)])
+          plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                  out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       def body(_, x_smem, w_smem, s_smem, acc_ref):
@@ -259,7 +286,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
       pl.run_scoped(chain, pipes[0].get_allocations(*refs), collective_axes="wg")
 
   return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, n_pad, bm), out_dtype),
+      kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n_pad), out_dtype),
       grid=(nt // wgs // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
@@ -341,8 +368,8 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
   kp = xc.shape[1] // splits
   a_s = a_phys[ce].reshape(ce.shape[0], -1, splits, kp)
   x_s = xr.reshape(ce.shape[0], bm, splits, kp)
-  out = jnp.einsum("cnsk,cisk->scni", a_s, x_s, precision=lax.Precision.HIGHEST)
-  out = out * fac[ce][None, :, :, None]
+  out = jnp.einsum("cnsk,cisk->scin", a_s, x_s, precision=lax.Precision.HIGHEST)
+  out = out * fac[ce][None, :, None, :]
   return jnp.where((chunk_expert >= 0)[None, :, None, None], out, 0).astype(out_dtype)
 
 
@@ -367,7 +394,7 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, zero, zero, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=part_dtype, **cfg)
-  y = jnp.sum(out[:, 0, :pw.n, :rows], axis=0, dtype=part_dtype).T.astype(out_dtype)
+  y = jnp.sum(out[:, 0, :rows, :pw.n], axis=0, dtype=part_dtype).astype(out_dtype)
   return y.reshape(*lead, pw.n)
 
 
@@ -430,27 +457,6 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
       out_dtype=out_dtype, **cfg)
   if out_rows is not None:
     slot = slot[out_rows]
-  return _gather_rows(out[0, :, :pw.n, :], slot)  # out: [C, N, bm]
-
-
-# How the grouped kernel's `[chunks, N, bm]` output becomes `[rows, N]`, set by
-# TRACE_JAX_GROUPED_EPILOGUE: "transpose" (default) transposes all chunks to rows and gathers;
-# "gather" gathers each row's N values straight from the chunk layout (strided reads, nothing
-# materialized). On the H200 the 4-layer FP4 decode step took 1.90 ms with "transpose" and
-# 1.98 ms with "gather" (benchmarks/results/profile_h200_2026-11-30, session3).
-GROUPED_EPILOGUE = os.environ.get("TRACE_JAX_GROUPED_EPILOGUE", "transpose")
-
-
-def _gather_rows(out: jax.Array, slot: jax.Array) -> jax.Array:
-  """Rows `slot` (index into chunk-major (chunk, row-in-chunk) order; C*bm = a zero row) of the
-  kernel output `out [C, N, bm]`."""
-  c, n, bm = out.shape
-  if GROUPED_EPILOGUE == "gather":
-    chunk, row = jnp.minimum(slot // bm, c - 1), slot % bm
-    return jnp.where((slot < c * bm)[:, None], out[chunk, :, row], 0).astype(out.dtype)
-  if GROUPED_EPILOGUE != "transpose":
-    raise ValueError(f"TRACE_JAX_GROUPED_EPILOGUE must be 'transpose' or 'gather', got "
-                     f"{GROUPED_EPILOGUE!r}")
-  flat = jnp.swapaxes(out, 1, 2).reshape(-1, n)
-  flat = jnp.concatenate([flat, jnp.zeros((1, n), flat.dtype)], 0)
-  return flat[slot]
+  flat = out[0, :, :, :pw.n].reshape(-1, pw.n)  # [C * bm, N]: chunk rows in order
+  # slot C * bm (rows past the groups) reads as zeros: one gather, no padded copy of `flat`
+  return jnp.take(flat, slot, axis=0, mode="fill", fill_value=0)
