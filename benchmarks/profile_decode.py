@@ -180,6 +180,9 @@ def main():
   ap.add_argument("--guidance_cost", action="store_true",
                   help="also time the same engine with guidance recording off (one more compile)")
   ap.add_argument("--out", default="profile_decode.json")
+  ap.add_argument("--hlo_out", default="",
+                  help="also keep the optimized HLO of the generate program here (.txt.gz): "
+                       "what each fusion of the decode loop computes")
   a = ap.parse_args()
   cfg = M.preset(a.preset).replace(num_layers=a.layers,
                                           max_seq_len=a.prompt_len + a.new_tokens)
@@ -208,6 +211,12 @@ def main():
         r = eng.generate(prompts, n=1, sampling=s, seed=7, max_new_tokens=a.new_tokens)
         jax.block_until_ready(r.tokens)
       out["profile"] = summarize_trace(d, a.new_tokens, sources=hlo_sources())
+      if a.hlo_out:
+        dumps = sorted(glob.glob(os.path.join(HLO_DUMP, "*generate_program*after_optimizations.txt")),
+                       key=os.path.getsize)
+        if dumps:
+          with open(dumps[-1], "rb") as src, gzip.open(a.hlo_out, "wb") as dst:
+            dst.write(src.read())
       p = out["profile"]
       print("device kernel ms/step", p.get("device_kernel_ms_per_step"), p.get("error", ""),
             "| HLO instructions mapped:", p.get("hlo_instructions_mapped"))
