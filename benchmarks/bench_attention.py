@@ -29,9 +29,7 @@ Prefill rows (`prefill_attention`, the flash kernel, against `prefill_attention_
 materializes float32 scores): B prompts of T tokens in a cache of T + 256 slots, the first row
 left-padded by T/10; TFLOP/s count 4 * H * hd flops per visible (query, slot) pair.
 
-Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 cache;
-`nvfp4_mosaic2r` the same kernel with two cross-warp reductions per tile (`lazy_sum=False`: the
-softmax sum reduced every tile, as before 2026-11-30's sixth session; for the A/B).
+Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 cache.
 
 --sweep: launch configurations (tile, splits, warps, stages) of the decode kernels (Pallas, and
 Mosaic splits/stages) at B=16/S=8k and B=64/S=1k (the RL rollout's shape) and of the prefill
@@ -74,7 +72,7 @@ def plot(res: dict, path: str) -> None:
   if not rows:
     return
   groups = sorted({(r["batch"], r["context"]) for r in rows})
-  fmts = [f for f in FORMATS + ("nvfp4_mosaic2r",) if any(r["kv"] == f for r in rows)]
+  fmts = [f for f in FORMATS if any(r["kv"] == f for r in rows)]
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
   width = 0.8 / len(fmts)
   for i, fmt in enumerate(fmts):
@@ -152,8 +150,8 @@ def main():
   def kernel_fn(q, k, v, valid):  # the Pallas kernel (the dispatch would pick Mosaic for NVFP4)
     return attention_pallas.decode_attention(q, k, v, valid)
 
-  def mosaic_fn(q, k, v, valid, lazy_sum=True):
-    return attention_mgpu.decode_attention(q, k, v, valid, lazy_sum=lazy_sum)
+  def mosaic_fn(q, k, v, valid):
+    return attention_mgpu.decode_attention(q, k, v, valid)
 
   def ref_fn(q, k, v, valid):
     return kernels.decode_attention_ref(q, k, v, valid)
@@ -239,8 +237,7 @@ def main():
     key, kq, kk, kv = jax.random.split(key, 4)
     shape = (b, s, KVH, HD)
     data_fmt, _, variant = fmt.partition("_")
-    kfn = (functools.partial(mosaic_fn, lazy_sum=variant != "mosaic2r")
-           if variant.startswith("mosaic") else kernel_fn)
+    kfn = mosaic_fn if variant == "mosaic" else kernel_fn
     k, v = make_kv(data_fmt, shape, kk), make_kv(data_fmt, shape, kv)
     q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
          else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))

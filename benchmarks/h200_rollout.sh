@@ -106,8 +106,8 @@ elif [ "$stage" = final ]; then
     --out=$OUT/bench_rollout_12l_b64.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = attn ]; then
   # attention kernels: GPU tests (Mosaic NVFP4 decode first: a hang there must not eat the call,
-  # then Pallas decode and flash prefill), then decode rows B 16/64 x S 8k/32k with the Mosaic
-  # kernel both ways of reading row scales (BENCH_ARGS="--quick --sweep" for the launch
+  # then Pallas decode and flash prefill), then decode rows B 16/64 x S 8k/32k: bf16, the
+  # Pallas kernel on NVFP4 and the Mosaic kernel (BENCH_ARGS="--quick --sweep" for the launch
   # sweep instead); full test logs under $OUT
   JAX_PLATFORMS=cuda timeout -k 5 ${MOSAIC_TIMEOUT:-100} python3 -m pytest -q -x -m gpu \
     -p no:xdist -o addopts="" -k mosaic tests/kernels/test_attention_gpu.py \
@@ -118,7 +118,7 @@ elif [ "$stage" = attn ]; then
     > $OUT/test_attn_pallas.txt 2>&1; echo "pallas tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_attn_pallas.txt | tail -25
   timeout -k 5 ${BENCH_TIMEOUT:-280} python3 benchmarks/bench_attention.py ${BENCH_ARGS:-\
-    --formats bf16,nvfp4,nvfp4_mosaic,nvfp4_mosaicg --batches 16,64 --contexts 8192,32768} \
+    --formats bf16,nvfp4,nvfp4_mosaic --batches 16,64 --contexts 8192,32768} \
     --budget_s $(( ${BENCH_TIMEOUT:-280} - 30 )) \
     --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -70
 elif [ "$stage" = check ]; then
@@ -136,7 +136,7 @@ elif [ "$stage" = check ]; then
     --only ${KERNEL_ROWS:-M256_tokamax,M512_tokamax,M256_nvfp4_in,M512_nvfp4_in} --out $OUT \
     2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -16
   timeout -k 5 ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_attention.py --what decode \
-    ${BENCH_ARGS:---formats bf16,nvfp4_mosaic,nvfp4_mosaic2r --batches 16,64 --contexts 8192,32768} \
+    ${BENCH_ARGS:---formats bf16,nvfp4_mosaic --batches 16,64 --contexts 8192,32768} \
     --budget_s $(( ${BENCH_TIMEOUT:-150} - 30 )) --out $OUT/bench_attention.json 2>&1 \
     | grep -v "^I1\|^W1" | tail -16
 elif [ "$stage" = probe ]; then

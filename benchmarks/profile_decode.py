@@ -84,6 +84,30 @@ def hlo_sources(dump_dir=HLO_DUMP) -> dict:
   return out
 
 
+def decode_loop_listing(hlo_text: str) -> str:
+  """The kernels of the decode loop, one line each in program order: instruction, HLO op,
+  output shape, source scope. The loop is the largest while body of the optimized module."""
+  lines = hlo_text.split("\n")
+  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
+  best = []
+  for name in bodies:
+    start = next((i for i, l in enumerate(lines) if l.startswith(f"%{name} ")), None)
+    if start is None:
+      continue
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("}"))
+    if end - start > len(best):
+      best = lines[start + 1:end]
+  out = []
+  for line in best:
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(", line)
+    if not m or m.group(3) in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+      continue
+    op = re.search(r'op_name="([^"]+)"', line)
+    out.append(f"{m.group(1):40} {m.group(3):12} {m.group(2)[:60]:60} "
+               f"{_source(op.group(1)) if op else ''}")
+  return "\n".join(out) + "\n"
+
+
 def _source(op_name: str) -> str:
   """A readable source scope: jit/while/vmap wrappers and numbers dropped."""
   parts = [p for p in re.sub(r"\d+", "#", op_name).split("/")
@@ -181,8 +205,8 @@ def main():
                   help="also time the same engine with guidance recording off (one more compile)")
   ap.add_argument("--out", default="profile_decode.json")
   ap.add_argument("--hlo_out", default="",
-                  help="also keep the optimized HLO of the generate program here (.txt.gz): "
-                       "what each fusion of the decode loop computes")
+                  help="also write the decode loop's kernels (from the optimized HLO) here, one "
+                       "line each: instruction, op, shape, source")
   a = ap.parse_args()
   cfg = M.preset(a.preset).replace(num_layers=a.layers,
                                           max_seq_len=a.prompt_len + a.new_tokens)
@@ -215,8 +239,8 @@ def main():
         dumps = sorted(glob.glob(os.path.join(HLO_DUMP, "*generate_program*after_optimizations.txt")),
                        key=os.path.getsize)
         if dumps:
-          with open(dumps[-1], "rb") as src, gzip.open(a.hlo_out, "wb") as dst:
-            dst.write(src.read())
+          with open(dumps[-1]) as src, open(a.hlo_out, "w") as dst:
+            dst.write(decode_loop_listing(src.read()))
       p = out["profile"]
       print("device kernel ms/step", p.get("device_kernel_ms_per_step"), p.get("error", ""),
             "| HLO instructions mapped:", p.get("hlo_instructions_mapped"))

@@ -333,11 +333,10 @@ def _lower_all(sds, b, s, kvh, h, hd):
     assert "triton" in lowered.as_text()
     if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages
       from trace_jax.kernels import attention_mgpu as AM
-      for lazy in (False, True):  # the softmax sum reduced per tile / once per split
-        lowered = jax.jit(functools.partial(AM.decode_attention, lazy_sum=lazy)).trace(
-            sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
-                lowering_platforms=("cuda",))
-        assert "mosaic" in lowered.as_text()
+      lowered = jax.jit(AM.decode_attention).trace(
+          sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
+              lowering_platforms=("cuda",))
+      assert "mosaic" in lowered.as_text()
 
 
 # ------------------------------------------------------------------ Mosaic NVFP4 kernel (CPU parts)

@@ -273,18 +273,18 @@ def _bf16_smem(shape, swizzle: int):
 
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
-                                             "v_factor", "lazy_sum"))
+                                             "v_factor"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                       k_factor: float, v_factor: float, stages: int = 2,
-                       lazy_sum: bool = True):
+                       k_factor: float, v_factor: float, stages: int = 2):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
   slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
   tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
   (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, S, 4] (the
   cache's own row scales g, read in place), times k_factor / v_factor in the kernel (2**8, K's
-  also times the softmax scale); vf float32 [B, S_pad] (1: slot visible, 0 not). lazy_sum:
-  the softmax denominator stays a per-thread [64, 16] partial (rescaled with the output) and is
-  reduced across warps once per split, so a tile has one cross-warp reduction (the max), not two.
+  also times the softmax scale); vf float32 [B, S_pad] (1: slot visible, 0 not).
+  The softmax denominator stays a per-thread [64, 16] partial (rescaled with the output) and is
+  reduced across warps once per split, so a tile has one cross-warp reduction (the max), not
+  two: 5-7% faster on the H200 than a reduction per tile (B 16/64 x S 8k/32k, 2026-11-30).
   Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, 16]: running max and sum)."""
   import jax.experimental.pallas as pl
@@ -313,12 +313,9 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       plgpu.barrier_wait(q_bar.at[wg])
       zeros = plgpu.layout_cast(jnp.zeros((64, GP), jnp.float32), wgmma_layout)
       init = (plgpu.layout_cast(jnp.full((GP,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
-              zeros if lazy_sum else plgpu.layout_cast(jnp.zeros((GP,), jnp.float32),
-                                                       wgmma_layout.reduce(0)),
-              zeros, zeros)
+              zeros, zeros, zeros)
       m, l, o0, o1 = eval_pipeline(init)
-      if lazy_sum:
-        l = col_sum(l, red_smem.at[wg])
+      l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       ml_smem[wg, 0] = m
       ml_smem[wg, 1] = l
       for j, o in enumerate((o0, o1)):  # one [64, 16] buffer per warpgroup: SMEM for stages
@@ -354,7 +351,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
       p = jnp.exp(s - m_new[None, :]) * valid[:, None]
       corr = jnp.exp(m - m_new)
-      l = l * corr[None, :] + p if lazy_sum else l * corr + col_sum(p, red_smem.at[wg])
+      l = l * corr[None, :] + p
       p_smem[wg] = _row_scaler(v_factor)(p, vg_s).astype(jnp.bfloat16)
       v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                       plgpu.load(vs_s, (), layout=wgmma_layout))
@@ -404,12 +401,12 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
 
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                   k_factor: float, v_factor: float, stages: int = 2, lazy_sum: bool = True):
+                   k_factor: float, v_factor: float, stages: int = 2):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is). Lets CPU tests
   cover the plumbing around the kernel."""
-  del stages, lazy_sum  # the sum's order is not modelled
+  del stages  # (the order of the softmax sum is not modelled)
   # the row factors as the kernel forms them: g times the factor, rounded to float32
   kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)  # [B, 4, S]
   vg = jnp.swapaxes(vg * jnp.float32(v_factor), 1, 2)
@@ -477,8 +474,7 @@ def default_splits(b: int, s: int) -> int:
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
-                     splits: int | None = None, stages: int = 2, lazy_sum: bool = True,
-                     kernel_fn=None) -> jax.Array:
+                     splits: int | None = None, stages: int = 2, kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. kernel_fn replaces the kernel (tests pass
@@ -514,7 +510,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
   o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
                                             split_tiles=split_tiles, n_splits=n_splits,
-                                            stages=stages, lazy_sum=lazy_sum,
+                                            stages=stages,
                                             k_factor=float(2 ** ROW_SHIFT * scale),
                                             v_factor=float(2 ** ROW_SHIFT))
   # [B, n, 4, 2, 64, 16] -> [B, 4, n, 16, 128 physical]

@@ -18,11 +18,13 @@ Everything else (CPU, float32 activations, FP4 activations) runs the reference i
 `use_kernel=True` forces the kernel (errors off-GPU).
 
 Decode attention: on GPU the Mosaic GPU NVFP4 kernel of `attention_mgpu.py` where it applies
-(NVFP4 K/V, 4 KV heads x head_dim 128, cache length a multiple of 8; on the H200 259 us against
-354 us for the Pallas kernel at B=64 x 8k, 2026-11-30), else the Pallas kernel of
-`attention_pallas.py` for the operands `attention_pallas.kernel_supported` accepts (it reads an
-FP4 cache in place; the reference dequantizes the whole cache to bf16 every step: on the H200
-that was 31 us per layer and call at 384 slots, B=64), the reference `attention_ref` elsewhere.
+(NVFP4 K/V, 4 KV heads x head_dim 128, cache length a multiple of 8; on the H200 198 us per
+call at B=64 x 8k against 281 us for the Pallas kernel on a bf16 cache, and 365 us for the
+Pallas kernel on the same NVFP4 cache in its earlier launch configuration, 2026-11-30), else
+the Pallas kernel of `attention_pallas.py` for the operands `attention_pallas.kernel_supported`
+accepts (it reads an FP4 cache in place; the reference dequantizes the whole cache to bf16
+every step: on the H200 that was 31 us per layer and call at 384 slots, B=64), the reference
+`attention_ref` elsewhere.
 The environment variable `TRACE_JAX_DECODE_ATTENTION` (read at import) picks otherwise:
 `=kernel` the Pallas kernel for every format, `=reference` the reference on GPU too.
 
