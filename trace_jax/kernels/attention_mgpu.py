@@ -85,6 +85,11 @@ def _phys_to_logical() -> np.ndarray:
 
 
 PHYS_TO_LOGICAL = _phys_to_logical()
+# The same permutation as a transposition, for the output: a 64 half's physical position
+# 16a + 8b + 2c + v (axes a, b, c, v of sizes 4, 2, 4, 2) holds logical 16c + 4a + 2v + b.
+_HALF_AXES, _HALF_TO_LOGICAL = (4, 2, 4, 2), (2, 0, 3, 1)
+assert (np.arange(64).reshape(_HALF_AXES).transpose(_HALF_TO_LOGICAL).reshape(64)
+        == np.argsort(PHYS_TO_LOGICAL[:64])).all()
 
 
 def kernel_supported(q, k, v) -> str | None:
@@ -513,10 +518,13 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
                                             stages=stages,
                                             k_factor=float(2 ** ROW_SHIFT * scale),
                                             v_factor=float(2 ** ROW_SHIFT))
-  # [B, n, 4, 2, 64, 16] -> [B, 4, n, 16, 128 physical]
-  o = jnp.moveaxis(o, -1, 3).reshape(b, n_splits, kvh, GP, hd).swapaxes(1, 2)
-  m = jnp.swapaxes(ml[:, :, :, 0], 1, 2)
-  l = jnp.swapaxes(ml[:, :, :, 1], 1, 2)
-  out = combine_splits(o, m, l)  # [B, 4, 16, 128 physical]
-  out = jnp.take(out, jnp.asarray(np.argsort(PHYS_TO_LOGICAL), jnp.int32), axis=-1)
-  return out[:, :, :g].reshape(b, h, hd).astype(out_dtype)
+  # [B, n, 4, 2, 64 physical, 16] -> [B, 4, n, g, 128 logical]: the real query heads only, and
+  # head_dim back in logical order by a transposition (layout work the combine's reduction
+  # takes as its input, where a gather over head_dim was two more kernels per layer)
+  o = o[..., :g].reshape(b, n_splits, kvh, 2, *_HALF_AXES, g)
+  o = o.transpose(0, 2, 1, 8, 3, *(4 + a for a in _HALF_TO_LOGICAL)).reshape(
+      b, kvh, n_splits, g, hd)
+  m = jnp.swapaxes(ml[:, :, :, 0, :g], 1, 2)
+  l = jnp.swapaxes(ml[:, :, :, 1, :g], 1, 2)
+  out = combine_splits(o, m, l)  # [B, 4, g, 128]
+  return out.reshape(b, h, hd).astype(out_dtype)
