@@ -70,17 +70,14 @@ elif [ "$stage" = serve ]; then
   timeout 360 python3 launch/compare.py --config=configs/serve_compare.py:gpu \
     --workdir $OUT/serve_compare_gpu 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -12
 elif [ "$stage" = profile ]; then
-  # where the FP4 decode step goes (4 layers of the 30B-A3B shape), guidance cost, and the
-  # decode-attention kernel tests + benchmark
+  # where the decode step goes (4 layers of the 30B-A3B shape, prompt 256): FP4 kernels with
+  # the guidance cost, then the BF16 engine; each writes the decode loop's kernel listing
   timeout 250 python3 benchmarks/profile_decode.py --layers 4 --policy paper --path kernels \
-    --guidance_cost --out $OUT/profile_decode_paper_kernels.json 2>&1 | grep -v "^I1\|^W1"
-  timeout 110 python3 benchmarks/profile_decode.py --layers 4 --policy bf16 --path xla \
-    --out $OUT/profile_decode_bf16.json 2>&1 | grep -v "^I1\|^W1"
-  TRACE_JAX_DECODE_ATTENTION=kernel JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -q -x \
-    -m gpu -p no:xdist -o addopts="" \
-    tests/kernels/test_attention_gpu.py 2>&1 | tail -5
-  timeout 100 python3 benchmarks/bench_attention.py --quick --budget_s 80 \
-    --out $OUT/bench_attention.json 2>&1 | grep -v "^I1\|^W1" | tail -30
+    --guidance_cost --hlo_out $OUT/decode_loop_kernels_paper.txt \
+    --out $OUT/profile_decode_paper_kernels.json 2>&1 | grep -v "^I1\|^W1" | tail -40
+  timeout 150 python3 benchmarks/profile_decode.py --layers 4 --policy bf16 --path xla \
+    --hlo_out $OUT/decode_loop_kernels_bf16.txt --out $OUT/profile_decode_bf16.json 2>&1 \
+    | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop"
 elif [ "$stage" = kernels ]; then
   # grouped FP4 kernel: n_inner column tiles per CTA vs one, tokamax bf16 in the same run; the
   # kernels' GPU tests (grouped + decode attention); then a decode-step profile with the
@@ -125,19 +122,19 @@ elif [ "$stage" = check ]; then
   # after a kernel change: the FP4 matmul kernels' GPU tests (dense + grouped, the row-major
   # output epilogue) and the Mosaic decode-attention tests, then the grouped rows of
   # bench_kernels (tokamax bf16 vs FP4 n_inner 2/4/all) and the decode attention rows
-  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-170} python3 -m pytest -q -x -m gpu \
+  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-240} python3 -m pytest -q -x -m gpu \
     -p no:xdist -o addopts="" tests/kernels/test_kernels_gpu.py > $OUT/test_kernels_gpu.txt 2>&1
   echo "kernel tests rc=$?"; grep -v "^I1\|^W1" $OUT/test_kernels_gpu.txt | tail -4
   JAX_PLATFORMS=cuda timeout -k 5 ${MOSAIC_TIMEOUT:-120} python3 -m pytest -q -x -m gpu \
     -p no:xdist -o addopts="" -k mosaic tests/kernels/test_attention_gpu.py \
     > $OUT/test_attn_mosaic.txt 2>&1; echo "mosaic tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_attn_mosaic.txt | tail -4
-  timeout -k 5 ${BK_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --iters 20 \
+  timeout -k 5 ${BK_TIMEOUT:-180} python3 benchmarks/bench_kernels.py --iters 20 \
     --only ${KERNEL_ROWS:-M256_tokamax,M512_tokamax,M256_nvfp4_in,M512_nvfp4_in} --out $OUT \
     2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -16
-  timeout -k 5 ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_attention.py --what decode \
+  timeout -k 5 ${BENCH_TIMEOUT:-120} python3 benchmarks/bench_attention.py --what decode \
     ${BENCH_ARGS:---formats bf16,nvfp4_mosaic --batches 16,64 --contexts 8192,32768} \
-    --budget_s $(( ${BENCH_TIMEOUT:-150} - 30 )) --out $OUT/bench_attention.json 2>&1 \
+    --budget_s $(( ${BENCH_TIMEOUT:-120} - 30 )) --out $OUT/bench_attention.json 2>&1 \
     | grep -v "^I1\|^W1" | tail -16
 elif [ "$stage" = probe ]; then
   # the Mosaic decode-attention kernel piece by piece against its jnp model (decoder alone, then
