@@ -366,13 +366,12 @@ def _emulate_mosaic_decode(codes_u8, scales_u8, h):
       for j in range(2):
         for wi in range(2):
           x = np.array([words[r, 16 * h + 8 * j + 2 * c + wi]], np.uint32)
+          hi = (x >> np.uint32(4)) & np.uint32(0x0F0F0F0F)
           regs = []
-          for sel in (0x4140, 0x4342):
-            y = _prmt(x, zero, sel)
-            for s_mag, s_sign in ((6, 12), (2, 8)):
-              a = ((y << np.uint32(s_mag)) & np.uint32(0x01C001C0)) | (
-                  (y << np.uint32(s_sign)) & np.uint32(0x80008000))
-              regs.append(_bf16x2_mul(a, mults[j]))
+          for sel, src in ((0x4140, x), (0x4140, hi), (0x4342, x), (0x4342, hi)):
+            y = _prmt(src, zero, sel)  # then shl 6, shl 12, lop3 (a | b) & mask, mul
+            a = ((y << np.uint32(6)) | (y << np.uint32(12))) & np.uint32(0x81C081C0)
+            regs.append(_bf16x2_mul(a, mults[j]))
           for o, val in enumerate(regs):
             for v in range(2):
               hb = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)
