@@ -205,11 +205,14 @@ class MoE(nn.Module):
     logits = jnp.dot(xf.astype(jnp.float32), w_r.astype(jnp.float32))  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1)
     if replay_routes is None:
-      _, idx = jax.lax.top_k(jax.lax.stop_gradient(probs), k)
+      # top_k's values are the gate weights (its derivative gathers the probabilities' at idx,
+      # as a take_along_axis would; one gather kernel fewer per layer in a decode step)
+      weights, idx = jax.lax.top_k(probs, k)
     else:
       idx = replay_routes.reshape(n, k).astype(jnp.int32)
-    # Gate weights are recomputed from this forward's router, so the router learns under replay.
-    weights = jnp.take_along_axis(probs, idx, axis=-1)
+      # Gate weights are recomputed from this forward's router, so the router learns under
+      # replay.
+      weights = jnp.take_along_axis(probs, idx, axis=-1)
     if c.norm_topk_prob:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
 
