@@ -236,8 +236,8 @@ def main():
         jax.block_until_ready(r.tokens)
       out["profile"] = summarize_trace(d, a.new_tokens, sources=hlo_sources())
       if a.hlo_out:
-        dumps = sorted(glob.glob(os.path.join(HLO_DUMP, "*generate_program*after_optimizations.txt")),
-                       key=os.path.getsize)
+        dumps = sorted(glob.glob(os.path.join(
+            HLO_DUMP, "*generate_program*after_optimizations.txt")), key=os.path.getsize)
         if dumps:
           with open(dumps[-1]) as src, open(a.hlo_out, "w") as dst:
             dst.write(decode_loop_listing(src.read()))

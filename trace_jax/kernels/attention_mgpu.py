@@ -34,9 +34,10 @@ Mosaic constraints behind this shape (jax 0.11.2, found by lowering for CUDA on 
 wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided slice does not
 ("no transfer pattern that avoids bank conflicts"); a row-vector load of a strided column does
 not ("cannot apply swizzle to non-contiguous refs"), hence the row scales are read per thread
-through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, cost 12-34 us
-per call around the kernel on the H200 and was 5-7% slower in all); wgmma with both operands in SMEM needs equal swizzles (V at 32 B, as P
-`[64, 16]` bf16); SMEM holds 2 pipeline stages (~38 KB each) beside ~113 KB of buffers (3 need 233.5 KB of 227).
+through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, was 4-7%
+slower per call on the H200); wgmma with both operands in SMEM needs equal swizzles (V at 32 B,
+as P `[64, 16]` bf16); SMEM holds 2 pipeline stages (~38 KB each) beside ~113 KB of buffers (3
+need 233.5 KB of 227).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
@@ -238,8 +239,8 @@ RED_ELEMS = 4 * 32 * 2 * (GP // 8)
 def _row_scaler(factor: float):
   """inline_mgpu function: (x float32 [64, 16] wgmma layout, g float32 [64, KV_HEADS] SMEM: a
   tile of the cache's own `[S, KVH]` row scales) -> x with row r times `g[r, warpgroup] *
-  factor` (the product rounded to float32 first). Rows
-  come from the layout's own `thread_idxs`, so no register order is assumed here."""
+  factor` (the product rounded to float32 first). Rows come from the layout's own
+  `thread_idxs`, so no register order is assumed here."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils

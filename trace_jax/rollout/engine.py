@@ -101,10 +101,8 @@ def _to_bytes(x: jax.Array) -> jax.Array:
   """`[R, ...]` of any dtype -> its bytes `[R, n]` uint8 (bool as 0/1)."""
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
-  elif x.dtype.itemsize == 1 and x.dtype != jnp.uint8:
+  elif x.dtype != jnp.uint8:  # wider dtypes gain a trailing axis of their bytes
     x = jax.lax.bitcast_convert_type(x, jnp.uint8)
-  elif x.dtype.itemsize > 1:
-    x = jax.lax.bitcast_convert_type(x, jnp.uint8)  # a trailing axis of itemsize bytes
   return x.reshape(x.shape[0], -1)
 
 
@@ -126,21 +124,21 @@ class _StepRecord:
   leaf (tokens, logprobs, validity, routes, each guidance and code array of every guided layer)
   goes into a single `[R, L, bytes]` buffer with one dynamic-update-slice per step, unpacked to
   `[R, L, ...]` leaves after the loop. One write instead of one per leaf: at 4 layers of the
-  30B-A3B shape the per-leaf writes were 28 small kernels per step (H200 profile, 2026-11-30)."""
+  30B-A3B shape the per-leaf writes were 28 small kernels per step, and the 4-layer decode
+  step took 1.27-1.29 ms with them against 1.24 ms packed (H200, B=64, 2026-11-30)."""
 
-  treedef: object  # of the step tree, leaves [R, 1, ...]
   shapes: tuple  # per leaf: the shape after [R, 1]
   dtypes: tuple
   sizes: tuple  # bytes per row and step
 
   @staticmethod
   def of(step_tree) -> "_StepRecord":
-    leaves, treedef = jax.tree_util.tree_flatten(step_tree)
+    leaves = jax.tree_util.tree_leaves(step_tree)
     shapes = tuple(tuple(x.shape[2:]) for x in leaves)
     dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
     sizes = tuple(int(np.prod(sh, dtype=np.int64)) * (1 if d == jnp.bool_ else d.itemsize)
                   for sh, d in zip(shapes, dtypes))
-    return _StepRecord(treedef, shapes, dtypes, sizes)
+    return _StepRecord(shapes, dtypes, sizes)
 
   def pack(self, step_tree) -> jax.Array:
     """`[R, 1, bytes]` of one step's tree."""
