@@ -65,6 +65,12 @@ def _scope(args):
   return "?"
 
 
+def optimized_hlo_dumps(dump_dir=HLO_DUMP) -> list[str]:
+  """The generate program's optimized-HLO dump files, smallest first."""
+  return sorted(glob.glob(os.path.join(dump_dir, "*generate_program*after_optimizations.txt")),
+                key=os.path.getsize)
+
+
 _INSTR = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]+)"')
 
 
@@ -75,7 +81,7 @@ def _norm(name: str) -> str:
 def hlo_sources(dump_dir=HLO_DUMP) -> dict:
   """{instruction name (dots as underscores): its op_name} from the optimized HLO dumps."""
   out = {}
-  for f in glob.glob(os.path.join(dump_dir, "*generate_program*after_optimizations.txt")):
+  for f in optimized_hlo_dumps(dump_dir):
     with open(f) as fh:
       for line in fh:
         m = _INSTR.match(line)
@@ -236,9 +242,8 @@ def main():
         jax.block_until_ready(r.tokens)
       out["profile"] = summarize_trace(d, a.new_tokens, sources=hlo_sources())
       if a.hlo_out:
-        dumps = sorted(glob.glob(os.path.join(
-            HLO_DUMP, "*generate_program*after_optimizations.txt")), key=os.path.getsize)
-        if dumps:
+        dumps = optimized_hlo_dumps()
+        if dumps:  # the largest: the whole generate program
           with open(dumps[-1]) as src, open(a.hlo_out, "w") as dst:
             dst.write(decode_loop_listing(src.read()))
       p = out["profile"]

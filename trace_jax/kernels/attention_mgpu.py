@@ -71,6 +71,7 @@ KV_HEADS = 4  # compute warpgroups per CTA: one per KV head
 HEAD_DIM = 128
 GP = 16  # query heads per KV head, padded (the wgmma N side)
 TILE = 64  # tokens per pipeline step
+SLOT_MULTIPLE = 8  # cache lengths the kernel takes (its TMA tiles of cache rows: S = 17 refused)
 ROW_SHIFT = 8  # the decoded products carry 2**-8, the row factors 2**8
 _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 
@@ -105,9 +106,8 @@ def kernel_supported(q, k, v) -> str | None:
     return f"{k.shape[2]} KV heads x head_dim {k.shape[-1]}, the kernel takes 4 x 128"
   if q.shape[1] // k.shape[2] > GP:
     return f"more than {GP} query heads per KV head"
-  if k.shape[1] % 8:
-    # the TMA tiles of the cache rows take 8-row multiples (seen: S = 17 refused by Mosaic)
-    return f"cache length {k.shape[1]} is not a multiple of 8"
+  if k.shape[1] % SLOT_MULTIPLE:
+    return f"cache length {k.shape[1]} is not a multiple of {SLOT_MULTIPLE}"
   return None
 
 

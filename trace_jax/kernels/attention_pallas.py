@@ -241,9 +241,10 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   allowed = R.allowed_slots(valid, s)
   k_ops, fmt = _kv_operands(k)
   v_ops, _ = _kv_operands(v)
-  parts = 2 if fmt is not None and fmt.is_fp4 else 1
+  fp4 = fmt is not None and fmt.is_fp4
+  parts = 2 if fp4 else 1
   gp = _pow2_at_least(h // kvh, 16)
-  cfg = dict(default_config(b, kvh, s, fmt is not None and fmt.is_fp4), **(config or {}))
+  cfg = dict(default_config(b, kvh, s, fp4), **(config or {}))
   block_k = cfg["block_k"]
   tiles = -(-s // block_k)
   split_tiles = -(-tiles // cfg["splits"])
@@ -348,10 +349,11 @@ def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
   allowed = R.allowed_slots(key_mask, s)
   k_ops, fmt = _kv_operands(k)
   v_ops, _ = _kv_operands(v)
-  parts = 2 if fmt is not None and fmt.is_fp4 else 1
+  fp4 = fmt is not None and fmt.is_fp4
+  parts = 2 if fp4 else 1
   g = h // kvh
   rows = t * g
-  cfg = dict(default_prefill_config(rows, fmt is not None and fmt.is_fp4), **(config or {}))
+  cfg = dict(default_prefill_config(rows, fp4), **(config or {}))
   block_q, block_k = cfg["block_q"], cfg["block_k"]
   rows_pad = -(-rows // block_q) * block_q
 

@@ -118,40 +118,33 @@ def _from_bytes(b: jax.Array, shape, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(b.reshape(*lead, *shape, dtype.itemsize), dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepRecord:
-  """What one decode step writes to its window buffers, as one byte row per sequence: every
-  leaf (tokens, logprobs, validity, routes, each guidance and code array of every guided layer)
-  goes into a single `[R, L, bytes]` buffer with one dynamic-update-slice per step, unpacked to
-  `[R, L, ...]` leaves after the loop. One write instead of one per leaf: at 4 layers of the
-  30B-A3B shape the per-leaf writes were 28 small kernels per step, and the 4-layer decode
-  step took 1.27-1.29 ms with them against 1.24 ms packed (H200, B=64, 2026-11-30)."""
+# A decode step writes its window buffers as one byte row per sequence: every leaf (tokens,
+# logprobs, validity, routes, each guidance and code array of every guided layer) goes into a
+# single `[R, L, bytes]` buffer with one dynamic-update-slice per step, unpacked to `[R, L, ...]`
+# leaves after the loop. One write instead of one per leaf: at 4 layers of the 30B-A3B shape
+# the per-leaf writes were 28 small kernels per step, and the 4-layer decode step took
+# 1.27-1.29 ms with them against 1.24 ms packed (H200, B=64, 2026-11-30).
 
-  shapes: tuple  # per leaf: the shape after [R, 1]
-  dtypes: tuple
-  sizes: tuple  # bytes per row and step
+def _leaf_bytes(leaf) -> int:
+  """Bytes per row and step of a window leaf `[R, L, ...]`."""
+  return int(np.prod(leaf.shape[2:], dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
 
-  @staticmethod
-  def of(step_tree) -> "_StepRecord":
-    leaves = jax.tree_util.tree_leaves(step_tree)
-    shapes = tuple(tuple(x.shape[2:]) for x in leaves)
-    dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
-    sizes = tuple(int(np.prod(sh, dtype=np.int64)) * (1 if d == jnp.bool_ else d.itemsize)
-                  for sh, d in zip(shapes, dtypes))
-    return _StepRecord(shapes, dtypes, sizes)
 
-  def pack(self, step_tree) -> jax.Array:
-    """`[R, 1, bytes]` of one step's tree."""
-    rows = [_to_bytes(x) for x in jax.tree_util.tree_leaves(step_tree)]
-    return jnp.concatenate(rows, axis=1)[:, None, :]
+def _pack_step(step_tree) -> jax.Array:
+  """One step's tree (leaves `[R, 1, ...]`, in the window's leaf order) -> `[R, 1, bytes]`."""
+  rows = [_to_bytes(x) for x in jax.tree_util.tree_leaves(step_tree)]
+  return jnp.concatenate(rows, axis=1)[:, None, :]
 
-  def unpack(self, buf: jax.Array, template):
-    """`buf [R, L, bytes]` -> a tree shaped like `template` (its leaves `[R, L, ...]`)."""
-    out, off = [], 0
-    for shape, dtype, size in zip(self.shapes, self.dtypes, self.sizes):
-      out.append(_from_bytes(buf[:, :, off:off + size], shape, dtype))
-      off += size
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), out)
+
+def _unpack_window(buf: jax.Array, window):
+  """`buf [R, L, bytes]` -> a tree shaped like `window` (its leaves `[R, L, ...]`)."""
+  leaves, treedef = jax.tree_util.tree_flatten(window)
+  out, off = [], 0
+  for leaf in leaves:
+    size = _leaf_bytes(leaf)
+    out.append(_from_bytes(buf[:, :, off:off + size], leaf.shape[2:], leaf.dtype))
+    off += size
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _prefill(params, prompt_tokens, prompt_mask, *, config: M.ModelConfig, ctx: M.QuantContext,
@@ -194,15 +187,13 @@ def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M
     return dict(tokens=tok[:, None], logp=lp[:, None], valid=live[:, None], records=out.records,
                 routes=jnp.transpose(out.routes, (1, 2, 0, 3)) if with_routes else None)
 
-  record = _StepRecord.of(jax.eval_shape(
-      step_tree, jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
-      jax.ShapeDtypeStruct((r,), bool), step0))
   window = jax.eval_shape(lambda: dict(  # the unpacked buffers' tree (static shapes)
       tokens=jnp.zeros((r, length), jnp.int32), logp=jnp.zeros((r, length), jnp.float32),
       valid=jnp.zeros((r, length), bool), records=_time_buffers(step0.records, length),
       routes=(jnp.zeros((r, length) + step0.routes.shape[:1] + step0.routes.shape[3:],
                         jnp.int32) if with_routes else None)))
-  packed = jnp.zeros((r, length, sum(record.sizes)), jnp.uint8)
+  packed = jnp.zeros((r, length, sum(map(_leaf_bytes, jax.tree_util.tree_leaves(window)))),
+                     jnp.uint8)
   stop_at = jnp.minimum(start + length, steps)
 
   def cond(state):
@@ -216,13 +207,13 @@ def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M
     tok = jnp.where(done, 0, tok)
     out = feed(carry["cache"], tok, s)
     live = ~done
-    row = record.pack(step_tree(tok, jnp.where(live, lp, 0.0), live, out))
+    row = _pack_step(step_tree(tok, jnp.where(live, lp, 0.0), live, out))
     packed = jax.lax.dynamic_update_slice_in_dim(packed, row, s - start, axis=1)
     done = done | jnp.isin(tok, stop_ids) | (s + 1 >= max_new)
     return dict(s=s + 1, done=done, cache=out.cache, logits=out.logits[:, -1]), packed
 
   carry, packed = jax.lax.while_loop(cond, body, (carry, packed))
-  bufs = record.unpack(packed, window)
+  bufs = _unpack_window(packed, window)
   if with_routes:  # [R, L, L_moe, k] -> [L_moe, R, L, k]
     bufs["routes"] = jnp.transpose(bufs["routes"], (2, 0, 1, 3))
   return carry, bufs

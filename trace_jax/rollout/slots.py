@@ -93,8 +93,7 @@ def empty_state(config: M.ModelConfig, slots: int, max_len: int, kv_format,
   zeros = jnp.zeros((slots,), jnp.int32)
   keys = jax.random.split(jax.random.key(0), slots)
   return SlotState(M.init_cache(config, slots, kvc.padded_length(max_len), kv_format), zeros,
-                   zeros, zeros, zeros,
-                   keys, zeros, jnp.ones((slots,), bool),
+                   zeros, zeros, zeros, keys, zeros, jnp.ones((slots,), bool),
                    RowSampling(jnp.zeros((slots,), jnp.float32), zeros,
                                jnp.ones((slots,), jnp.float32)),
                    jnp.full((slots, max_stops), -1, jnp.int32))
