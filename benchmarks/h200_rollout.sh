@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | probe | p2048 | serve | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | probe | p2048 | serve | x2 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -136,6 +136,20 @@ elif [ "$stage" = check ]; then
     ${BENCH_ARGS:---formats bf16,nvfp4_mosaic --batches 16,64 --contexts 8192,32768} \
     --budget_s $(( ${BENCH_TIMEOUT:-120} - 30 )) --out $OUT/bench_attention.json 2>&1 \
     | grep -v "^I1\|^W1" | tail -16
+elif [ "$stage" = ab ]; then
+  # A/B of the decode step against an older tree: ab_old/trace_jax (git archive of the base
+  # commit, carried as an ignored path) and this tree, alternating, AB_ROUNDS rounds of
+  # profile_decode (4 layers of the 30B-A3B shape, FP4 kernels); the first run of this tree
+  # also writes the decode loop's kernel listing
+  for r in $(seq 1 ${AB_ROUNDS:-2}); do
+    for side in old new; do
+      root=$PWD; [ $side = old ] && root=$PWD/ab_old
+      extra=""; [ $r = 1 ] && [ $side = new ] && extra="--hlo_out $OUT/decode_loop_kernels_paper.txt"
+      PYTHONPATH=/tmp/site:$root timeout 170 python3 benchmarks/profile_decode.py --layers 4 \
+        --policy paper --path kernels --repeats 3 $extra --out $OUT/ab_${side}_$r.json 2>&1 \
+        | grep "guidance_on\|decode loop" | sed "s/^/[$side $r] /" | cut -c1-200
+    done
+  done
 elif [ "$stage" = probe ]; then
   # the Mosaic decode-attention kernel piece by piece against its jnp model (decoder alone, then
   # running max / sum / output per warpgroup for inputs that isolate the K and V steps): the

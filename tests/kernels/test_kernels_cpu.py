@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import kernels
-from trace_jax.kernels import fp4_mgpu, layout, reference
+from trace_jax.kernels import dispatch, fp4_mgpu, layout, reference
 from trace_jax.quant import quantize
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
@@ -333,13 +333,50 @@ def test_prepare_tree():
   assert out["kv"] is kv and out["norm"] is tree["norm"]
 
 
-def test_sort_by_group_vs_numpy():
-  """Stable order by group (ties keep row order) and its inverse, against numpy."""
+@pytest.mark.parametrize("small_sort", [4096, 0], ids=["compare", "sort"])
+def test_sort_and_count_by_group_vs_numpy(monkeypatch, small_sort):
+  """Stable order by group (ties keep row order), its inverse and the group sizes, against
+  numpy, by comparisons (the decode-size path) and by XLA's sort and scatters."""
+  monkeypatch.setattr(dispatch, "SMALL_SORT", small_sort)
   ids = np.random.default_rng(7).integers(0, 5, size=37).astype(np.int32)
+  ids[ids == 3] = 4  # an empty group
   order, inverse = jax.jit(kernels.sort_by_group)(jnp.asarray(ids))
   np.testing.assert_array_equal(np.asarray(order), np.argsort(ids, kind="stable"))
   np.testing.assert_array_equal(np.asarray(inverse), np.argsort(np.argsort(ids, kind="stable")))
   np.testing.assert_array_equal(ids[np.asarray(order)][np.asarray(inverse)], ids)
+  sizes = jax.jit(kernels.count_by_group, static_argnums=1)(jnp.asarray(ids), 6)
+  np.testing.assert_array_equal(np.asarray(sizes), np.bincount(ids, minlength=6))
+
+
+def test_chunk_tables_vs_loop():
+  """The grouped kernel's chunk tables against a plain loop over groups: windows of bm rows
+  from the group's first row rounded down to 8, each row's (chunk, row-in-window) slot, rows
+  past the sum at C * bm."""
+  rng = np.random.default_rng(3)
+  e, bm, m = 9, 16, 70
+  gs = rng.multinomial(61, np.ones(e) / e)
+  gs[[2, 5]] = 0, 0
+  gs[0] += 61 - gs.sum()
+  ce, row0, slot = jax.jit(fp4_mgpu.chunk_tables, static_argnums=(1, 2))(
+      jnp.asarray(gs, jnp.int32), m, bm)
+  ce, row0, slot = map(np.asarray, (ce, row0, slot))
+  want_ce, want_row0, want_slot = [], [], np.full(m, ce.shape[0] * bm)
+  start = 0
+  for g, size in enumerate(gs):
+    if size:
+      r = start // 8 * 8
+      while r < start + size:
+        for row in range(max(r, start), min(r + bm, start + size)):
+          want_slot[row] = len(want_ce) * bm + row - r
+        want_ce.append(g)
+        want_row0.append(r)
+        r += bm
+    start += size
+  n = len(want_ce)
+  np.testing.assert_array_equal(ce[:n], want_ce)
+  np.testing.assert_array_equal(row0[:n], want_row0)
+  assert (ce[n:] == -1).all() and (row0[n:] == 0).all()
+  np.testing.assert_array_equal(slot, want_slot)
 
 
 def test_permute_k_rows_is_gather_pad_permute():

@@ -18,11 +18,12 @@ kernel of `attention_pallas.py` (`TRACE_JAX_PREFILL_ATTENTION=reference` opts ou
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
-from trace_jax.kernels.dispatch import (decode_attention, grouped_backend, grouped_matmul, matmul,
-                                        on_gpu, prefill_attention, sort_by_group)
+from trace_jax.kernels.dispatch import (count_by_group, decode_attention, grouped_backend,
+                                        grouped_matmul, matmul, on_gpu, prefill_attention,
+                                        sort_by_group)
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
-__all__ = ["PackedWeight", "attention", "decode_attention", "decode_attention_ref",
-           "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
+__all__ = ["PackedWeight", "attention", "count_by_group", "decode_attention",
+           "decode_attention_ref", "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
            "prefill_attention", "prefill_attention_ref", "prepare_tree", "prepare_weight",
            "sort_by_group"]

@@ -49,8 +49,8 @@ from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["decode_attention", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
-           "prefill_attention", "prepare_weight", "sort_by_group"]
+__all__ = ["count_by_group", "decode_attention", "grouped_backend", "grouped_matmul", "matmul",
+           "on_gpu", "prefill_attention", "prepare_weight", "sort_by_group"]
 
 _ATTENTION = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "mosaic")
 if _ATTENTION not in ("kernel", "reference", "mosaic"):
@@ -181,14 +181,39 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   return y if out_rows is None else y[out_rows]
 
 
+# Rows (e.g. (token, slot) pairs of a MoE layer) up to this many are ordered and counted by
+# comparisons: a row's sorted position is the number of rows before it in (group, row) order,
+# one [M, M] compare-and-sum; group sizes one [G, M] compare-and-sum. Above it XLA's sort, a
+# scatter and a scatter-add, whose cost does not grow as M^2. A decode step has M = batch x
+# top-k (512 at B=64, top-8). `TRACE_JAX_SMALL_SORT` sets it (0: always sort).
+SMALL_SORT = int(os.environ.get("TRACE_JAX_SMALL_SORT", "4096"))
+
+
 def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(order, inverse) for rows with int group ids `[M]`: `order` sorts them stably by group (the
   row order `grouped_matmul` takes), `inverse` undoes it (`sorted[inverse]` is the original
-  order). The inverse is a scatter of positions, not a second sort."""
-  order = jnp.argsort(group_ids, stable=True)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                unique_indices=True)
+  order; it is each row's sorted position)."""
+  m = group_ids.shape[0]
+  i = jnp.arange(m, dtype=jnp.int32)
+  if m <= SMALL_SORT:
+    g = group_ids
+    before = (g[None, :] < g[:, None]) | ((g[None, :] == g[:, None]) & (i[None, :] < i[:, None]))
+    inverse = jnp.sum(before, axis=1, dtype=jnp.int32)
+    order = jnp.sum(jnp.where(inverse[None, :] == i[:, None], i[None, :], 0), axis=1,
+                    dtype=jnp.int32)
+    return order, inverse
+  order = jnp.argsort(group_ids, stable=True).astype(jnp.int32)
+  inverse = jnp.zeros_like(order).at[order].set(i, unique_indices=True)
   return order, inverse
+
+
+def count_by_group(group_ids: jax.Array, num_groups: int) -> jax.Array:
+  """Rows per group, `[num_groups]` int32, for group ids in [0, num_groups) (`jnp.bincount`
+  with `length`; by comparisons for up to `SMALL_SORT` rows, as `sort_by_group`)."""
+  if group_ids.shape[0] <= SMALL_SORT:
+    g = jnp.arange(num_groups, dtype=group_ids.dtype)
+    return jnp.sum(group_ids[None, :] == g[:, None], axis=1, dtype=jnp.int32)
+  return jnp.bincount(group_ids, length=num_groups).astype(jnp.int32)
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,

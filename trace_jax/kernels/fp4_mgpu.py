@@ -398,6 +398,19 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
   return y.reshape(*lead, pw.n)
 
 
+def _prefix_sum(v: jax.Array) -> jax.Array:
+  """Inclusive prefix sum of a short int vector as one [n, n] reduction (no scan kernels)."""
+  n = v.shape[0]
+  lower = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+  return jnp.sum(jnp.where(lower, v[None, :], 0), axis=1, dtype=jnp.int32)
+
+
+def _count_le(edges: jax.Array, x: jax.Array) -> jax.Array:
+  """`searchsorted(edges, x, side="right")` for ascending `edges`: how many edges are <= each x
+  (one compare-and-sum over the last axis)."""
+  return jnp.sum(edges[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
+
+
 def chunk_tables(group_sizes: jax.Array, m: int, bm: int):
   """Cover expert-sorted rows with chunks: windows of bm rows that start on a multiple of 8
   (the activation tile's TMA tiling) at or below the group's first row, stepping by bm until
@@ -409,18 +422,18 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int):
   ne = min(e, m)  # groups that can hold rows
   n_chunks = -(-(m + 7 * ne) // bm) + ne  # >= sum_e ceil((size_e + start_e % 8) / bm)
   gs = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(gs)
+  ends = _prefix_sum(gs)
   starts = ends - gs
   al = starts // 8 * 8
   nch = jnp.where(gs > 0, (ends - al + bm - 1) // bm, 0)
-  ch_end = jnp.cumsum(nch)
+  ch_end = _prefix_sum(nch)
   ch_first = ch_end - nch
   c = jnp.arange(n_chunks, dtype=jnp.int32)
-  ce = jnp.minimum(jnp.searchsorted(ch_end, c, side="right", method="compare_all"), e - 1)
+  ce = jnp.minimum(_count_le(ch_end, c), e - 1)
   valid = c < ch_end[-1]
   row0 = jnp.where(valid, al[ce] + (c - ch_first[ce]) * bm, 0)
   r = jnp.arange(m, dtype=jnp.int32)
-  re = jnp.minimum(jnp.searchsorted(ends, r, side="right", method="compare_all"), e - 1)
+  re = jnp.minimum(_count_le(ends, r), e - 1)
   rl = r - al[re]
   slot = jnp.where(r < ends[-1], (ch_first[re] + rl // bm) * bm + rl % bm, n_chunks * bm)
   # materialize the small tables: fused into the big gathers they would be recomputed per

@@ -128,8 +128,11 @@ class Attention(nn.Module):
     # K/V sites: what the cache holds (FP4 per the policy), the same values with or without it.
     kv_fmt = ctx.activation_format("kv/k")
     if cache is not None and kv_fmt is not None:
-      kq = tq.quantize(k, kv_fmt, second_level="row", validate=False)
-      vq = tq.quantize(v, kv_fmt, second_level="row", validate=False)
+      # K and V in one quantization (rows are independent under row scales: the same bits
+      # as two), so each of its reductions is one kernel for both
+      kvq = tq.quantize(jnp.stack([k, v]), kv_fmt, second_level="row", validate=False)
+      kq, vq = (tq.map_blocked(kvq, lambda a, i=i: a[i], kvq.shape[1:], axis=kvq.axis - 1)
+                for i in (0, 1))
       if ctx.record_guidance and self.guided and kv_fmt.is_fp4:
         records["kv/k"] = tq.make_guidance(kq, ctx.policy.guidance_compact)
         records["kv/v"] = tq.make_guidance(vq, ctx.policy.guidance_compact)
@@ -238,7 +241,7 @@ class MoE(nn.Module):
     else:
       flat = idx.reshape(-1)
       order, inverse = kernels.sort_by_group(flat)  # (token, slot) pairs sorted by expert
-      group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+      group_sizes = kernels.count_by_group(flat, e)
       # sorted row i is token order[i] // k; the kernel path folds these gathers into its own
       gu = kernels.grouped_matmul(x_in.astype(dt), w_gu, group_sizes, out_dtype=dt,
                                   rows=order // k)

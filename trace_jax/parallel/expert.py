@@ -143,7 +143,7 @@ def routed_experts(x, idx, w_gu, w_dn, *, mesh, ffn: int, dtype, capacity_factor
     valid = recv["valid"]
     e_local = jnp.where(valid, recv["e"], e_loc)  # invalid rows sort last
     order, inverse = kernels.sort_by_group(e_local)
-    group_sizes = jnp.bincount(e_local, length=e_loc + 1)[:e_loc].astype(jnp.int32)
+    group_sizes = kernels.count_by_group(e_local, e_loc)  # id e_loc: not local
     xs = recv["x"][order].astype(dtype)
     gu = kernels.grouped_matmul(xs, w_gu, group_sizes, out_dtype=dtype)
     h = jax.nn.silu(gu[:, :ffn]) * gu[:, ffn:]
@@ -198,7 +198,7 @@ def _ragged_dispatch(pair_rows, target, n_ep: int):
   case (every peer's pairs), so nothing is dropped."""
   pairs = target.shape[0]
   order, inv = kernels.sort_by_group(target)
-  send_sizes = jnp.bincount(target, length=n_ep).astype(jnp.int32)
+  send_sizes = kernels.count_by_group(target, n_ep)
   in_off = jnp.cumsum(send_sizes) - send_sizes
   all_sizes = jax.lax.all_gather(send_sizes, "expert")  # [src, dst]
   me = jax.lax.axis_index("expert")
