@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | probe | p2048 | serve | x2 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -137,17 +137,20 @@ elif [ "$stage" = check ]; then
     --budget_s $(( ${BENCH_TIMEOUT:-120} - 30 )) --out $OUT/bench_attention.json 2>&1 \
     | grep -v "^I1\|^W1" | tail -16
 elif [ "$stage" = ab ]; then
-  # A/B of the decode step against an older tree: ab_old/trace_jax (git archive of the base
-  # commit, carried as an ignored path) and this tree, alternating, AB_ROUNDS rounds of
-  # profile_decode (4 layers of the 30B-A3B shape, FP4 kernels); the first run of this tree
-  # also writes the decode loop's kernel listing
+  # A/B of the decode step, alternating, AB_ROUNDS rounds of profile_decode (4 layers of the
+  # 30B-A3B shape, FP4 kernels): side "old" runs ab_old/trace_jax when that exists (a git
+  # archive of the base commit, carried as an ignored path), else this tree; AB_ENV_OLD /
+  # AB_ENV_NEW: environment settings of each side (e.g. XLA_FLAGS=...). The first run of the
+  # new side also writes the decode loop's kernel listing
   for r in $(seq 1 ${AB_ROUNDS:-2}); do
     for side in old new; do
-      root=$PWD; [ $side = old ] && root=$PWD/ab_old
+      root=$PWD; [ $side = old ] && [ -d ab_old ] && root=$PWD/ab_old
+      envs=${AB_ENV_OLD:-}; [ $side = new ] && envs=${AB_ENV_NEW:-}
       extra=""; [ $r = 1 ] && [ $side = new ] && extra="--hlo_out $OUT/decode_loop_kernels_paper.txt"
-      PYTHONPATH=/tmp/site:$root timeout 170 python3 benchmarks/profile_decode.py --layers 4 \
-        --policy paper --path kernels --repeats 3 $extra --out $OUT/ab_${side}_$r.json 2>&1 \
-        | grep "guidance_on\|decode loop" | sed "s/^/[$side $r] /" | cut -c1-200
+      env $envs PYTHONPATH=/tmp/site:$root timeout 170 python3 benchmarks/profile_decode.py \
+        --layers 4 --policy paper --path kernels --repeats 3 $extra \
+        --out $OUT/ab_${side}_$r.json 2>&1 | grep "guidance_on\|decode loop" \
+        | sed "s/^/[$side $r] /" | cut -c1-200
     done
   done
 elif [ "$stage" = probe ]; then
@@ -174,6 +177,13 @@ elif [ "$stage" = x2 ]; then
   timeout ${X2_TIMEOUT:-400} python3 benchmarks/bench_parallel.py --out $OUT/bench_parallel.json \
     ${X2_ARGS:-} \
     2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
+elif [ "$stage" = 48l_fp4 ]; then
+  # the whole 48-layer 30B-A3B shape, FP4 kernels only, B=64 (its compile is ~4x the 12-layer
+  # program's 44 s first call; the BF16 row needs a call of its own)
+  timeout ${ROWS_TIMEOUT:-290} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
+    --batches=64 --policies=paper --paths=kernels --isolate --row_timeout=280 \
+    --prompt_len=256 --new_tokens=256 --repeats=1 --hf_peer=false \
+    --out=$OUT/bench_rollout_48l_fp4.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
     --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \
