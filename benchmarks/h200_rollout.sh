@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -153,6 +153,14 @@ elif [ "$stage" = ab ]; then
         | sed "s/^/[$side $r] /" | cut -c1-200
     done
   done
+elif [ "$stage" = fused_sites ]; then
+  # the two opt-in Pallas kernels of session 7 (kernels/kv_append.py: the decode step's K/V
+  # cache write; kernels/row_quant.py: the rollout's activation-site quantization): their GPU
+  # tests against the XLA paths, then the decode-step A/B with both off (old) and on (new)
+  JAX_PLATFORMS=cuda timeout -k 5 150 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+    tests/kernels/test_kv_append.py tests/kernels/test_row_quant.py 2>&1 \
+    | grep -v "^I1\|^W1" | tail -8
+  AB_ENV_NEW="TRACE_JAX_KV_APPEND=kernel TRACE_JAX_ROW_QUANT=kernel" bash $0 ab
 elif [ "$stage" = probe ]; then
   # the Mosaic decode-attention kernel piece by piece against its jnp model (decoder alone, then
   # running max / sum / output per warpgroup for inputs that isolate the K and V steps): the

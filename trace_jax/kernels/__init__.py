@@ -15,15 +15,21 @@ the reference `attention_ref.decode_attention_ref`. `prefill_attention(q, k, v, 
 q_start)` (a prompt's tokens over the cache that holds them): on GPU the flash-style Pallas
 kernel of `attention_pallas.py` (`TRACE_JAX_PREFILL_ATTENTION=reference` opts out), else
 `prefill_attention_ref`. `attention` is the model's attention formula itself.
+
+Rollout glue as opt-in Pallas kernels (`TRACE_JAX_KV_APPEND=kernel`,
+`TRACE_JAX_ROW_QUANT=kernel`; bit-exact against the XLA paths in interpret mode, not yet run on
+a GPU): `append_kv` writes a decode step's NVFP4 K/V rows into the cache (`kv_append.py`),
+`quantize_rows` quantizes an activation site (`row_quant.py`); each returns None where the XLA
+path applies. `sort_by_group` / `count_by_group` build the MoE routing tables.
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
-from trace_jax.kernels.dispatch import (count_by_group, decode_attention, grouped_backend,
-                                        grouped_matmul, matmul, on_gpu, prefill_attention,
-                                        sort_by_group)
+from trace_jax.kernels.dispatch import (append_kv, count_by_group, decode_attention,
+                                        grouped_backend, grouped_matmul, matmul, on_gpu,
+                                        prefill_attention, quantize_rows, sort_by_group)
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
-__all__ = ["PackedWeight", "attention", "count_by_group", "decode_attention",
-           "decode_attention_ref", "decode_packed", "grouped_backend", "grouped_matmul", "matmul", "on_gpu",
-           "prefill_attention", "prefill_attention_ref", "prepare_tree", "prepare_weight",
-           "sort_by_group"]
+__all__ = ["PackedWeight", "append_kv", "attention", "count_by_group", "decode_attention",
+           "decode_attention_ref", "decode_packed", "grouped_backend", "grouped_matmul", "matmul",
+           "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
+           "prepare_weight", "quantize_rows", "sort_by_group"]

@@ -34,6 +34,14 @@ place; the reference materializes float32 scores `[B, H, T, S]`, 38 GB at B=64, 
 on the H200 3.75x the reference's speed in bf16 and 2.9x in NVFP4 at B=16, prompt 2048),
 `attention_ref.prefill_attention_ref` elsewhere or with `TRACE_JAX_PREFILL_ATTENTION=reference`.
 The trainer's attention (no cache, differentiated) stays the reference formula.
+
+Decode routing tables: `sort_by_group` and `count_by_group` order and count (token, slot) rows
+by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
+XLA's sort and scatters above it.
+
+Opt-in Pallas kernels for the rollout's glue (`append_kv`: `TRACE_JAX_KV_APPEND=kernel`;
+`quantize_rows`: `TRACE_JAX_ROW_QUANT=kernel`): None unless chosen, on a GPU, for operands they
+take; the caller then runs its XLA path, which gives the same bits.
 """
 
 from __future__ import annotations
@@ -49,8 +57,9 @@ from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["count_by_group", "decode_attention", "grouped_backend", "grouped_matmul", "matmul",
-           "on_gpu", "prefill_attention", "prepare_weight", "sort_by_group"]
+__all__ = ["append_kv", "count_by_group", "decode_attention", "grouped_backend", "grouped_matmul",
+           "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows",
+           "sort_by_group"]
 
 _ATTENTION = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "mosaic")
 if _ATTENTION not in ("kernel", "reference", "mosaic"):
@@ -58,6 +67,12 @@ if _ATTENTION not in ("kernel", "reference", "mosaic"):
                    f"{_ATTENTION!r}")
 _ATTENTION_KERNEL = _ATTENTION != "reference"
 _ATTENTION_MOSAIC = _ATTENTION == "mosaic"
+_KV_APPEND = os.environ.get("TRACE_JAX_KV_APPEND", "xla")
+if _KV_APPEND not in ("xla", "kernel"):
+  raise ValueError(f"TRACE_JAX_KV_APPEND must be xla or kernel, got {_KV_APPEND!r}")
+_ROW_QUANT = os.environ.get("TRACE_JAX_ROW_QUANT", "xla")
+if _ROW_QUANT not in ("xla", "kernel"):
+  raise ValueError(f"TRACE_JAX_ROW_QUANT must be xla or kernel, got {_ROW_QUANT!r}")
 _PREFILL = os.environ.get("TRACE_JAX_PREFILL_ATTENTION", "kernel")
 if _PREFILL not in ("kernel", "reference"):
   raise ValueError(f"TRACE_JAX_PREFILL_ATTENTION must be kernel or reference, got {_PREFILL!r}")
@@ -214,6 +229,32 @@ def count_by_group(group_ids: jax.Array, num_groups: int) -> jax.Array:
     g = jnp.arange(num_groups, dtype=group_ids.dtype)
     return jnp.sum(group_ids[None, :] == g[:, None], axis=1, dtype=jnp.int32)
   return jnp.bincount(group_ids, length=num_groups).astype(jnp.int32)
+
+
+def append_kv(k_cache, v_cache, k, v, index):
+  """A decode step's K/V cache write by the Pallas kernel of `kv_append.py`: (k_cache,
+  v_cache, kq, vq), or None where the caller's XLA path (quantize, then
+  `kv_cache.write_layer`; the same bits) applies: off the GPU, caches the kernel does not
+  write, and unless `TRACE_JAX_KV_APPEND=kernel` (the kernel has not yet run on a GPU)."""
+  if _KV_APPEND != "kernel" or not on_gpu():
+    return None
+  from trace_jax.kernels import kv_append  # noqa: PLC0415 - Pallas imports stay lazy
+  if kv_append.kernel_supported(k_cache, k) or kv_append.kernel_supported(v_cache, v):
+    return None
+  return kv_append.append(k_cache, v_cache, k, v, index)
+
+
+def quantize_rows(x, fmt):
+  """A rollout activation site's `(q, value)` (`quant.quantize_with_value(x, fmt,
+  second_level="row")`, the same bits) from the Pallas kernel of `row_quant.py`, or None where
+  the caller's XLA path applies: off the GPU, formats and shapes the kernel does not take, and
+  unless `TRACE_JAX_ROW_QUANT=kernel` (the kernel has not yet run on a GPU)."""
+  if _ROW_QUANT != "kernel" or not on_gpu():
+    return None
+  from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
+  if row_quant.kernel_supported(x, fmt):
+    return None
+  return row_quant.quantize_rows(x, fmt)
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,

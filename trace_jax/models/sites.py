@@ -22,6 +22,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from trace_jax import kernels
 from trace_jax import quant as tq
 from trace_jax.kernels import PackedWeight
 
@@ -98,8 +99,11 @@ def activation_site(x: jax.Array, site: str, guided_layer: bool, ctx: QuantConte
       records[codes_key(site)] = tq.guided_quantize(jax.lax.stop_gradient(x), g)
     return tq.guided_fake_quant(x, g)
   if ctx.mode == "rollout":
-    # the value comes from the unpacked codes: sites that record nothing never pack nibbles
-    q, value = tq.quantize_with_value(x, fmt, second_level="row", validate=False)
+    # the value comes from the unpacked codes: sites that record nothing never pack nibbles;
+    # on the GPU the row quantization kernel where it applies (`kernels.quantize_rows`)
+    fused = kernels.quantize_rows(x, fmt)
+    q, value = fused if fused is not None else tq.quantize_with_value(
+        x, fmt, second_level="row", validate=False)
     if ctx.record_guidance and guided_layer and fmt.is_fp4:
       records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact)
     if ctx.record_codes:

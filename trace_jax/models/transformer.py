@@ -128,17 +128,23 @@ class Attention(nn.Module):
     # K/V sites: what the cache holds (FP4 per the policy), the same values with or without it.
     kv_fmt = ctx.activation_format("kv/k")
     if cache is not None and kv_fmt is not None:
-      # K and V in one quantization (rows are independent under row scales: the same bits
-      # as two), so each of its reductions is one kernel for both
-      kvq = tq.quantize(jnp.stack([k, v]), kv_fmt, second_level="row", validate=False)
-      kq, vq = (tq.map_blocked(kvq, lambda a, i=i: a[i], kvq.shape[1:], axis=kvq.axis - 1)
-                for i in (0, 1))
+      # a decode step's rows: the K/V append kernel where it applies (`kernels.append_kv`)
+      fused = kernels.append_kv(cache.k, cache.v, k, v, cache_index) if t == 1 else None
+      if fused is not None:
+        k_cache, v_cache, kq, vq = fused
+        layer = kvc.LayerKV(k_cache, v_cache)
+      else:
+        # K and V in one quantization (rows are independent under row scales: the same bits
+        # as two), so each of its reductions is one kernel for both
+        kvq = tq.quantize(jnp.stack([k, v]), kv_fmt, second_level="row", validate=False)
+        kq, vq = (tq.map_blocked(kvq, lambda a, i=i: a[i], kvq.shape[1:], axis=kvq.axis - 1)
+                  for i in (0, 1))
+        layer = kvc.write_layer(cache, kq, vq, cache_index)
       if ctx.record_guidance and self.guided and kv_fmt.is_fp4:
         records["kv/k"] = tq.make_guidance(kq, ctx.policy.guidance_compact)
         records["kv/v"] = tq.make_guidance(vq, ctx.policy.guidance_compact)
       if ctx.record_codes:
         records[codes_key("kv/k")], records[codes_key("kv/v")] = kq, vq
-      layer = kvc.write_layer(cache, kq, vq, cache_index)
     else:
       k = activation_site(k, "kv/k", self.guided, ctx, guidance, records)
       v = activation_site(v, "kv/v", self.guided, ctx, guidance, records)

@@ -171,11 +171,12 @@ def nvfp4_second_level(amax: jax.Array, fmt: Format) -> jax.Array:
   return jnp.where(jnp.isfinite(amax), g, jnp.float32(jnp.nan))
 
 
-def e4m3_block_scale(amax_block: jax.Array, g: jax.Array, target: float = 6.0) -> jax.Array:
+def e4m3_block_scale(amax_block: jax.Array, g: jax.Array, target: float = 6.0,
+                     recip=reciprocal) -> jax.Array:
   """`E4M3_rtne(clip(amax_block * (1 / (target * g)), 2**-9, 448))` as `float8_e4m3fn` (NaN
   stays NaN). target = 6 is the standard rule; 4/6 also tries target = 4 (1.5x the unrounded
-  scale)."""
-  ratio = amax_block.astype(jnp.float32) * reciprocal(jnp.float32(target) * g)
+  scale). recip: `reciprocal` as a kernel computes it (the same correctly rounded value)."""
+  ratio = amax_block.astype(jnp.float32) * recip(jnp.float32(target) * g)
   return jnp.clip(ratio, E4M3_MIN_SUBNORMAL, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 

@@ -102,15 +102,17 @@ def block_divisor(scales: jax.Array, g: jax.Array | None, fmt: F.Format) -> jax.
   return F.nvfp4_divisor(scales, g)
 
 
-def scaled_blocks(xb: jax.Array, scales: jax.Array, g: jax.Array | None, fmt: F.Format) -> jax.Array:
+def scaled_blocks(xb: jax.Array, scales: jax.Array, g: jax.Array | None, fmt: F.Format,
+                  recip=F.reciprocal) -> jax.Array:
   """`x / scale` per element in the blocked layout, exactly as the formats define it:
-  an exact power-of-two multiply for E8M0, `x * (1 / (s * g))` in float32 for NVFP4."""
+  an exact power-of-two multiply for E8M0, `x * (1 / (s * g))` in float32 for NVFP4 (recip:
+  as in `encode_blocks`)."""
   xb = xb.astype(jnp.float32)
   if fmt.scale == "e8m0":
     e, is_nan = F.e8m0_exponent_of(scales)
     z = xb * F.pow2(-e)[..., None]
     return jnp.where(is_nan[..., None], jnp.float32(jnp.nan), z)
-  return xb * F.reciprocal(F.nvfp4_divisor(scales, g))[..., None]
+  return xb * recip(F.nvfp4_divisor(scales, g))[..., None]
 
 
 def decode_blocks(codes: jax.Array, scales: jax.Array, g: jax.Array | None, fmt: F.Format) -> jax.Array:
@@ -128,8 +130,10 @@ def _encode_elements(z: jax.Array, fmt: F.Format, key: jax.Array | None) -> jax.
 
 
 def encode_blocks(xb: jax.Array, fmt: F.Format, g_reduce_axes: tuple[int, ...],
-                  key: jax.Array | None = None) -> Blocked:
-  """Choose scales and encode elements for blocked `xb` (lead..., nb, block)."""
+                  key: jax.Array | None = None, recip=F.reciprocal) -> Blocked:
+  """Choose scales and encode elements for blocked `xb` (lead..., nb, block). recip: the
+  correctly rounded float32 `1 / d` (`formats.reciprocal`; a Pallas kernel passes the
+  hardware's IEEE division, which its compiler's `/` need not be)."""
   xb = xb.astype(jnp.float32)
   # NaN must reach the scale, but XLA:CPU's vectorized max can drop NaN (seen on a [200, 300]
   # weight): non-finite elements enter the maximum as +inf, which every max keeps, and an
@@ -142,20 +146,20 @@ def encode_blocks(xb: jax.Array, fmt: F.Format, g_reduce_axes: tuple[int, ...],
   if fmt.scale == "e8m0":
     e = F.e8m0_exponent(amax_b, fmt)
     scales = F.e8m0_to_bytes(e, jnp.isfinite(amax_b))
-    z = scaled_blocks(xb, scales, None, fmt)
+    z = scaled_blocks(xb, scales, None, fmt, recip)
     return Blocked(_encode_elements(z, fmt, key), scales, None)
 
   # g_reduce_axes end with (nb, block): the same maximum over the block maxima
   amax_g = nan_if_inf(jnp.max(amax_inf, axis=g_reduce_axes[:-1], keepdims=True))
   g = F.nvfp4_second_level(amax_g, fmt)
-  s6 = F.e4m3_block_scale(amax_b, g, 6.0)
-  codes6 = _encode_elements(scaled_blocks(xb, s6, g, fmt), fmt, key)
+  s6 = F.e4m3_block_scale(amax_b, g, 6.0, recip)
+  codes6 = _encode_elements(scaled_blocks(xb, s6, g, fmt, recip), fmt, key)
   if not fmt.four_over_six:
     return Blocked(codes6, s6, g)
   # 4/6: also try the block scaled to 4 (1.5x the unrounded scale); keep the lower block MSE,
   # the standard scale on ties. The same key is reused so SR stays a function of the input.
-  s4 = F.e4m3_block_scale(amax_b, g, 4.0)
-  codes4 = _encode_elements(scaled_blocks(xb, s4, g, fmt), fmt, key)
+  s4 = F.e4m3_block_scale(amax_b, g, 4.0, recip)
+  codes4 = _encode_elements(scaled_blocks(xb, s4, g, fmt, recip), fmt, key)
   err6 = jnp.sum(jnp.square(decode_blocks(codes6, s6, g, fmt) - xb), axis=-1)
   err4 = jnp.sum(jnp.square(decode_blocks(codes4, s4, g, fmt) - xb), axis=-1)
   use4 = err4 < err6

@@ -1,0 +1,117 @@
+"""The rollout's activation quantization kernel (`kernels/row_quant.py`) against
+`quant.quantize_with_value(..., second_level="row")`, codes, scales, row scales and value bit for
+bit; interpret mode on CPU, the CUDA lowering where the plugin is installed, the compiled kernel
+on a GPU (marked)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import kernels
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.kernels import row_quant
+
+
+def _x(shape, dtype, seed):
+  """Rows over many magnitudes, a zero row, a row with one huge element (block scales at both
+  clip bounds), values on E2M1 midpoints."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape[:-1] + (1,)))
+  flat = x.reshape(-1, shape[-1])
+  flat[0] = 0.0
+  flat[1] = 1e-6
+  flat[1, 5] = 3e4
+  flat[2, :16] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)
+  return jnp.asarray(x, jnp.float32).astype(dtype)
+
+
+def _same(got, want):
+  (qg, vg), (qw, vw) = got, want
+  assert qg.shape == qw.shape and qg.axis == qw.axis and qg.fmt == qw.fmt
+  for a, b in zip((qg.codes, qg.scales, qg.global_scale, vg),
+                  (qw.codes, qw.scales, qw.global_scale, vw)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 5, 128), jnp.bfloat16), ((7, 96), jnp.float32)],
+                         ids=["bf16_3d", "f32_nb6"])
+def test_equals_quantize_with_value(shape, dtype):
+  """K = 128 (8 blocks) and K = 96 (6 blocks: padded to 8 in the kernel), rows not a multiple of
+  the kernel's rows per program."""
+  x = _x(shape, dtype, 0)
+  got = jax.jit(lambda a: row_quant.quantize_rows(a, "nvfp4", interpret=True))(x)
+  want = tq.quantize_with_value(x, "nvfp4", second_level="row", validate=False)
+  _same(got, want)
+
+
+def test_model_decode_with_the_kernel_is_bitwise_the_xla_path(monkeypatch):
+  """A one-layer model decoding with the FP4 "paper" policy (expert sites W4A4): logits, cache
+  and guidance records are the same bits when the kernel (interpret mode) quantizes the sites."""
+  cfg = M.tiny(num_layers=1)
+  policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
+  params = M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy)
+  ctx = M.QuantContext(policy, "rollout", record_guidance=True)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+
+  def run():
+    step = jax.jit(lambda p, t, c, i: M.apply(p, t, cfg, ctx, cache=c, cache_index=i))
+    cache = M.init_cache(cfg, 2, 8, policy.kv_format)
+    out = step(params, tokens[:, :3], cache, 0)  # a prompt, then decode steps
+    outs = [(out.logits, out.records)]
+    for s in range(3, tokens.shape[1]):
+      out = step(params, tokens[:, s:s + 1], out.cache, s)
+      outs.append((out.logits, out.records))
+    return outs, out.cache
+
+  want = run()
+  calls = []
+
+  def fused(x, fmt):
+    calls.append(x.shape)
+    return row_quant.quantize_rows(x, fmt, interpret=True)
+
+  monkeypatch.setattr(kernels, "quantize_rows", fused)
+  got = run()
+  assert len(calls) >= 2  # both expert sites, prompt and decode
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_supported():
+  assert row_quant.kernel_supported(jnp.zeros((4, 2048), jnp.bfloat16), "nvfp4") is None
+  assert "mxfp4" in row_quant.kernel_supported(jnp.zeros((4, 64)), "mxfp4")
+  assert "multiples of 16" in row_quant.kernel_supported(jnp.zeros((4, 40)), "nvfp4")
+  with pytest.raises(ValueError, match="multiples of 16"):
+    row_quant.quantize_rows(jnp.zeros((4, 40)), "nvfp4", interpret=True)
+
+
+def test_lowers_for_cuda(monkeypatch):
+  """The Triton lowering accepts the kernel at the 30B-A3B expert sites (K 2048 and 768), for an
+  H200 (the lowering asks the device's compute capability: a CPU machine has none)."""
+  pytest.importorskip("jax_cuda13_plugin")
+  from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: PLC0415
+  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+  for shape in ((64, 1, 2048), (512, 768)):
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    text = jax.jit(lambda a: row_quant.quantize_rows(a, "nvfp4")).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "row_quant_nvfp4" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 1, 2048), (512, 768)])
+def test_kernel_on_gpu_equals_reference(shape):
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU backend")
+  x = _x(shape, jnp.bfloat16, 1)
+  got = jax.jit(lambda a: row_quant.quantize_rows(a, "nvfp4"))(x)
+  want = jax.jit(lambda a: tq.quantize_with_value(a, "nvfp4", second_level="row",
+                                                  validate=False))(x)
+  _same(got, want)

@@ -1,0 +1,126 @@
+"""The decode step's K/V cache write for NVFP4 caches as one Pallas kernel: quantize the step's K
+and V rows and store their codes, block scales and row scales into the cache slot in place.
+
+Owns the kernel, its support check and its wrapper. The result is defined by the XLA path it
+replaces (`quant.quantize(..., second_level="row")` of the new rows, then
+`kv_cache.write_layer`): the same bits in every cache field. That path is ten kernels per layer
+in a decode step on the H200 (the K/V stack, block and row maxima, the codes, six
+dynamic-update-slices: 12.5 us per layer in the session-7 profile); this is one.
+
+The encoding is `quant.qarray.encode_blocks` itself, traced inside the kernel, with one
+difference of means, not of result: the correctly rounded reciprocal it needs is the PTX
+`div.rn.f32` instruction on the GPU (the Triton lowering's own float32 `/` need not be
+correctly rounded), and the ordinary division in interpret mode (CPU tests).
+
+Lowering: a portable Pallas body (`pl.pallas_call`, one program per sequence) that runs with
+`interpret=True` on CPU and on the GPU through the Triton lowering (as `attention_pallas`;
+deprecated since jax 0.11, shipped in 0.11.2). The cache fields are aliased to the outputs, so
+only the written slot moves. Not yet run on a GPU (2026-11-30): `dispatch` uses it only when
+`TRACE_JAX_KV_APPEND=kernel`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax import quant as tq
+from trace_jax.quant import formats as F
+from trace_jax.quant import qarray as Q
+
+
+def _pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def kernel_supported(k_cache, k_new) -> str | None:
+  """None if the kernel writes this cache (an NVFP4 `QArray` `[B, S, KVH, hd]` with row scales)
+  for these rows (`[B, 1, KVH, hd]`), else the reason it does not."""
+  if not isinstance(k_cache, tq.QArray):
+    return "the cache is not quantized"
+  if k_cache.fmt.name != "nvfp4":
+    return f"cache format {k_cache.fmt.name}, the kernel writes nvfp4"
+  if len(k_cache.shape) != 4 or k_cache.axis != 3:
+    return f"cache of shape {k_cache.shape} blocked along axis {k_cache.axis}"
+  b, _, kvh, hd = k_cache.shape
+  if k_new.shape != (b, 1, kvh, hd):
+    return f"new rows of shape {k_new.shape}, the kernel writes one slot ({b}, 1, {kvh}, {hd})"
+  if k_cache.global_scale is None or k_cache.global_scale.shape[-1] != 1:
+    return "the cache has no per-row second-level scale"
+  if not (_pow2(kvh) and _pow2(hd) and hd >= k_cache.fmt.block):
+    return f"{kvh} KV heads x head_dim {hd}: the kernel takes powers of two, head_dim >= 16"
+  return None
+
+
+def _ieee_reciprocal(d):
+  """`1 / d` correctly rounded, by the PTX instruction (elementwise, float32)."""
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
+  return plt.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[jnp.ones_like(d), d], constraints="=r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])[0]
+
+
+def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip):
+  # refs: 6 aliased cache inputs (unused: their buffers are the outputs), 6 cache outputs
+  # (K codes, scales, row scales, then V's), 6 new-row outputs in the same order
+  caches, rows = refs[6:12], refs[12:]
+  b = pl.program_id(0)
+  slot = idx_ref[b]
+  for j, x_ref in enumerate((k_ref, v_ref)):
+    x = x_ref[...].astype(jnp.float32)  # [KVH, hd]
+    kvh, hd = x.shape
+    blk = Q.encode_blocks(x.reshape(kvh, hd // fmt.block, fmt.block), fmt, (1, 2),
+                          recip=recip)
+    # two codes per byte, the even element in the low nibble (`e2m1.pack_nibbles`) as a sum
+    # over the pair axis (the Triton lowering slices no register arrays)
+    pair = blk.codes.reshape(kvh, hd // 2, 2).astype(jnp.int32)
+    weight = 1 + 15 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 2), 2)
+    codes = jnp.sum((pair & 15) * weight, axis=-1).astype(jnp.uint8)
+    fields = (codes, blk.scales, blk.g.reshape(kvh, 1))
+    for f, val in enumerate(fields):
+      caches[3 * j + f][pl.ds(b, 1), pl.ds(slot, 1)] = val[None, None]
+      rows[3 * j + f][...] = val
+
+
+def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, index, *,
+           interpret: bool = False):
+  """Write the NVFP4 encodings of `k`, `v` `[B, 1, KVH, hd]` into slot `index` (a scalar shared
+  by the batch, or `[B]`) of the caches; returns (k_cache, v_cache, kq, vq), kq/vq the new rows
+  as `QArray`s `[B, 1, KVH, hd]` (what guidance and code records take)."""
+  for cache, new in ((k_cache, k), (v_cache, v)):
+    why = kernel_supported(cache, new)
+    if why:
+      raise ValueError(f"K/V append kernel: {why}")
+  b, _, kvh, hd = k_cache.shape
+  fmt = k_cache.fmt
+  idx = jnp.broadcast_to(jnp.asarray(index, jnp.int32).reshape(-1), (b,))
+  leaves = [c for q in (k_cache, v_cache) for c in (q.codes, q.scales, q.global_scale)]
+  row_shapes = [(kvh, hd // 2), (kvh, hd // fmt.block), (kvh, 1)]
+  row_dtypes = [leaves[0].dtype, leaves[1].dtype, leaves[2].dtype]
+  new_spec = pl.BlockSpec((None, None, kvh, hd), lambda i: (i, 0, 0, 0))
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
+  row_specs = [pl.BlockSpec((None, None, *s), lambda i: (i, 0, 0, 0)) for s in row_shapes] * 2
+  out_shape = ([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+               + [jax.ShapeDtypeStruct((b, 1, *s), d) for s, d in zip(row_shapes, row_dtypes)] * 2)
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
+    compiler_params = plt.CompilerParams(num_warps=4, num_stages=1)
+  out = pl.pallas_call(
+      functools.partial(_kernel, fmt=fmt,
+                        recip=F.reciprocal if interpret else _ieee_reciprocal),
+      grid=(b,),
+      in_specs=[whole(idx), new_spec, new_spec] + [whole(a) for a in leaves],
+      out_specs=[whole(a) for a in leaves] + row_specs,
+      out_shape=out_shape,
+      input_output_aliases={3 + i: i for i in range(6)},
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="kv_append_nvfp4",
+  )(idx, k, v, *leaves)
+  as_q = lambda f, like, shape: Q.QArray(*f, like.fmt, like.axis, tuple(shape))  # noqa: E731
+  return (as_q(out[0:3], k_cache, k_cache.shape), as_q(out[3:6], v_cache, v_cache.shape),
+          as_q(out[6:9], k_cache, (b, 1, kvh, hd)), as_q(out[9:12], v_cache, (b, 1, kvh, hd)))

@@ -1,0 +1,117 @@
+"""An activation site's NVFP4 quantization in the rollout as one Pallas kernel: rows (blocks of 16
+along the last axis, one second-level scale per row) to codes, block scales, row scales and the
+dequantized value, which the next matmul takes.
+
+Owns the kernel, its support check and its wrapper. The result is defined by
+`quant.quantize_with_value(x, fmt, second_level="row")`: the same bits in every field and in
+the value. That is four XLA kernels per site in a decode step on the H200 (block maxima, row
+maxima, scales, codes and value; session-7 profile), one of them fused with the site's
+producer; this is one.
+
+The encoding is `quant.qarray.encode_blocks` traced inside the kernel, with the correctly
+rounded reciprocal it needs computed by the PTX `div.rn.f32` instruction on the GPU
+(`kv_append._ieee_reciprocal`) and by the ordinary division in interpret mode. The value is
+`E2M1(code) * (s * g)` as `decode_blocks` forms it, the E2M1 magnitude from the code's e4m3 bit
+pattern (`e2m1.as_e4m3_bits`, exact) instead of a table.
+
+Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
+`attention_pallas`). Not yet run on a GPU (2026-11-30): `dispatch` uses it only when
+`TRACE_JAX_ROW_QUANT=kernel`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels.kv_append import _ieee_reciprocal
+from trace_jax.quant import e2m1
+from trace_jax.quant import formats as F
+from trace_jax.quant import qarray as Q
+
+TILE_ELEMS = 4096  # elements of x per program (rows x padded row length)
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def kernel_supported(x, fmt) -> str | None:
+  """None if the kernel quantizes `x` (`[..., K]`, K a multiple of 16 up to 4096) in `fmt`."""
+  fmt = F.get_format(fmt)
+  if fmt.name != "nvfp4":
+    return f"format {fmt.name}, the kernel writes nvfp4"
+  if x.ndim < 1 or x.shape[-1] % fmt.block or not 0 < x.shape[-1] <= TILE_ELEMS:
+    return f"rows of {x.shape[-1:]} elements: the kernel takes multiples of 16 up to {TILE_ELEMS}"
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return f"dtype {x.dtype}"
+  return None
+
+
+def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int, nb: int,
+            rows: int, nb_pad: int):
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - masked loads/stores
+  r0 = pl.program_id(0) * rows
+  row_ok = (r0 + jnp.arange(rows)) < n
+  blk_ok = jnp.arange(nb_pad) < nb
+  ok = row_ok[:, None] & blk_ok[None, :]
+  at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
+  x = plt.load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
+  blk = Q.encode_blocks(x, fmt, (1, 2), recip=recip)  # codes [R, NB, 16], scales [R, NB]
+  c = blk.codes.astype(jnp.int32) & 15
+  # two codes per byte, the even element low (`e2m1.pack_nibbles`), as a sum over the pair
+  # axis (the Triton lowering slices no register arrays)
+  weight = 1 + 15 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 2), 3)
+  packed = jnp.sum(c.reshape(rows, nb_pad, fmt.block // 2, 2) * weight, axis=-1)
+  q = jax.lax.bitcast_convert_type(e2m1.as_e4m3_bits(c.astype(jnp.uint8), False),
+                                   jnp.float8_e4m3fn).astype(jnp.float32)
+  q = q * jnp.float32(e2m1.E4M3_OF_E2M1_SCALE)  # E2M1(code), exact
+  value = q * F.nvfp4_divisor(blk.scales, blk.g)[..., None]
+  plt.store(at(codes_ref), packed.astype(jnp.uint8), mask=ok[:, :, None])
+  plt.store(at(scales_ref), blk.scales, mask=ok)
+  plt.store(g_ref.at[pl.ds(r0, rows)], blk.g, mask=row_ok[:, None])
+  plt.store(at(val_ref), value.astype(val_ref.dtype), mask=ok[:, :, None])
+
+
+def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False):
+  """`(q, value)` as `quant.quantize_with_value(x, fmt, second_level="row")` gives them, from
+  one kernel: q a `QArray` blocked along the last axis, value in x's dtype."""
+  fmt = F.get_format(fmt)
+  why = kernel_supported(x, fmt)
+  if why:
+    raise ValueError(f"row quantization kernel: {why}")
+  *lead, k = x.shape
+  n = 1
+  for d in lead:
+    n *= d
+  nb = k // fmt.block
+  nb_pad = _pow2_at_least(nb)
+  rows = max(1, TILE_ELEMS // (nb_pad * fmt.block))
+  xb = x.reshape(n, nb, fmt.block)
+  out_shape = [jax.ShapeDtypeStruct((n, nb, fmt.block // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((n, nb), jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct((n, 1), jnp.float32),
+               jax.ShapeDtypeStruct((n, nb, fmt.block), x.dtype)]
+  whole = lambda s: pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))  # noqa: E731
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
+    compiler_params = plt.CompilerParams(num_warps=4, num_stages=1)
+  codes, scales, g, value = pl.pallas_call(
+      functools.partial(_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
+                        recip=F.reciprocal if interpret else _ieee_reciprocal),
+      grid=(-(-n // rows),),
+      in_specs=[whole(xb)],
+      out_specs=[whole(s) for s in out_shape],
+      out_shape=out_shape,
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="row_quant_nvfp4",
+  )(xb)
+  q = Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, nb), g.reshape(*lead, 1),
+               fmt, len(lead), tuple(x.shape))
+  return q, value.reshape(x.shape)
+
