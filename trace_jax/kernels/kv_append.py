@@ -59,7 +59,7 @@ def _ieee_reciprocal(d):
   """`1 / d` correctly rounded, by the PTX instruction (elementwise, float32)."""
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
   return plt.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[jnp.ones_like(d), d], constraints="=r,r,r", pack=1,
+      "div.rn.f32 $0, $1, $2;", args=[jnp.ones_like(d), d], constraints="=f,f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])[0]
 
 
