@@ -223,8 +223,9 @@ def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def count_by_group(group_ids: jax.Array, num_groups: int) -> jax.Array:
-  """Rows per group, `[num_groups]` int32, for group ids in [0, num_groups) (`jnp.bincount`
-  with `length`; by comparisons for up to `SMALL_SORT` rows, as `sort_by_group`)."""
+  """Rows per group, `[num_groups]` int32 (`jnp.bincount` with `length`; by comparisons for up
+  to `SMALL_SORT` rows, as `sort_by_group`). Ids must be >= 0; ids >= num_groups are not counted
+  (the expert-parallel path marks the rows it does not own so)."""
   if group_ids.shape[0] <= SMALL_SORT:
     g = jnp.arange(num_groups, dtype=group_ids.dtype)
     return jnp.sum(group_ids[None, :] == g[:, None], axis=1, dtype=jnp.int32)
