@@ -7,10 +7,11 @@ replaces (`quant.quantize(..., second_level="row")` of the new rows, then
 in a decode step on the H200 (the K/V stack, block and row maxima, the codes, six
 dynamic-update-slices: 12.5 us per layer in the session-7 profile); this is one.
 
-The encoding is `quant.qarray.encode_blocks` itself, traced inside the kernel, with one
-difference of means, not of result: the correctly rounded reciprocal it needs is the PTX
-`div.rn.f32` instruction on the GPU (the Triton lowering's own float32 `/` need not be
-correctly rounded), and the ordinary division in interpret mode (CPU tests).
+The encoding is `quant.qarray.encode_blocks` itself, traced inside the kernel
+(`row_quant.encode_tile`), with one difference of means, not of result: the correctly rounded
+reciprocal it needs is the PTX `div.rn.f32` instruction on the GPU (the Triton lowering's own
+float32 `/` need not be correctly rounded), and the ordinary division in interpret mode (CPU
+tests).
 
 Lowering: a portable Pallas body (`pl.pallas_call`, one program per sequence) that runs with
 `interpret=True` on CPU and on the GPU through the Triton lowering (as `attention_pallas`;
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from trace_jax import quant as tq
-from trace_jax.quant import formats as F
+from trace_jax.kernels.row_quant import encode_tile, reciprocal
 from trace_jax.quant import qarray as Q
 
 
@@ -55,14 +56,6 @@ def kernel_supported(k_cache, k_new) -> str | None:
   return None
 
 
-def _ieee_reciprocal(d):
-  """`1 / d` correctly rounded, by the PTX instruction (elementwise, float32)."""
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
-  return plt.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[jnp.ones_like(d), d], constraints="=f,f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])[0]
-
-
 def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip):
   # refs: 6 aliased cache inputs (unused: their buffers are the outputs), 6 cache outputs
   # (K codes, scales, row scales, then V's), 6 new-row outputs in the same order
@@ -72,14 +65,8 @@ def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip):
   for j, x_ref in enumerate((k_ref, v_ref)):
     x = x_ref[...].astype(jnp.float32)  # [KVH, hd]
     kvh, hd = x.shape
-    blk = Q.encode_blocks(x.reshape(kvh, hd // fmt.block, fmt.block), fmt, (1, 2),
-                          recip=recip)
-    # two codes per byte, the even element in the low nibble (`e2m1.pack_nibbles`) as a sum
-    # over the pair axis (the Triton lowering slices no register arrays)
-    pair = blk.codes.reshape(kvh, hd // 2, 2).astype(jnp.int32)
-    weight = 1 + 15 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 2), 2)
-    codes = jnp.sum((pair & 15) * weight, axis=-1).astype(jnp.uint8)
-    fields = (codes, blk.scales, blk.g.reshape(kvh, 1))
+    blk, packed = encode_tile(x.reshape(kvh, hd // fmt.block, fmt.block), fmt, recip)
+    fields = (packed.reshape(kvh, hd // 2), blk.scales, blk.g.reshape(kvh, 1))
     for f, val in enumerate(fields):
       caches[3 * j + f][pl.ds(b, 1), pl.ds(slot, 1)] = val[None, None]
       rows[3 * j + f][...] = val
@@ -110,8 +97,7 @@ def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, i
     from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
     compiler_params = plt.CompilerParams(num_warps=4, num_stages=1)
   out = pl.pallas_call(
-      functools.partial(_kernel, fmt=fmt,
-                        recip=F.reciprocal if interpret else _ieee_reciprocal),
+      functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret)),
       grid=(b,),
       in_specs=[whole(idx), new_spec, new_spec] + [whole(a) for a in leaves],
       out_specs=[whole(a) for a in leaves] + row_specs,

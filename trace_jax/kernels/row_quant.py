@@ -9,8 +9,9 @@ maxima, scales, codes and value; session-7 profile), one of them fused with the 
 producer; this is one.
 
 The encoding is `quant.qarray.encode_blocks` traced inside the kernel, with the correctly
-rounded reciprocal it needs computed by the PTX `div.rn.f32` instruction on the GPU
-(`kv_append._ieee_reciprocal`) and by the ordinary division in interpret mode. The value is
+rounded reciprocal it needs computed by the PTX `div.rn.f32` instruction on the GPU and by the
+ordinary division in interpret mode (`reciprocal`; `encode_tile` is the in-kernel encoding
+`kv_append` shares). The value is
 `E2M1(code) * (s * g)` as `decode_blocks` forms it, the E2M1 magnitude from the code's e4m3 bit
 pattern (`e2m1.as_e4m3_bits`, exact) instead of a table.
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from trace_jax.kernels.kv_append import _ieee_reciprocal
+from trace_jax.kernels.attention_pallas import _pow2_at_least
 from trace_jax.quant import e2m1
 from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q
@@ -35,8 +36,30 @@ from trace_jax.quant import qarray as Q
 TILE_ELEMS = 4096  # elements of x per program (rows x padded row length)
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
+def _ieee_reciprocal(d):
+  """`1 / d` correctly rounded, by the PTX instruction (elementwise, float32)."""
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
+  return plt.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[jnp.ones_like(d), d], constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])[0]
+
+
+def reciprocal(interpret: bool):
+  """The reciprocal a kernel body passes to `encode_blocks`: the PTX division when compiled,
+  `formats.reciprocal` in interpret mode (the same correctly rounded values)."""
+  return F.reciprocal if interpret else _ieee_reciprocal
+
+
+def encode_tile(xb, fmt, recip):
+  """Inside a kernel body: the row encoding of blocks `xb [R, NB, 16]` (float32; one second-level
+  scale per row) -> (the `Blocked` encoding, codes packed two per byte `[R, NB, 8]` uint8, the
+  even element in the low nibble as `e2m1.pack_nibbles` has it). The packing is a sum over the
+  pair axis: the Triton lowering slices no register arrays."""
+  r, nb, block = xb.shape
+  blk = Q.encode_blocks(xb, fmt, (1, 2), recip=recip)
+  weight = 1 + 15 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 2), 3)
+  pairs = (blk.codes.astype(jnp.int32) & 15).reshape(r, nb, block // 2, 2)
+  return blk, jnp.sum(pairs * weight, axis=-1).astype(jnp.uint8)
 
 
 def kernel_supported(x, fmt) -> str | None:
@@ -60,17 +83,12 @@ def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int,
   ok = row_ok[:, None] & blk_ok[None, :]
   at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
   x = plt.load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
-  blk = Q.encode_blocks(x, fmt, (1, 2), recip=recip)  # codes [R, NB, 16], scales [R, NB]
-  c = blk.codes.astype(jnp.int32) & 15
-  # two codes per byte, the even element low (`e2m1.pack_nibbles`), as a sum over the pair
-  # axis (the Triton lowering slices no register arrays)
-  weight = 1 + 15 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 2), 3)
-  packed = jnp.sum(c.reshape(rows, nb_pad, fmt.block // 2, 2) * weight, axis=-1)
-  q = jax.lax.bitcast_convert_type(e2m1.as_e4m3_bits(c.astype(jnp.uint8), False),
+  blk, packed = encode_tile(x, fmt, recip)  # codes [R, NB, 16], scales [R, NB]
+  q = jax.lax.bitcast_convert_type(e2m1.as_e4m3_bits(blk.codes, False),
                                    jnp.float8_e4m3fn).astype(jnp.float32)
   q = q * jnp.float32(e2m1.E4M3_OF_E2M1_SCALE)  # E2M1(code), exact
   value = q * F.nvfp4_divisor(blk.scales, blk.g)[..., None]
-  plt.store(at(codes_ref), packed.astype(jnp.uint8), mask=ok[:, :, None])
+  plt.store(at(codes_ref), packed, mask=ok[:, :, None])
   plt.store(at(scales_ref), blk.scales, mask=ok)
   plt.store(g_ref.at[pl.ds(r0, rows)], blk.g, mask=row_ok[:, None])
   plt.store(at(val_ref), value.astype(val_ref.dtype), mask=ok[:, :, None])
@@ -88,7 +106,7 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False):
   for d in lead:
     n *= d
   nb = k // fmt.block
-  nb_pad = _pow2_at_least(nb)
+  nb_pad = _pow2_at_least(nb, 1)
   rows = max(1, TILE_ELEMS // (nb_pad * fmt.block))
   xb = x.reshape(n, nb, fmt.block)
   out_shape = [jax.ShapeDtypeStruct((n, nb, fmt.block // 2), jnp.uint8),
@@ -102,7 +120,7 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False):
     compiler_params = plt.CompilerParams(num_warps=4, num_stages=1)
   codes, scales, g, value = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
-                        recip=F.reciprocal if interpret else _ieee_reciprocal),
+                        recip=reciprocal(interpret)),
       grid=(-(-n // rows),),
       in_specs=[whole(xb)],
       out_specs=[whole(s) for s in out_shape],
