@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -159,8 +159,12 @@ elif [ "$stage" = fused_sites ]; then
   # tests against the XLA paths, then the decode-step A/B with both off (old) and on (new)
   JAX_PLATFORMS=cuda timeout -k 5 150 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
     tests/kernels/test_kv_append.py tests/kernels/test_row_quant.py 2>&1 \
-    | grep -v "^I1\|^W1" | tail -8
+    | grep -v "^I1\|^W1" | grep -E "Error|assert|Mismatch|differ|passed|failed" | cut -c1-300 | tail -24
   AB_ENV_NEW="TRACE_JAX_KV_APPEND=kernel TRACE_JAX_ROW_QUANT=kernel" bash $0 ab
+elif [ "$stage" = glue_probe ]; then
+  # where the compiled glue kernels part from XLA: fields, primitives, the compiler's division
+  JAX_PLATFORMS=cuda timeout -k 5 170 python3 benchmarks/probe_glue.py --out $OUT/probe_glue.npz \
+    2>&1 | grep -v "^I1\|^W1\|Deprecation" | cut -c1-400 | tail -60
 elif [ "$stage" = probe ]; then
   # the Mosaic decode-attention kernel piece by piece against its jnp model (decoder alone, then
   # running max / sum / output per warpgroup for inputs that isolate the K and V steps): the
