@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -139,12 +139,13 @@ elif [ "$stage" = check ]; then
 elif [ "$stage" = ab ]; then
   # A/B of the decode step, alternating, AB_ROUNDS rounds of profile_decode (4 layers of the
   # 30B-A3B shape, FP4 kernels): side "old" runs ab_old/trace_jax when that exists (a git
-  # archive of the base commit, carried as an ignored path), else this tree; AB_ENV_OLD /
+  # archive of the base commit, carried as an ignored path; AB_OLD_DIR names another or none),
+  # else this tree; AB_ENV_OLD /
   # AB_ENV_NEW: environment settings of each side (e.g. XLA_FLAGS=...). The first run of the
   # new side also writes the decode loop's kernel listing
   for r in $(seq 1 ${AB_ROUNDS:-2}); do
     for side in old new; do
-      root=$PWD; [ $side = old ] && [ -d ab_old ] && root=$PWD/ab_old
+      root=$PWD; [ $side = old ] && [ -d ${AB_OLD_DIR:-ab_old} ] && root=$PWD/${AB_OLD_DIR:-ab_old}
       envs=${AB_ENV_OLD:-}; [ $side = new ] && envs=${AB_ENV_NEW:-}
       extra=""; [ $r = 1 ] && [ $side = new ] && extra="--hlo_out $OUT/decode_loop_kernels_paper.txt"
       env $envs PYTHONPATH=/tmp/site:$root timeout 170 python3 benchmarks/profile_decode.py \
@@ -161,6 +162,21 @@ elif [ "$stage" = fused_sites ]; then
     tests/kernels/test_kv_append.py tests/kernels/test_row_quant.py 2>&1 \
     | grep -v "^I1\|^W1" | grep -E "Error|assert|Mismatch|differ|passed|failed" | cut -c1-300 | tail -24
   AB_ENV_NEW="TRACE_JAX_KV_APPEND=kernel TRACE_JAX_ROW_QUANT=kernel" bash $0 ab
+elif [ "$stage" = numerics ]; then
+  # session 8: the quantization rules compiled by XLA:GPU against numpy (integer reciprocal and
+  # E4M3 decode) and the glue kernels against them; then two decode-step A/Bs: the fix's cost on
+  # the XLA path (ab_old: the tree before it, glue kernels off in both), and the glue kernels
+  # (this tree, off vs on)
+  JAX_PLATFORMS=cuda timeout -k 5 200 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+    tests/quant/test_gpu_numerics.py tests/kernels/test_kv_append.py \
+    tests/kernels/test_row_quant.py 2>&1 | grep -v "^I1\|^W1" \
+    | grep -E "Error|assert|Mismatch|differ|passed|failed" | cut -c1-300 | tail -24
+  glue_off="TRACE_JAX_KV_APPEND=xla TRACE_JAX_ROW_QUANT=xla"
+  echo "-- A/B 1: old = the tree before the fix, new = this tree, glue kernels off"
+  AB_ROUNDS=1 AB_ENV_OLD="$glue_off" AB_ENV_NEW="$glue_off" bash $0 ab
+  mkdir -p $OUT/fix && mv $OUT/ab_*.json $OUT/decode_loop_kernels_paper.txt $OUT/fix/ 2>/dev/null
+  echo "-- A/B 2: this tree, old = glue kernels off, new = on (the default)"
+  AB_ROUNDS=1 AB_OLD_DIR=none AB_ENV_OLD="$glue_off" AB_ENV_NEW="" bash $0 ab
 elif [ "$stage" = glue_probe ]; then
   # where the compiled glue kernels part from XLA: fields, primitives, the compiler's division
   JAX_PLATFORMS=cuda timeout -k 5 170 python3 benchmarks/probe_glue.py --out $OUT/probe_glue.npz \

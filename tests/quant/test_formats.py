@@ -146,3 +146,39 @@ def test_e8m0_from_bits_is_the_dtype_value():
   assert got[0] in (0.0, 2.0**-127)  # subnormal: XLA:CPU flushes it (as `pow2` documents)
   dtype = np.asarray(jax.lax.bitcast_convert_type(b, jnp.float8_e8m0fnu).astype(jnp.float32))
   np.testing.assert_array_equal(got[1:], dtype[1:].astype(np.float64))
+
+
+def _f32_bits(a):
+  return np.asarray(a, np.float32).view(np.uint32)
+
+
+def test_reciprocal_is_ieee_division():
+  """`reciprocal` (integer long division) against numpy's IEEE float32 `1 / d`, bit for bit:
+  every mantissa of one binade, random bit patterns over all exponents (subnormal inputs and
+  results, overflow to inf), and the special values."""
+  rng = np.random.default_rng(11)
+  binade = (np.uint32(127 << 23) | np.arange(1 << 23, dtype=np.uint32)).view(np.float32)
+  patterns = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+  special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -2.0, 2.0**-149, 2.0**-126,
+                      2.0**126, 2.0**127, np.float32(3.4028235e38), 2.0**-128, 2.0**-127,
+                      np.nextafter(np.float32(2.0**-128), np.float32(1))], np.float32)
+  d = np.concatenate([binade, patterns.view(np.float32), special, -special])
+  got = _f32_bits(jax.jit(F.reciprocal)(jnp.asarray(d)))
+  with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+    want = _f32_bits(np.float32(1) / d)
+  nan = np.isnan(d)
+  np.testing.assert_array_equal(got[~nan], want[~nan])
+  assert np.all(np.isnan(np.asarray(got[nan].view(np.float32))))
+
+
+def test_e4m3_value_of_every_byte():
+  """The E4M3 decode built from bits equals ml_dtypes' value of each of the 256 bytes."""
+  import ml_dtypes  # noqa: PLC0415
+
+  b = np.arange(256, dtype=np.uint8)
+  want = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = np.asarray(F.e4m3_value(jax.lax.bitcast_convert_type(jnp.asarray(b),
+                                                             jnp.float8_e4m3fn)))
+  nan = np.isnan(want)
+  assert np.array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(_f32_bits(got[~nan]), _f32_bits(want[~nan]))

@@ -39,9 +39,9 @@ Decode routing tables: `sort_by_group` and `count_by_group` order and count (tok
 by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
 XLA's sort and scatters above it.
 
-Opt-in Pallas kernels for the rollout's glue (`append_kv`: `TRACE_JAX_KV_APPEND=kernel`;
-`quantize_rows`: `TRACE_JAX_ROW_QUANT=kernel`): None unless chosen, on a GPU, for operands they
-take; the caller then runs its XLA path, which gives the same bits.
+Pallas kernels for the rollout's glue on the GPU (`append_kv`, `quantize_rows`; opt out with
+`TRACE_JAX_KV_APPEND=xla`, `TRACE_JAX_ROW_QUANT=xla`): None off the GPU and for operands they do
+not take; the caller then runs its XLA path, which gives the same bits.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ if _ATTENTION not in ("kernel", "reference", "mosaic"):
                    f"{_ATTENTION!r}")
 _ATTENTION_KERNEL = _ATTENTION != "reference"
 _ATTENTION_MOSAIC = _ATTENTION == "mosaic"
-_KV_APPEND = os.environ.get("TRACE_JAX_KV_APPEND", "xla")
+_KV_APPEND = os.environ.get("TRACE_JAX_KV_APPEND", "kernel")
 if _KV_APPEND not in ("xla", "kernel"):
   raise ValueError(f"TRACE_JAX_KV_APPEND must be xla or kernel, got {_KV_APPEND!r}")
-_ROW_QUANT = os.environ.get("TRACE_JAX_ROW_QUANT", "xla")
+_ROW_QUANT = os.environ.get("TRACE_JAX_ROW_QUANT", "kernel")
 if _ROW_QUANT not in ("xla", "kernel"):
   raise ValueError(f"TRACE_JAX_ROW_QUANT must be xla or kernel, got {_ROW_QUANT!r}")
 _PREFILL = os.environ.get("TRACE_JAX_PREFILL_ATTENTION", "kernel")
@@ -236,7 +236,7 @@ def append_kv(k_cache, v_cache, k, v, index):
   """A decode step's K/V cache write by the Pallas kernel of `kv_append.py`: (k_cache,
   v_cache, kq, vq), or None where the caller's XLA path (quantize, then
   `kv_cache.write_layer`; the same bits) applies: off the GPU, caches the kernel does not
-  write, and unless `TRACE_JAX_KV_APPEND=kernel` (the kernel has not yet run on a GPU)."""
+  write, and with `TRACE_JAX_KV_APPEND=xla`."""
   if _KV_APPEND != "kernel" or not on_gpu():
     return None
   from trace_jax.kernels import kv_append  # noqa: PLC0415 - Pallas imports stay lazy
@@ -249,7 +249,7 @@ def quantize_rows(x, fmt):
   """A rollout activation site's `(q, value)` (`quant.quantize_with_value(x, fmt,
   second_level="row")`, the same bits) from the Pallas kernel of `row_quant.py`, or None where
   the caller's XLA path applies: off the GPU, formats and shapes the kernel does not take, and
-  unless `TRACE_JAX_ROW_QUANT=kernel` (the kernel has not yet run on a GPU)."""
+  with `TRACE_JAX_ROW_QUANT=xla`."""
   if _ROW_QUANT != "kernel" or not on_gpu():
     return None
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy

@@ -14,6 +14,16 @@ rounded) times `a`. XLA itself rewrites `x / broadcast(d)` into exactly that (me
 4088 of 16000 quotients differ from IEEE division in the last bit), so the literal formula would
 round differently depending on whether the divisor happened to be broadcast; this spelling is the
 one every path (jnp reference, fake-quant, guided rounding, kernels) computes identically.
+
+Two rules are spelled in integers because XLA on the GPU does not keep the float ones (measured
+on the H200, jax 0.11.2, `benchmarks/probe_glue.py`):
+
+* `reciprocal`: XLA:GPU lowers float32 `/` to PTX `div.full.f32`, off by one ulp for 13% of
+  divisors (openxla/xla#37181), so `1 / d` is a long division of the integer mantissas.
+* `e4m3_value`: with `xla_allow_excess_precision` (XLA's default) the GPU pipeline deletes a
+  `f32 -> float8 -> f32` convert pair (simplify-fp-conversions), so the codes were encoded with
+  the unrounded block scale while decode used the stored one (9% of code bytes off). The value
+  of an E4M3 byte is built from its bits, which no pass folds away.
 """
 
 from __future__ import annotations
@@ -158,8 +168,60 @@ def e8m0_from_bits(b: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- NVFP4 scales
 
 def reciprocal(d: jax.Array) -> jax.Array:
-  """Correctly rounded float32 `1 / d` (divisions are multiplies by this; see module doc)."""
-  return jnp.float32(1.0) / d.astype(jnp.float32)
+  """Correctly rounded float32 `1 / d` on every backend (divisions are multiplies by this; see
+  module doc): IEEE round-to-nearest-even, subnormal inputs and results, +-0 -> +-inf,
+  +-inf -> +-0, NaN -> NaN. Integer ops only (XLA:GPU's float division is not correctly
+  rounded). With d's mantissa D in [2**23, 2**24), `2**47 // D` by long division in 8-bit steps
+  (every partial remainder times 256 fits 32 bits) gives the quotient's bits and the remainder
+  the sticky part; no ties arise (2**48 = (2Q + 1) D has no solution with Q >= 2**23)."""
+  u32, i32 = jnp.uint32, jnp.int32
+  bits = jax.lax.bitcast_convert_type(d.astype(jnp.float32), u32)
+  sign = bits & u32(0x80000000)
+  mag = bits & u32(0x7FFFFFFF)
+  exp = (mag >> 23).astype(i32)
+  man = mag & u32(0x7FFFFF)
+  # normalize: d = D * 2**(e - 23), D in [2**23, 2**24) (subnormals shifted up)
+  lead = jnp.maximum(jax.lax.clz(man).astype(i32) - 8, 0)
+  sub = exp == 0
+  big_d = jnp.where(sub, man << lead.astype(u32), man | u32(0x800000))
+  big_d = jnp.maximum(big_d, u32(1))  # d == 0 is settled below; avoid dividing by zero
+  e = jnp.where(sub, -126 - lead, exp - 127)
+  q = u32(1 << 23) // big_d
+  r = u32(1 << 23) % big_d
+  for _ in range(3):
+    t = r << 8
+    q = (q << 8) | (t // big_d)
+    r = t % big_d
+  # 1/d = (q + r/D) * 2**(-24 - e), q in (2**23, 2**24]; q == 2**24 only for D == 2**23 (r == 0)
+  top = q >> 24
+  q = q >> top
+  biased = 126 - e + top.astype(i32)  # the exponent field of a normal result
+  # normal result: round the fraction r/D; subnormal: drop `shift` more bits of q, r sticky
+  shift = jnp.clip(1 - biased, 0, 25).astype(u32)
+  kept = q >> shift
+  low = q & ((u32(1) << shift) - u32(1))
+  half = jnp.where(shift > 0, u32(1) << jnp.maximum(shift, u32(1)) - u32(1), u32(0))
+  up_sub = (low > half) | ((low == half) & ((r > 0) | ((kept & u32(1)) == 1)))
+  up = jnp.where(shift == 0, r + r > big_d, up_sub)
+  mant = kept + up.astype(u32)  # a carry into bit 23 (24) moves the exponent: bits add up
+  field = jnp.where(biased > 0, biased, 0).astype(u32)
+  out = jnp.where(biased > 0, (field << 23) + (mant - u32(1 << 23)), mant)
+  out = jnp.where(biased >= 255, u32(0x7F800000), out)  # overflow (|d| < 2**-128)
+  out = jnp.where(mag == 0, u32(0x7F800000), out)
+  out = jnp.where(mag == u32(0x7F800000), u32(0), out)
+  out = jnp.where(mag > u32(0x7F800000), mag | u32(0x400000), out)  # NaN stays NaN (quiet)
+  return jax.lax.bitcast_convert_type(out | sign, jnp.float32)
+
+
+def e4m3_value(s: jax.Array) -> jax.Array:
+  """float32 value of `float8_e4m3fn` numbers, built from their bits (see module doc): exponent
+  field e, mantissa m -> `2**(e-7) (1 + m/8)`, or `m 2**-9` for e = 0; S.1111.111 is NaN."""
+  b = jax.lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.uint32)
+  e, m = (b >> 3) & 15, b & 7
+  normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+  mag = jnp.where(e == 0, m.astype(jnp.float32) * jnp.float32(2.0**-9), normal)
+  mag = jnp.where((b & 0x7F) == 0x7F, jnp.float32(jnp.nan), mag)
+  return jnp.where((b & 0x80) != 0, -mag, mag)
 
 
 def nvfp4_second_level(amax: jax.Array, fmt: Format) -> jax.Array:
@@ -182,4 +244,4 @@ def e4m3_block_scale(amax_block: jax.Array, g: jax.Array, target: float = 6.0,
 
 def nvfp4_divisor(s: jax.Array, g: jax.Array) -> jax.Array:
   """The float32 block scale `d = s * g`: decode multiplies by it, encode by `reciprocal(d)`."""
-  return s.astype(jnp.float32) * g.astype(jnp.float32)
+  return e4m3_value(s) * g.astype(jnp.float32)

@@ -117,7 +117,7 @@ def scaled_blocks(xb: jax.Array, scales: jax.Array, g: jax.Array | None, fmt: F.
 
 def decode_blocks(codes: jax.Array, scales: jax.Array, g: jax.Array | None, fmt: F.Format) -> jax.Array:
   """float32 values `q * scale` in the blocked layout (the one decode rule)."""
-  q = e2m1.decode(codes) if fmt.is_fp4 else codes.astype(jnp.float32)
+  q = e2m1.decode(codes) if fmt.is_fp4 else F.e4m3_value(codes)
   return q * block_divisor(scales, g, fmt)[..., None]  # a NaN scale makes the block NaN
 
 
