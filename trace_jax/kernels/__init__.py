@@ -16,9 +16,9 @@ q_start)` (a prompt's tokens over the cache that holds them): on GPU the flash-s
 kernel of `attention_pallas.py` (`TRACE_JAX_PREFILL_ATTENTION=reference` opts out), else
 `prefill_attention_ref`. `attention` is the model's attention formula itself.
 
-Rollout glue as opt-in Pallas kernels (`TRACE_JAX_KV_APPEND=kernel`,
-`TRACE_JAX_ROW_QUANT=kernel`; bit-exact against the XLA paths in interpret mode, not yet run on
-a GPU): `append_kv` writes a decode step's NVFP4 K/V rows into the cache (`kv_append.py`),
+Rollout glue as Pallas kernels on the GPU by default (`TRACE_JAX_KV_APPEND=xla`,
+`TRACE_JAX_ROW_QUANT=xla` opt out; bit-exact against numpy-checked XLA paths in interpret mode
+and on the H200): `append_kv` writes a decode step's NVFP4 K/V rows into the cache (`kv_append.py`),
 `quantize_rows` quantizes an activation site (`row_quant.py`); each returns None where the XLA
 path applies. `sort_by_group` / `count_by_group` build the MoE routing tables.
 """

@@ -10,14 +10,14 @@ dynamic-update-slices: 12.5 us per layer in the session-7 profile); this is one.
 The encoding is `quant.qarray.encode_blocks` itself, traced inside the kernel
 (`row_quant.encode_tile`), with one difference of means, not of result: the correctly rounded
 reciprocal it needs is the PTX `div.rn.f32` instruction on the GPU (the Triton lowering's own
-float32 `/` need not be correctly rounded), and the ordinary division in interpret mode (CPU
-tests).
+float32 `/` is `div.full.f32`, not correctly rounded), and `formats.reciprocal` in interpret mode
+(CPU tests).
 
 Lowering: a portable Pallas body (`pl.pallas_call`, one program per sequence) that runs with
 `interpret=True` on CPU and on the GPU through the Triton lowering (as `attention_pallas`;
 deprecated since jax 0.11, shipped in 0.11.2). The cache fields are aliased to the outputs, so
-only the written slot moves. Not yet run on a GPU (2026-11-30): `dispatch` uses it only when
-`TRACE_JAX_KV_APPEND=kernel`.
+only the written slot moves. Bit-exact against the XLA path on the H200 (session 8); the GPU
+default in `dispatch` (`TRACE_JAX_KV_APPEND=xla` opts out).
 """
 
 from __future__ import annotations

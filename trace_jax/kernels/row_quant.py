@@ -16,8 +16,9 @@ ordinary division in interpret mode (`reciprocal`; `encode_tile` is the in-kerne
 pattern (`e2m1.as_e4m3_bits`, exact) instead of a table.
 
 Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
-`attention_pallas`). Not yet run on a GPU (2026-11-30): `dispatch` uses it only when
-`TRACE_JAX_ROW_QUANT=kernel`.
+`attention_pallas`). On the H200 (session 8) every field equals the XLA path bit for bit, and
+the decode step with both glue kernels runs 49 fewer kernels, 3.7% less kernel time; the GPU
+default in `dispatch` (`TRACE_JAX_ROW_QUANT=xla` opts out).
 """
 
 from __future__ import annotations
