@@ -19,7 +19,8 @@ Two rules are spelled in integers because XLA on the GPU does not keep the float
 on the H200, jax 0.11.2, `benchmarks/probe_glue.py`):
 
 * `reciprocal`: XLA:GPU lowers float32 `/` to PTX `div.full.f32`, off by one ulp for 13% of
-  divisors (openxla/xla#37181), so `1 / d` is a long division of the integer mantissas.
+  divisors (openxla/xla#37181), so off the CPU `1 / d` is a long division of the integer
+  mantissas (`reciprocal_long_division`).
 * `e4m3_value`: with `xla_allow_excess_precision` (XLA's default) the GPU pipeline deletes a
   `f32 -> float8 -> f32` convert pair (simplify-fp-conversions), so the codes were encoded with
   the unrounded block scale while decode used the stored one (9% of code bytes off). The value
@@ -168,12 +169,22 @@ def e8m0_from_bits(b: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- NVFP4 scales
 
 def reciprocal(d: jax.Array) -> jax.Array:
-  """Correctly rounded float32 `1 / d` on every backend (divisions are multiplies by this; see
-  module doc): IEEE round-to-nearest-even, subnormal inputs and results, +-0 -> +-inf,
-  +-inf -> +-0, NaN -> NaN. Integer ops only (XLA:GPU's float division is not correctly
-  rounded). With d's mantissa D in [2**23, 2**24), `2**47 // D` by long division in 8-bit steps
-  (every partial remainder times 256 fits 32 bits) gives the quotient's bits and the remainder
-  the sticky part; no ties arise (2**48 = (2Q + 1) D has no solution with Q >= 2**23)."""
+  """Correctly rounded float32 `1 / d` (divisions are multiplies by this; see module doc). On CPU
+  XLA's own division, which is IEEE (57x faster there than the long division: integer division
+  does not vectorize); elsewhere `reciprocal_long_division`. XLA:CPU flushes subnormals, so the
+  two differ only where d or 1/d is subnormal (|d| < 2**-126 or > 2**126): block divisors meet
+  that only for blocks whose maximum is below ~7e-38."""
+  return jax.lax.platform_dependent(d.astype(jnp.float32), cpu=lambda v: jnp.float32(1.0) / v,
+                                    default=reciprocal_long_division)
+
+
+def reciprocal_long_division(d: jax.Array) -> jax.Array:
+  """Correctly rounded float32 `1 / d` from integer ops only (XLA:GPU's float division is not
+  correctly rounded): IEEE round-to-nearest-even, subnormal inputs and results, +-0 -> +-inf,
+  +-inf -> +-0, NaN -> NaN. With d's mantissa D in [2**23, 2**24), `2**47 // D` by long division
+  in 8-bit steps (every partial remainder times 256 fits 32 bits) gives the quotient's bits and
+  the remainder the sticky part; no ties arise (2**48 = (2Q + 1) D has no solution with
+  Q >= 2**23)."""
   u32, i32 = jnp.uint32, jnp.int32
   bits = jax.lax.bitcast_convert_type(d.astype(jnp.float32), u32)
   sign = bits & u32(0x80000000)
