@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -177,6 +177,19 @@ elif [ "$stage" = numerics ]; then
   mkdir -p $OUT/fix && mv $OUT/ab_*.json $OUT/decode_loop_kernels_paper.txt $OUT/fix/ 2>/dev/null
   echo "-- A/B 2: this tree, old = glue kernels off, new = on (the default)"
   AB_ROUNDS=1 AB_OLD_DIR=none AB_ENV_OLD="$glue_off" AB_ENV_NEW="" bash $0 ab
+elif [ "$stage" = excess ]; then
+  # XLA:GPU's excess precision (on by default) beyond the quantization rules, which are immune to
+  # it since session 8: may XLA keep f32 where the model rounds to bf16, differently in the
+  # rollout's and the trainer's programs? TRACE alignment on the GPU (the CPU tests, their printed
+  # k3 / code agreement) with the default and with it off; then the decode-step cost of off
+  for flags in "" "--xla_allow_excess_precision=false"; do
+    echo "-- XLA_FLAGS=$flags"
+    XLA_FLAGS="$flags" JAX_PLATFORMS=cuda timeout -k 5 240 python3 -m pytest -q -s -p no:xdist \
+      -o addopts="" tests/rl/test_train_step.py tests/rollout/test_engine.py \
+      -k "trace_aligns or routing_replay or fp4_kv_decode" 2>&1 \
+      | grep -E "k3:|code agreement|passed|failed|Error|assert" | cut -c1-300 | tail -10
+  done
+  AB_ROUNDS=1 AB_OLD_DIR=none AB_ENV_NEW="XLA_FLAGS=--xla_allow_excess_precision=false" bash $0 ab
 elif [ "$stage" = glue_probe ]; then
   # where the compiled glue kernels part from XLA: fields, primitives, the compiler's division
   JAX_PLATFORMS=cuda timeout -k 5 170 python3 benchmarks/probe_glue.py --out $OUT/probe_glue.npz \
@@ -212,6 +225,13 @@ elif [ "$stage" = 48l_fp4 ]; then
     --batches=64 --policies=paper --paths=kernels --isolate --row_timeout=${ROW_TIMEOUT:-280} \
     --prompt_len=256 --new_tokens=256 --repeats=1 --hf_peer=false \
     --out=$OUT/bench_rollout_48l_fp4.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
+elif [ "$stage" = 48l_bf16 ]; then
+  # the 48-layer BF16 row to set beside 48l_fp4's (session 8: FP4 needed 427 s with a 152 s
+  # compile; BF16 weights are 60 GB), same shape and tokens
+  timeout ${ROWS_TIMEOUT:-585} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
+    --batches=64 --policies=bf16 --paths=kernels --isolate --row_timeout=${ROW_TIMEOUT:-575} \
+    --prompt_len=256 --new_tokens=256 --repeats=1 --hf_peer=false \
+    --out=$OUT/bench_rollout_48l_bf16.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
     --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \
