@@ -219,10 +219,10 @@ elif [ "$stage" = x2 ]; then
     ${X2_ARGS:-} \
     2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 48l_fp4 ]; then
-  # the whole 48-layer 30B-A3B shape, FP4 kernels only, B=64 (its compile is ~4x the 12-layer
-  # program's 44 s first call; the BF16 row needs a call of its own)
-  timeout ${ROWS_TIMEOUT:-290} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
-    --batches=64 --policies=paper --paths=kernels --isolate --row_timeout=${ROW_TIMEOUT:-280} \
+  # the whole 48-layer 30B-A3B shape, FP4 kernels only, B=64 (session 8: 427 s, of it 152 s to
+  # compile the generate program; 280 s was too short; the BF16 row is 48l_bf16)
+  timeout ${ROWS_TIMEOUT:-585} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
+    --batches=64 --policies=paper --paths=kernels --isolate --row_timeout=${ROW_TIMEOUT:-575} \
     --prompt_len=256 --new_tokens=256 --repeats=1 --hf_peer=false \
     --out=$OUT/bench_rollout_48l_fp4.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 48l_bf16 ]; then
