@@ -5,7 +5,8 @@ and the kernel's primitives alone (the PTX reciprocal, the f32 -> e4m3 conversio
 pattern -> f32 decode) against XLA over sweeps of values. Writes the arrays to an npz for study
 on a CPU.
 
-  python3 benchmarks/probe_glue.py --out $OUT/probe_glue.npz
+  python3 benchmarks/probe_glue.py --out $OUT/probe_glue.npz   (from the repo root: the cases
+  are the GPU tests' own, `tests/kernels/test_row_quant.py` and `test_kv_append.py`)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from tests.kernels.test_kv_append import decode_case
+from tests.kernels.test_row_quant import rows_case
 from trace_jax import quant as tq
 from trace_jax.kernels import kv_append, row_quant
 from trace_jax.quant import e2m1
@@ -43,21 +46,8 @@ def _report(name, got, want, context=None):
     print(f"   at {tuple(int(p) for p in pos)}: got {g[pos]!r} want {w[pos]!r}{extra}")
 
 
-def _x(shape, seed):
-  """As tests/kernels/test_row_quant.py: many magnitudes, a zero row, clip-bound blocks,
-  E2M1 midpoints."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape[:-1] + (1,)))
-  flat = x.reshape(-1, shape[-1])
-  flat[0] = 0.0
-  flat[1] = 1e-6
-  flat[1, 5] = 3e4
-  flat[2, :16] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)
-  return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
-
-
 def row_quant_fields(tag, fn):
-  x = _x((512, 768), 1)
+  x = rows_case((512, 768), jnp.bfloat16, 1)  # the GPU test's [512, 768] case
   SAVED[f"{tag}_x"] = np.asarray(x.astype(jnp.float32))
   (qg, vg) = jax.jit(fn)(x)
   (qw, vw) = jax.jit(lambda a: tq.quantize_with_value(a, "nvfp4", second_level="row",
@@ -103,15 +93,9 @@ def primitives():
 
 
 def kv_fields():
-  b, s, kvh, hd = 64, 384, 4, 128
-  x = jax.random.normal(jax.random.key(0), (2, b, s, kvh, hd), jnp.float32)
-  kc, vc = (tq.quantize(x[i].astype(jnp.bfloat16), "nvfp4", second_level="row",
-                        validate=False) for i in (0, 1))
-  scale = jnp.exp(jax.random.uniform(jax.random.key(1), (2, b, 1, kvh, 1), minval=-8, maxval=8))
-  new = (jax.random.normal(jax.random.key(2), (2, b, 1, kvh, hd)) * scale).astype(jnp.bfloat16)
-  idx = jnp.asarray(100, jnp.int32)
-  got = jax.jit(kv_append.append)(kc, vc, new[0], new[1], idx)
-  kq = jax.jit(lambda a: tq.quantize(a, "nvfp4", second_level="row", validate=False))(new[0])
+  kc, vc, k, v, idx = decode_case(100)  # the GPU test's shared-index case
+  got = jax.jit(kv_append.append)(kc, vc, k, v, idx)
+  kq = jax.jit(lambda a: tq.quantize(a, "nvfp4", second_level="row", validate=False))(k)
   for name, a, w in (("kv_new_codes", got[2].codes, kq.codes),
                      ("kv_new_scales", got[2].scales, kq.scales),
                      ("kv_new_g", got[2].global_scale, kq.global_scale),

@@ -36,6 +36,21 @@ def _rows(seed):
   return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
 
 
+def decode_case(index):
+  """The 30B-A3B decode shape (B=64, 4 KV heads x 128, 384 slots): caches holding random rows,
+  new K/V rows over 16 orders of magnitude, the write index (`"per_row"`: one per sequence).
+  -> (k_cache, v_cache, k, v, index); `benchmarks/probe_glue.py` studies the same case."""
+  b, s, kvh, hd = 64, 384, 4, 128
+  x = jax.random.normal(jax.random.key(0), (2, b, s, kvh, hd), jnp.float32)
+  kc, vc = (tq.quantize(x[i].astype(jnp.bfloat16), "nvfp4", second_level="row",
+                        validate=False) for i in (0, 1))
+  scale = jnp.exp(jax.random.uniform(jax.random.key(1), (2, b, 1, kvh, 1), minval=-8, maxval=8))
+  new = (jax.random.normal(jax.random.key(2), (2, b, 1, kvh, hd)) * scale).astype(jnp.bfloat16)
+  idx = (jnp.arange(b, dtype=jnp.int32) * 5 % s if index == "per_row"
+         else jnp.asarray(index, jnp.int32))
+  return kc, vc, new[0], new[1], idx
+
+
 def _bits(q):
   return [np.asarray(a).view(np.uint8) for a in (q.codes, q.scales, q.global_scale)]
 
@@ -86,19 +101,12 @@ def test_lowers_for_cuda(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", [100, "per_row"])
 def test_kernel_on_gpu_equals_xla_path(index):
-  """The compiled kernel (Triton, the PTX division) at the 30B-A3B decode shape (B=64, 4 KV
-  heads x 128, 384 slots) against the XLA path, every field bit for bit."""
+  """The compiled kernel (Triton, the PTX division) at the 30B-A3B decode shape against the
+  XLA path, every field bit for bit."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
-  b, s, kvh, hd = 64, 384, 4, 128
-  x = jax.random.normal(jax.random.key(0), (2, b, s, kvh, hd), jnp.float32)
-  kc, vc = (tq.quantize(x[i].astype(jnp.bfloat16), "nvfp4", second_level="row",
-                        validate=False) for i in (0, 1))
-  scale = jnp.exp(jax.random.uniform(jax.random.key(1), (2, b, 1, kvh, 1), minval=-8, maxval=8))
-  new = (jax.random.normal(jax.random.key(2), (2, b, 1, kvh, hd)) * scale).astype(jnp.bfloat16)
-  idx = (jnp.arange(b, dtype=jnp.int32) * 5 % s if index == "per_row"
-         else jnp.asarray(index, jnp.int32))
-  got = jax.jit(kv_append.append)(kc, vc, new[0], new[1], idx)
+  case = decode_case(index)
+  got = jax.jit(kv_append.append)(*case)
 
   def xla(kc, vc, k, v, i):
     kq = tq.quantize(k, "nvfp4", second_level="row", validate=False)
@@ -106,7 +114,7 @@ def test_kernel_on_gpu_equals_xla_path(index):
     layer = kvc.write_layer(kvc.LayerKV(kc, vc), kq, vq, i)
     return layer.k, layer.v, kq, vq
 
-  want = jax.jit(xla)(kc, vc, new[0], new[1], idx)
+  want = jax.jit(xla)(*case)
   for g, w in zip(got, want):
     for a, c in zip(_bits(g), _bits(w)):
       np.testing.assert_array_equal(a, c)

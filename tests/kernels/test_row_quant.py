@@ -15,7 +15,7 @@ from trace_jax import quant as tq
 from trace_jax.kernels import row_quant
 
 
-def _x(shape, dtype, seed):
+def rows_case(shape, dtype, seed):
   """Rows over many magnitudes, a zero row, a row with one huge element (block scales at both
   clip bounds), values on E2M1 midpoints."""
   rng = np.random.default_rng(seed)
@@ -42,7 +42,7 @@ def _same(got, want):
 def test_equals_quantize_with_value(shape, dtype):
   """K = 128 (8 blocks) and K = 96 (6 blocks: padded to 8 in the kernel), rows not a multiple of
   the kernel's rows per program."""
-  x = _x(shape, dtype, 0)
+  x = rows_case(shape, dtype, 0)
   got = jax.jit(lambda a: row_quant.quantize_rows(a, "nvfp4", interpret=True))(x)
   want = tq.quantize_with_value(x, "nvfp4", second_level="row", validate=False)
   _same(got, want)
@@ -75,7 +75,7 @@ def test_lowers_for_cuda(monkeypatch):
 def test_kernel_on_gpu_equals_reference(shape):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
-  x = _x(shape, jnp.bfloat16, 1)
+  x = rows_case(shape, jnp.bfloat16, 1)
   got = jax.jit(lambda a: row_quant.quantize_rows(a, "nvfp4"))(x)
   want = jax.jit(lambda a: tq.quantize_with_value(a, "nvfp4", second_level="row",
                                                   validate=False))(x)
