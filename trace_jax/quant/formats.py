@@ -211,12 +211,11 @@ def reciprocal_long_division(d: jax.Array) -> jax.Array:
   shift = jnp.clip(1 - biased, 0, 25).astype(u32)
   kept = q >> shift
   low = q & ((u32(1) << shift) - u32(1))
-  half = jnp.where(shift > 0, u32(1) << jnp.maximum(shift, u32(1)) - u32(1), u32(0))
+  half = u32(1) << (jnp.maximum(shift, u32(1)) - u32(1))  # of the dropped bits (shift > 0)
   up_sub = (low > half) | ((low == half) & ((r > 0) | ((kept & u32(1)) == 1)))
   up = jnp.where(shift == 0, r + r > big_d, up_sub)
   mant = kept + up.astype(u32)  # a carry into bit 23 (24) moves the exponent: bits add up
-  field = jnp.where(biased > 0, biased, 0).astype(u32)
-  out = jnp.where(biased > 0, (field << 23) + (mant - u32(1 << 23)), mant)
+  out = jnp.where(biased > 0, (biased.astype(u32) << 23) + (mant - u32(1 << 23)), mant)
   out = jnp.where(biased >= 255, u32(0x7F800000), out)  # overflow (|d| < 2**-128)
   out = jnp.where(mag == 0, u32(0x7F800000), out)
   out = jnp.where(mag == u32(0x7F800000), u32(0), out)
