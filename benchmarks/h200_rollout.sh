@@ -184,12 +184,13 @@ elif [ "$stage" = excess ]; then
   # k3 / code agreement) with the default and with it off; then the decode-step cost of off
   for flags in "" "--xla_allow_excess_precision=false"; do
     echo "-- XLA_FLAGS=$flags"
-    XLA_FLAGS="$flags" JAX_PLATFORMS=cuda timeout -k 5 240 python3 -m pytest -q -s -p no:xdist \
+    XLA_FLAGS="$flags" JAX_PLATFORMS=cuda timeout -k 5 ${EXCESS_TIMEOUT:-150} python3 -m pytest -q -s -p no:xdist \
       -o addopts="" tests/rl/test_train_step.py tests/rollout/test_engine.py \
       -k "trace_aligns or routing_replay or fp4_kv_decode" 2>&1 \
       | grep -E "k3:|code agreement|passed|failed|Error|assert" | cut -c1-300 | tail -10
   done
-  AB_ROUNDS=1 AB_OLD_DIR=none AB_ENV_NEW="XLA_FLAGS=--xla_allow_excess_precision=false" bash $0 ab
+  [ "${EXCESS_AB:-1}" = 1 ] && AB_ROUNDS=1 AB_OLD_DIR=none \
+    AB_ENV_NEW="XLA_FLAGS=--xla_allow_excess_precision=false" bash $0 ab
 elif [ "$stage" = glue_probe ]; then
   # where the compiled glue kernels part from XLA: fields, primitives, the compiler's division
   JAX_PLATFORMS=cuda timeout -k 5 170 python3 benchmarks/probe_glue.py --out $OUT/probe_glue.npz \
