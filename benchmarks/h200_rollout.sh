@@ -228,10 +228,11 @@ elif [ "$stage" = 48l_fp4 ]; then
     --out=$OUT/bench_rollout_48l_fp4.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 48l_bf16 ]; then
   # the 48-layer BF16 row to set beside 48l_fp4's (session 8: FP4 needed 427 s with a 152 s
-  # compile; BF16 weights are 60 GB), same shape and tokens
+  # compile; BF16 weights are 60 GB), same shape and tokens; no re-sync (session 9: the re-sync
+  # ran out of memory beside the 61 GB master and the 61 GB rollout copy it donates)
   timeout ${ROWS_TIMEOUT:-585} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
     --batches=64 --policies=bf16 --paths=kernels --isolate --row_timeout=${ROW_TIMEOUT:-575} \
-    --prompt_len=256 --new_tokens=256 --repeats=1 --hf_peer=false \
+    --prompt_len=256 --new_tokens=256 --repeats=1 --hf_peer=false --noresync \
     --out=$OUT/bench_rollout_48l_bf16.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
