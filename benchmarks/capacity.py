@@ -1,5 +1,5 @@
 """How many rollout sequences fit on one GPU, per policy and context length: the engine's own
-capacity planner (`rollout.plan_capacity`, the rule `RolloutEngine.generate` enforces) applied to
+capacity planner (`rollout.capacity_limits`, the rule `RolloutEngine.generate` enforces) applied to
 the real rollout weight bytes of a model shape, with no device needed (weights are shapes only,
 from `jax.eval_shape` of the engine's weight sync).
 
@@ -8,6 +8,10 @@ from `jax.eval_shape` of the engine's weight sync).
 Default device: an H200 as `benchmarks/h200_rollout.sh` runs it (143,771 MiB,
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94). The planner keeps 10% headroom and counts per sequence the
 KV cache, recorded guidance and routes at the full context plus a decode step's transients.
+With --decode_chunk the engine moves guidance to host memory window by window, so a second limit
+applies: the host's memory (--host_gib, default the 128 GiB of the H200 host the device README
+describes), which must hold each sequence's guidance for the whole context and two windows
+(`rollout.host_tokens_held`); `sequences` is the smaller of the device- and host-limited figures.
 These are planned figures; a GPU run that fills them is what confirms them.
 """
 
@@ -48,10 +52,13 @@ def main():
   ap.add_argument("--decode_chunk", type=int, default=0,
                   help="> 0: the chunked engine (guidance of the prompt + two windows on device)")
   ap.add_argument("--prompt_len", type=int, default=512, help="with --decode_chunk")
+  ap.add_argument("--host_gib", type=float, default=128.0,
+                  help="host memory, with --decode_chunk (the H200 host: 128 GiB)")
   ap.add_argument("--out", default="capacity.json")
   a = ap.parse_args()
   config = M.preset(a.preset)
   device_bytes = int(a.device_mib * 2**20 * a.mem_fraction)
+  host_bytes = int(a.host_gib * 2**30) if a.decode_chunk > 0 else None
   contexts = [int(c) for c in a.contexts.split(",")]
   rows = []
   for name in a.policies.split(","):
@@ -60,28 +67,45 @@ def main():
     held = E.guidance_tokens_held(a.prompt_len, a.decode_chunk)
     for ctx in contexts:
       per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance), held)
-      rows.append({"policy": name, "policy_full": policy.name, "context": ctx,
-                   "weight_bytes": wb, "bytes_per_sequence": per,
-                   "sequences": E.plan_capacity(config, policy, ctx, wb, device_bytes,
-                                                bool(a.record_guidance), guidance_tokens=held)})
+      row = {"policy": name, "policy_full": policy.name, "context": ctx, "weight_bytes": wb,
+             "bytes_per_sequence": per}
+      host_tokens = None
+      if host_bytes is not None:
+        host_tokens = E.host_tokens_held(a.prompt_len, ctx - a.prompt_len, a.decode_chunk)
+        row["host_bytes_per_sequence"] = E.host_bytes_per_sequence(
+            config, policy, ctx, bool(a.record_guidance), host_tokens)
+      on_device, on_host = E.capacity_limits(config, policy, ctx, wb, device_bytes,
+                                             bool(a.record_guidance), guidance_tokens=held,
+                                             host_bytes=host_bytes, host_tokens=host_tokens)
+      if host_bytes is not None:
+        row["sequences_device_limited"] = on_device
+        row["sequences_host_limited"] = on_host  # None: nothing goes to host memory
+      row["sequences"] = min(n for n in (on_device, on_host) if n is not None)
+      rows.append(row)
   for r in rows:
     base = next(b for b in rows if b["policy"] == "bf16" and b["context"] == r["context"])
     r["vs_bf16"] = r["sequences"] / base["sequences"] if base["sequences"] else None
   out = {**run_info(), "benchmark": "capacity", "preset": a.preset,
-         "device_bytes": device_bytes, "headroom": 0.9,
+         "device_bytes": device_bytes, "host_bytes": host_bytes, "headroom": 0.9,
          "record_guidance": bool(a.record_guidance), "decode_chunk": a.decode_chunk,
          "guidance_tokens_on_device": (E.guidance_tokens_held(a.prompt_len, a.decode_chunk)
                                        or "whole context"), "results": rows,
-         "note": "planned by rollout.plan_capacity from the shapes of the rollout weights; "
-                 "not measured on a device"}
+         "note": "planned by rollout.capacity_limits from the shapes of the rollout weights; "
+                 "not measured on a device"
+                 + ("; sequences = min(device-limited, host-limited)" if host_bytes else "")}
   with open(a.out, "w") as f:
     json.dump(out, f, indent=2)
-  print(f"{'policy':8s} {'context':>8s} {'weights GB':>10s} {'MB/seq':>9s} {'sequences':>9s} "
-        f"{'vs bf16':>7s}")
+  host = host_bytes is not None
+  print(f"{'policy':8s} {'context':>8s} {'weights GB':>10s} {'MB/seq':>9s} "
+        + (f"{'host MB/seq':>11s} {'device-lim':>10s} {'host-lim':>8s} " if host else "")
+        + f"{'sequences':>9s} {'vs bf16':>7s}")
   for r in rows:
+    on_host = r.get("sequences_host_limited")
     print(f"{r['policy']:8s} {r['context']:8d} {r['weight_bytes'] / 1e9:10.2f} "
-          f"{r['bytes_per_sequence'] / 1e6:9.1f} {r['sequences']:9d} "
-          f"{r['vs_bf16'] or 0:7.2f}")
+          f"{r['bytes_per_sequence'] / 1e6:9.1f} "
+          + (f"{r['host_bytes_per_sequence'] / 1e6:11.1f} {r['sequences_device_limited']:10d} "
+             f"{'-' if on_host is None else on_host:>8} " if host else "")
+          + f"{r['sequences']:9d} {r['vs_bf16'] or 0:7.2f}")
   try:
     import matplotlib
     matplotlib.use("Agg")

@@ -9,7 +9,8 @@ import pytest
 
 from trace_jax import models as M
 from trace_jax import quant as tq
-from trace_jax.rollout import CapacityError, RolloutEngine, SamplingParams, filter_logits
+from trace_jax.rollout import (CapacityError, RolloutEngine, SamplingParams, bytes_per_sequence,
+                               filter_logits, guidance_bytes_per_token, plan_capacity)
 
 CFG = M.tiny(num_layers=3)
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -179,6 +180,8 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
     leaves_b = jax.tree_util.tree_leaves(b.guidance)
     assert leaves_b and all(isinstance(x, np.ndarray) for x in leaves_b)
     assert b.guidance_bytes() == a.guidance_bytes() > 0
+    # The planners' per-token rule is what the rollout stores, byte for byte.
+    assert b.guidance_bytes() == b.tokens.size * guidance_bytes_per_token(CFG, chunked.policy)
     jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), y),
                            a.guidance, b.guidance)
     for f in ("tokens", "token_mask", "positions", "completion_mask", "logprobs", "routes"):
@@ -192,3 +195,49 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
   assert windowed > 1.5 * whole
   with pytest.raises(ValueError, match="decode_chunk"):
     RolloutEngine(CFG, decode_chunk=-1)
+
+
+def test_chunked_engine_plans_host_memory():
+  """The chunked engine's guidance goes to host memory: its capacity is also limited by the host,
+  by a hand computation from the tiny model's shapes; a batch over that limit is refused naming
+  host memory; with ample host memory the device limit is the one-program planner's."""
+  policy = tq.make_policy("paper", "nvfp4")
+  # Guidance per token: guided layers 1 and 2 of 3 (guided_layers=0.5); NVFP4 compact rows of
+  # L elements hold L/8 payload bytes + L/16 E4M3 scales + a float32 row scale (4 bytes):
+  #   experts/in       1 row  x 64: 8 + 4 + 4 = 16
+  #   experts/down_in  2 rows x 32: 2 x (4 + 2 + 4) = 20
+  #   kv/k, kv/v       2 rows x 16 each: 2 x 2 x (2 + 1 + 4) = 28
+  per_token = 2 * (16 + 20 + 28)
+  # Prompt bucket 16, 6 new tokens in windows of 4: at the peak the host holds the final arrays
+  # (prompt + 6 tokens) and two windows in flight.
+  per_seq = per_token * (16 + 6 + 2 * 4)
+  assert per_seq == 3840
+  host = 5 * 3840  # 0.9 x 5 sequences' worth: 4 fit
+  eng = RolloutEngine(CFG, policy, max_new_tokens=6, decode_chunk=4, host_bytes=host,
+                      device_bytes=2**40)
+  eng.sync(_params())
+  on_device, on_host = eng.capacity_limits(16 + 6)
+  assert on_host == 4 < on_device and eng.capacity(16 + 6) == 4
+  ro = eng.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=1.0), seed=3)
+  assert ro.num_rows == 4
+  with pytest.raises(CapacityError, match=r"6 sequences .* do not fit in host memory: at most 4 "
+                     r"fit \(0\.0 MiB .* host memory 0\.0 GiB"):
+    eng.generate(PROMPTS + [[1]], n=2)
+  # Ample host memory: the device limit is the one-program planner's with the prompt's and two
+  # windows' guidance on the device, and the device is what a batch over it is refused for.
+  roomy = RolloutEngine(CFG, policy, max_new_tokens=6, decode_chunk=4, host_bytes=2**40,
+                        device_bytes=eng.weight_bytes * 2)
+  roomy.sync(_params())
+  cap = plan_capacity(CFG, policy, 16 + 6, roomy.weight_bytes, roomy.device_bytes,
+                      guidance_tokens=16 + 2 * 4)
+  assert roomy.capacity_limits(16 + 6)[0] == roomy.capacity(16 + 6) == cap > 0
+  with pytest.raises(CapacityError, match=r"do not fit: at most \d+ fit next to"):
+    roomy.generate([[1, 2]] * (cap + 1))
+  # On the CPU backend without host_bytes the device's memory is host RAM: one budget for both.
+  if jax.devices()[0].platform == "cpu":
+    shared = RolloutEngine(CFG, policy, max_new_tokens=6, decode_chunk=4,
+                           device_bytes=roomy.device_bytes)
+    shared.sync(_params())
+    free = roomy.device_bytes * 0.9 - shared.weight_bytes
+    both = bytes_per_sequence(CFG, policy, 22, guidance_tokens=24) + per_seq
+    assert shared.capacity_limits(16 + 6) == (cap, int(free // both))

@@ -13,6 +13,10 @@ guided layers, the TRACE guidance of every quantized activation site and of K/V.
 Prompts are left-padded to a bucket length, so all sequences write the same cache slot each
 step; `token_mask` keeps padding out of attention. Each sequence samples with its own key,
 derived from the prompt's content, so a sequence's tokens do not depend on its batch-mates.
+
+It also owns memory planning, the rule `generate` enforces (`CapacityError`): how many sequences
+fit in device memory next to the weights and, for the chunked engine, whose guidance goes to host
+memory, in host memory too (`capacity_limits`, `plan_capacity`).
 """
 
 from __future__ import annotations
@@ -69,21 +73,22 @@ jax.tree_util.register_dataclass(
 
 
 class CapacityError(ValueError):
-  """A batch that would not fit in device memory."""
+  """A batch that would not fit in device memory, or whose guidance would not fit in host
+  memory (the chunked engine)."""
 
 
 # --------------------------------------------------------------------------- the program
 
-def _repeat_rows(tree, n: int, xp=jnp):
+def _repeat_rows(tree, n: int):
   """Repeat every batch-first leaf n times along the batch (QArray/Guidance shapes follow)."""
   if n == 1:
     return tree
 
   def rep(x):
     if isinstance(x, (tq.QArray, tq.Guidance)):
-      return tq.map_blocked(x, lambda a: xp.repeat(a, n, axis=0),
+      return tq.map_blocked(x, lambda a: jnp.repeat(a, n, axis=0),
                             (x.shape[0] * n,) + tuple(x.shape[1:]))
-    return xp.repeat(x, n, axis=0)
+    return jnp.repeat(x, n, axis=0)
 
   return jax.tree_util.tree_map(rep, tree,
                                 is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
@@ -220,9 +225,10 @@ def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M
 
 
 def _assemble(prompt_tokens, prompt_mask, positions, prompt_len, pre_routes, pre_records, bufs,
-              n: int, steps: int, xp=jnp) -> Rollout:
-  """The Rollout of prompt + generated steps. `xp`: np keeps the records on the host (the
-  chunked engine moves them there as it goes); the other fields are small."""
+              n: int, steps: int, guidance=None) -> Rollout:
+  """The Rollout of prompt + generated steps. guidance: the whole rollout's records when the
+  caller built them (the chunked engine, in host memory), else joined here from the prompt's
+  (`pre_records`) and the decode steps' (`bufs["records"]`)."""
   valid = bufs["valid"]
   tokens = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0),
                             jnp.where(valid, bufs["tokens"], 0)], axis=1)
@@ -232,10 +238,11 @@ def _assemble(prompt_tokens, prompt_mask, positions, prompt_len, pre_routes, pre
   routes = None
   if bufs["routes"] is not None:
     routes = jnp.concatenate([jnp.repeat(pre_routes, n, axis=1), bufs["routes"]], axis=2)
-  pre_rec = _repeat_rows(pre_records, n, xp)
-  guidance = {layer: {site: tq.concatenate([pre_rec[layer][site], g], axis=1, xp=xp)
-                      for site, g in sites.items()}
-              for layer, sites in bufs["records"].items()}
+  if guidance is None:
+    pre_rec = _repeat_rows(pre_records, n)
+    guidance = {layer: {site: tq.concatenate([pre_rec[layer][site], g], axis=1)
+                        for site, g in sites.items()}
+                for layer, sites in bufs["records"].items()}
   return Rollout(tokens, token_mask, positions, valid, bufs["logp"], routes, guidance,
                  int(prompt_tokens.shape[1]))
 
@@ -275,6 +282,74 @@ def device_memory_bytes(device=None) -> int:
   return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def host_memory_bytes() -> int:
+  """Host memory a rollout may still take: MemAvailable from /proc/meminfo, capped by the
+  cgroup (v2) limit less the cgroup's usage where one is set; physical RAM where neither can be
+  read. Available rather than physical memory because the per-sequence figure counts only the
+  rollout's guidance: what the process already holds (the runtime, compiled programs, a previous
+  rollout the caller still keeps) and what other processes hold is not free for it."""
+  avail = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+          break
+  except OSError:
+    pass
+  try:  # a container's limit is what the kernel's OOM killer enforces there
+    with open("/sys/fs/cgroup/memory.max") as f:
+      limit = f.read().strip()
+    if limit != "max":
+      with open("/sys/fs/cgroup/memory.current") as f:
+        left = int(limit) - int(f.read())
+      avail = left if avail is None else min(avail, left)
+  except (OSError, ValueError):
+    pass
+  if avail is None:
+    avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  return int(avail)
+
+
+def _guidance_rows(config: M.ModelConfig, layer: int):
+  """(site, rows per token, row length) of every site of `layer` that can record guidance, as
+  the forward quantizes it (blocks along the row; one second-level scale per row)."""
+  c = config
+  rows = [("attn/in", 1, c.hidden_size), ("attn/o_in", 1, c.num_heads * c.head_dim),
+          ("kv/k", c.num_kv_heads, c.head_dim), ("kv/v", c.num_kv_heads, c.head_dim)]
+  if c.is_moe_layer(layer):
+    rows += [("experts/in", 1, c.hidden_size),  # once per token, before dispatch
+             ("experts/down_in", c.num_experts_per_tok, c.moe_ffn_size)]
+    if c.shared_ffn_size:
+      rows += [("shared/in", 1, c.hidden_size), ("shared/down_in", 1, c.shared_ffn_size)]
+  else:
+    rows += [("mlp/in", 1, c.hidden_size), ("mlp/down_in", 1, c.dense_ffn_size)]
+  return rows
+
+
+def guidance_bytes_per_token(config: M.ModelConfig, policy: tq.QuantPolicy,
+                             record_guidance: bool = True) -> float:
+  """Bytes of TRACE guidance the rollout records per token (one sequence, all guided layers),
+  as it stores it: per quantized row the payload and block scales of its whole blocks
+  (`tq.guidance_bits_per_element`) and, for two-level formats (NVFP4), the row's float32
+  second-level scale. Only FP4 sites record guidance (an MXFP8 KV cache records none). The one
+  rule both device and host planning use."""
+  if not (record_guidance and policy.quantizes_anything):
+    return 0.0
+  total = 0.0
+  for layer in range(config.num_layers):
+    if not policy.is_guided_layer(layer, config.num_layers):
+      continue
+    for site, rows, length in _guidance_rows(config, layer):
+      fmt = policy.kv if site.startswith("kv/") else policy.activation_format(site)
+      if fmt is None or not fmt.is_fp4:
+        continue
+      padded = -(-length // fmt.block) * fmt.block  # a row shorter than a block fills one
+      row = padded * tq.guidance_bits_per_element(fmt, policy.guidance_compact) / 8
+      total += rows * (row + (4 if fmt.two_level else 0))
+  return total
+
+
 def bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
                        record_guidance: bool = True, guidance_tokens: int | None = None) -> float:
   """Device bytes one sequence needs at `context_len`: KV cache, guidance, routes, logits.
@@ -282,22 +357,7 @@ def bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, context_le
   the chunked engine holds the prompt's and two windows')."""
   kv = M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
   per_token = kv + 4 * config.num_layers * config.num_experts_per_tok  # routes (int32)
-  guidance = 0.0
-  if record_guidance and policy.quantizes_anything:
-    n_guided = sum(policy.is_guided_layer(l, config.num_layers) for l in range(config.num_layers))
-    elems = 0
-    if policy.activation_format("experts/in"):
-      elems += config.hidden_size
-    if policy.activation_format("experts/down_in"):
-      elems += config.num_experts_per_tok * config.moe_ffn_size
-    if policy.activation_format("attn/in"):
-      elems += config.hidden_size
-    if policy.activation_format("attn/o_in"):
-      elems += config.num_heads * config.head_dim
-    if policy.kv_format:
-      elems += 2 * config.num_kv_heads * config.head_dim
-    fmt = policy.kv or tq.get_format("nvfp4")
-    guidance = n_guided * elems * tq.guidance_bits_per_element(fmt, policy.guidance_compact) / 8
+  guidance = guidance_bytes_per_token(config, policy, record_guidance)
   # Transient per sequence in a decode step: float32 logits (a few copies), attention scores and
   # probabilities over the context, a few hidden-size buffers.
   transient = (3 * 4 * config.vocab_size + 2 * 4 * config.num_heads * context_len
@@ -313,17 +373,66 @@ def guidance_tokens_held(prompt_len: int, decode_chunk: int) -> int | None:
   return max(prompt_len, 0) + 2 * decode_chunk if decode_chunk > 0 else None
 
 
+def host_tokens_held(prompt_len: int, max_new: int, decode_chunk: int) -> float:
+  """Tokens' guidance the chunked engine holds in host memory per sequence at its peak:
+  prompt + max_new + 2 windows.
+
+  Why: the final arrays (`_host_guidance`, prompt + max_new tokens) are allocated once and each
+  window's records are copied in as they arrive (`_place_window`), then dropped; beside them at
+  most two windows are in host memory (the one being placed, and the next one's asynchronous
+  copy). The prompt's records (one row per prompt) are dropped at the first window, when host
+  memory holds little else."""
+  return prompt_len + max_new + 2 * decode_chunk
+
+
+def host_bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
+                            record_guidance: bool = True,
+                            host_tokens: float | None = None) -> float:
+  """Host bytes one sequence of the chunked engine needs at `context_len`: its guidance, which
+  the engine moves to host memory window by window. host_tokens: tokens' guidance held at the
+  peak (`host_tokens_held`; default context_len)."""
+  tokens = context_len if host_tokens is None else host_tokens
+  return guidance_bytes_per_token(config, policy, record_guidance) * tokens
+
+
+def capacity_limits(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
+                    weight_bytes: int, device_bytes: int | None = None,
+                    record_guidance: bool = True, headroom: float = 0.9,
+                    guidance_tokens: int | None = None, host_bytes: int | None = None,
+                    host_tokens: float | None = None,
+                    host_is_device: bool = False) -> tuple[int, int | None]:
+  """(device-limited, host-limited) counts of sequences of `context_len` tokens, each with
+  `headroom` of its memory. The host figure is None unless the engine keeps guidance in host
+  memory (the chunked engine: `host_bytes`, or `host_is_device`). host_is_device: the device's
+  memory is host RAM (the CPU backend), so the host figure charges device and host bytes per
+  sequence to one budget, `device_bytes` less the weights. It counts a sequence's windows twice
+  (device buffers that its host copies alias there, at most prompt + two windows of guidance
+  against a context's of host arrays): it errs toward fewer sequences."""
+  device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
+  free = headroom * device_bytes - weight_bytes
+  per = bytes_per_sequence(config, policy, context_len, record_guidance, guidance_tokens)
+  on_device = max(int(free // per), 0)
+  if host_bytes is None and not host_is_device:
+    return on_device, None
+  per_host = host_bytes_per_sequence(config, policy, context_len, record_guidance, host_tokens)
+  if host_is_device:
+    return on_device, max(int(free // (per + per_host)), 0)
+  if per_host == 0:  # nothing goes to host memory
+    return on_device, None
+  return on_device, max(int(headroom * host_bytes // per_host), 0)
+
+
 def plan_capacity(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
                   weight_bytes: int, device_bytes: int | None = None,
                   record_guidance: bool = True, headroom: float = 0.9,
-                  guidance_tokens: int | None = None) -> int:
-  """How many sequences of `context_len` tokens fit next to the weights."""
-  device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
-  free = headroom * device_bytes - weight_bytes
-  if free <= 0:
-    return 0
-  return int(free // bytes_per_sequence(config, policy, context_len, record_guidance,
-                                        guidance_tokens))
+                  guidance_tokens: int | None = None, host_bytes: int | None = None,
+                  host_tokens: float | None = None, host_is_device: bool = False) -> int:
+  """How many sequences of `context_len` tokens fit next to the weights, and with host_bytes
+  (or host_is_device) in host memory too: the smaller of `capacity_limits`."""
+  limits = capacity_limits(config, policy, context_len, weight_bytes, device_bytes,
+                           record_guidance, headroom, guidance_tokens, host_bytes, host_tokens,
+                           host_is_device)
+  return min(n for n in limits if n is not None)
 
 
 def tree_bytes(tree) -> int:
@@ -372,11 +481,12 @@ def _prompt_key(seed: int, prompt: Sequence[int], occurrence: int) -> int:
 
 
 def _join_windows(windows, count: int, steps: int) -> dict:
-  """Decode windows joined along time into buffers of `steps`: windows never run (every row
-  had stopped) are zeros, as in the one-program engine's buffers."""
-  zero = jax.tree_util.tree_map(
-      lambda x: np.zeros_like(x) if isinstance(x, np.ndarray) else jnp.zeros_like(x), windows[-1])
-  windows = windows + [zero] * (count - len(windows))
+  """Decode windows' tokens, logprobs, validity and routes joined along time into buffers of
+  `steps`: windows never run (every row had stopped) are zeros, as in the one-program engine's
+  buffers. (Their guidance goes straight into the final arrays: `_host_guidance`.)"""
+  if len(windows) < count:
+    zero = jax.tree_util.tree_map(jnp.zeros_like, windows[-1])
+    windows = windows + [zero] * (count - len(windows))
 
   def cut(x, axis):
     return jax.lax.slice_in_dim(x, 0, steps, axis=axis) if x.shape[axis] > steps else x
@@ -385,13 +495,41 @@ def _join_windows(windows, count: int, steps: int) -> dict:
          for k in ("tokens", "logp", "valid")}
   out["routes"] = None if windows[0]["routes"] is None else cut(
       jnp.concatenate([w["routes"] for w in windows], axis=2), 2)
-  def records(layer, site):
-    g = tq.concatenate([w["records"][layer][site] for w in windows], axis=1, xp=np)
-    return tq.map_blocked(g, lambda a: a[:, :steps], (g.shape[0], steps) + tuple(g.shape[2:]))
-
-  out["records"] = {layer: {site: records(layer, site) for site in sites}
-                    for layer, sites in windows[0]["records"].items()}
   return out
+
+
+def _host_guidance(pre_records, window_records, n: int, steps: int) -> dict:
+  """The chunked rollout's final guidance in host memory, `[rows, prompt + steps, ...]` per
+  site: the prompt's records repeated per sample in place, zeros where decode windows will land
+  (`_place_window`; windows never run stay zero, as in the one-program engine). Allocated once
+  and filled window by window, so host memory holds the guidance about once (`np.zeros` pages
+  are committed as they are written), not a joined copy beside the windows."""
+  out = {}
+  for layer, sites in window_records.items():
+    out[layer] = {}
+    for site, g in sites.items():
+      pre = pre_records[layer][site]
+      total = pre.shape[1] + steps
+      full = tq.map_blocked(
+          g, lambda a: np.zeros((a.shape[0], total) + a.shape[2:], a.dtype),  # noqa: B023
+          (g.shape[0], total) + tuple(g.shape[2:]))
+      for dst, src in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(pre),
+                          strict=True):
+        for j in range(n):  # sample j of prompt i is row i * n + j (no repeated copy)
+          dst[j::n, :src.shape[1]] = src
+      out[layer][site] = full
+  return out
+
+
+def _place_window(guidance, window_records, start: int) -> None:
+  """Copy one window's host records into the final arrays from time index `start` (the
+  window's first decode step after the prompt), cut at their end."""
+  for layer, sites in window_records.items():
+    for site, g in sites.items():
+      for dst, src in zip(jax.tree_util.tree_leaves(guidance[layer][site]),
+                          jax.tree_util.tree_leaves(g), strict=True):
+        length = min(src.shape[1], dst.shape[1] - start)
+        dst[:, start:start + length] = src[:, :length]
 
 
 def sequence_keys(seed: int, prompts: Sequence[Sequence[int]], n: int = 1) -> jax.Array:
@@ -430,8 +568,8 @@ class RolloutEngine:
                max_new_tokens: int = 64, prompt_bucket: int = 16,
                record_guidance: bool = True, record_routes: bool = True,
                record_codes: bool = False, device_bytes: int | None = None,
-               use_kernels: bool | None = None, mesh: jax.sharding.Mesh | None = None,
-               decode_chunk: int = 0):
+               host_bytes: int | None = None, use_kernels: bool | None = None,
+               mesh: jax.sharding.Mesh | None = None, decode_chunk: int = 0):
     self.config = config
     self.policy = policy or tq.make_policy("bf16")
     self.max_new_tokens = int(max_new_tokens)
@@ -443,6 +581,9 @@ class RolloutEngine:
                               record_guidance=record_guidance and quantized,
                               record_codes=record_codes and quantized)
     self.device_bytes = device_bytes
+    # host_bytes: host memory the chunked engine's guidance may take (default: what is available
+    # at each generate call, `host_memory_bytes`; on the CPU backend one budget with the device's).
+    self.host_bytes = host_bytes
     # decode_chunk > 0: decode in windows of that many steps, one program call each, and move
     # each window's TRACE guidance to host memory as it completes, so device memory holds the
     # guidance of the prompt and two windows instead of the whole sequence (at 8k tokens on the
@@ -486,16 +627,34 @@ class RolloutEngine:
   def capacity(self, context_len: int, prompt_len: int | None = None) -> int:
     """Sequences of `context_len` tokens that fit (prompt_len: the prompt bucket, which sets
     how much guidance the chunked engine holds at once; default context_len - max_new)."""
-    return plan_capacity(self.config, self.policy, context_len, self.weight_bytes,
-                         self.device_bytes, self.ctx.record_guidance,
-                         guidance_tokens=self._guidance_tokens(context_len, prompt_len))
+    return min(n for n in self.capacity_limits(context_len, prompt_len) if n is not None)
 
-  def _guidance_tokens(self, context_len: int, prompt_len: int | None) -> int | None:
+  def capacity_limits(self, context_len: int,
+                      prompt_len: int | None = None) -> tuple[int, int | None]:
+    """(device-limited, host-limited) sequence counts (`capacity_limits`); the host figure is
+    None for the one-program engine, whose guidance stays on the device."""
+    return capacity_limits(self.config, self.policy, context_len, self.weight_bytes,
+                           self.device_bytes, self.ctx.record_guidance,
+                           **self._planning(context_len, prompt_len))
+
+  def _on_cpu(self) -> bool:
+    device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+    return device.platform == "cpu"
+
+  def _planning(self, context_len: int, prompt_len: int | None) -> dict:
+    """`capacity_limits`' arguments for what the engine holds where: with decode windows, the
+    guidance of the prompt and two windows on the device and the whole context in host memory
+    (on the CPU backend, unless host_bytes is given, the device's memory is host RAM: one
+    budget)."""
     if not self._chunked():
-      return None
-    return guidance_tokens_held(
-        context_len - self.max_new_tokens if prompt_len is None else prompt_len,
-        self.decode_chunk)
+      return {}
+    p = context_len - self.max_new_tokens if prompt_len is None else prompt_len
+    shared = self.host_bytes is None and self._on_cpu()
+    return dict(guidance_tokens=guidance_tokens_held(p, self.decode_chunk),
+                host_tokens=host_tokens_held(p, context_len - p, self.decode_chunk),
+                host_is_device=shared,
+                host_bytes=(None if shared else self.host_bytes if self.host_bytes is not None
+                            else host_memory_bytes()))
 
   # -- generation
   def bucket_length(self, prompt_tokens: int) -> int:
@@ -533,19 +692,58 @@ class RolloutEngine:
     pre_fn, window_fn = self._chunk_programs(key)
     pre_records, pre_routes, positions, prompt_len, carry = pre_fn(self.params, tokens, mask)
     pre_records = jax.device_get(pre_records)
-    windows, count, pending = [], -(-steps // chunk), None
+    p = int(tokens.shape[1])
+    windows, count, pending, guidance = [], -(-steps // chunk), None, None
+
+    def land(bufs):  # a finished window: its records into the final arrays, then dropped
+      nonlocal guidance, pre_records
+      records = jax.device_get(bufs["records"])
+      if guidance is None:
+        guidance, pre_records = _host_guidance(pre_records, records, n, steps), None
+      _place_window(guidance, records, p + len(windows) * chunk)
+      windows.append({k: v for k, v in bufs.items() if k != "records"})
+
     for _ in range(count):
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
       for x in jax.tree_util.tree_leaves(bufs["records"]):
         x.copy_to_host_async()
       if pending is not None:  # the previous window's copy overlaps this window's decoding
-        windows.append(dict(pending, records=jax.device_get(pending["records"])))
+        land(pending)
       pending = bufs
       if bool(jax.device_get(jnp.all(carry["done"]))):
         break
-    windows.append(dict(pending, records=jax.device_get(pending["records"])))
-    return _assemble(tokens, mask, positions, prompt_len, pre_routes, pre_records,
-                     _join_windows(windows, count, steps), n, steps, xp=np)
+    land(pending)
+    del pending
+    return _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
+                     _join_windows(windows, count, steps), n, steps, guidance=guidance)
+
+  def _check_capacity(self, rows: int, p: int) -> None:
+    """CapacityError if `rows` sequences of prompt bucket `p` do not fit, naming the memory
+    (device, or host for the chunked engine's guidance) whose limit is exceeded."""
+    ctx_len = p + self.max_new_tokens
+    plan = self._planning(ctx_len, p)
+    on_device, on_host = capacity_limits(self.config, self.policy, ctx_len, self.weight_bytes,
+                                         self.device_bytes, self.ctx.record_guidance, **plan)
+    if rows <= min(n for n in (on_device, on_host) if n is not None):
+      return
+    device = self.device_bytes or device_memory_bytes()
+    per = bytes_per_sequence(self.config, self.policy, ctx_len, self.ctx.record_guidance,
+                             plan.get("guidance_tokens"))
+    if on_host is None or on_device <= on_host:
+      raise CapacityError(
+          f"{rows} sequences of {ctx_len} tokens do not fit: at most {on_device} fit "
+          f"next to {self.weight_bytes / 2**30:.2f} GiB of weights "
+          f"({per / 2**20:.1f} MiB per sequence, device {device / 2**30:.1f} GiB)")
+    per_host = host_bytes_per_sequence(self.config, self.policy, ctx_len,
+                                       self.ctx.record_guidance, plan["host_tokens"])
+    budget = (f"host memory = the device's {device / 2**30:.1f} GiB, next to "
+              f"{self.weight_bytes / 2**30:.2f} GiB of weights and {per / 2**20:.1f} MiB per "
+              f"sequence on the device" if plan["host_is_device"]
+              else f"host memory {plan['host_bytes'] / 2**30:.1f} GiB")
+    raise CapacityError(
+        f"{rows} sequences of {ctx_len} tokens do not fit in host memory: at most {on_host} "
+        f"fit ({per_host / 2**20:.1f} MiB of guidance per sequence in host memory at its peak, "
+        f"decode windows of {self.decode_chunk}; {budget})")
 
   def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
                sampling: SamplingParams = SamplingParams(), seed: int = 0,
@@ -578,16 +776,7 @@ class RolloutEngine:
       if bad:
         raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
     rows = len(prompts) * n
-    cap = self.capacity(p + self.max_new_tokens, p)
-    if rows > cap:
-      per = bytes_per_sequence(self.config, self.policy, p + self.max_new_tokens,
-                               self.ctx.record_guidance,
-                               self._guidance_tokens(p + self.max_new_tokens, p))
-      raise CapacityError(
-          f"{rows} sequences of {p + self.max_new_tokens} tokens do not fit: at most {cap} fit "
-          f"next to {self.weight_bytes / 2**30:.2f} GiB of weights "
-          f"({per / 2**20:.1f} MiB per sequence, device "
-          f"{(self.device_bytes or device_memory_bytes()) / 2**30:.1f} GiB)")
+    self._check_capacity(rows, p)
 
     tokens = np.zeros((len(prompts), p), np.int32)
     mask = np.zeros((len(prompts), p), bool)
