@@ -121,7 +121,10 @@ def main():
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("sequences that fit")
     ax.set_yscale("log")
-    ax.set_title(f"{a.preset}: rollout sequences per GPU ({device_bytes / 1e9:.0f} GB, planned)")
+    host = (f", host {a.host_gib:.0f} GiB, decode windows of {a.decode_chunk}"
+            if a.decode_chunk > 0 else "")
+    ax.set_title(f"{a.preset}: rollout sequences per GPU ({device_bytes / 1e9:.0f} GB{host}, "
+                 "planned)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.splitext(a.out)[0] + ".png", dpi=120)
