@@ -7,7 +7,8 @@ from `jax.eval_shape` of the engine's weight sync).
 
 Default device: an H200 as `benchmarks/h200_rollout.sh` runs it (143,771 MiB,
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94). The planner keeps 10% headroom and counts per sequence the
-KV cache, recorded guidance and routes at the full context plus a decode step's transients.
+KV cache, recorded guidance and routes at the full context plus a decode step's transients, and
+beside the weights a prefill pass's cache (--prefill_tokens, the engine's default).
 With --decode_chunk the engine moves guidance to host memory window by window, so a second limit
 applies: the host's memory (--host_gib, default the 128 GiB of the H200 host the device README
 describes), which must hold each sequence's guidance for the whole context and two windows
@@ -54,6 +55,9 @@ def main():
   ap.add_argument("--prompt_len", type=int, default=512, help="with --decode_chunk")
   ap.add_argument("--host_gib", type=float, default=128.0,
                   help="host memory, with --decode_chunk (the H200 host: 128 GiB)")
+  ap.add_argument("--prefill_tokens", type=int, default=65536,
+                  help="prompt tokens per prefill pass (the engine's default): its cache is held "
+                       "beside the weights")
   ap.add_argument("--out", default="capacity.json")
   a = ap.parse_args()
   config = M.preset(a.preset)
@@ -64,17 +68,18 @@ def main():
   for name in a.policies.split(","):
     policy = tq.make_policy(name)
     wb = abstract_weight_bytes(config, policy)
+    reserve = E.prefill_reserve_bytes(config, policy, a.prefill_tokens)
     held = E.guidance_tokens_held(a.prompt_len, a.decode_chunk)
     for ctx in contexts:
       per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance), held)
       row = {"policy": name, "policy_full": policy.name, "context": ctx, "weight_bytes": wb,
-             "bytes_per_sequence": per}
+             "prefill_reserve_bytes": reserve, "bytes_per_sequence": per}
       host_tokens = None
       if host_bytes is not None:
         host_tokens = E.host_tokens_held(a.prompt_len, ctx - a.prompt_len, a.decode_chunk)
         row["host_bytes_per_sequence"] = E.host_bytes_per_sequence(
             config, policy, ctx, bool(a.record_guidance), host_tokens)
-      on_device, on_host = E.capacity_limits(config, policy, ctx, wb, device_bytes,
+      on_device, on_host = E.capacity_limits(config, policy, ctx, wb + reserve, device_bytes,
                                              bool(a.record_guidance), guidance_tokens=held,
                                              host_bytes=host_bytes, host_tokens=host_tokens)
       if host_bytes is not None:

@@ -37,7 +37,7 @@ def compile_seconds(config, policy, batch: int, prompt_len: int, new_tokens: int
   if use_kernels:
     weights = jax.eval_shape(E._kernel_layout, weights)
   sampling = SamplingParams(temperature=1.0)
-  key = (prompt_len, batch, 1, new_tokens, sampling, 1)
+  key = (prompt_len, batch, 1, new_tokens, sampling, 1, engine._pass_rows(prompt_len))
   args = (weights, jnp.zeros((batch, prompt_len), jnp.int32), jnp.ones((batch, prompt_len), bool),
           E.sequence_keys(0, [[3]] * batch), jnp.full((batch,), new_tokens, jnp.int32),
           jnp.asarray([-1], jnp.int32))

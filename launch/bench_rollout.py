@@ -31,7 +31,9 @@ flags.DEFINE_string("preset", "tiny", "Model preset (trace_jax.models.config.PRE
 flags.DEFINE_integer("num_layers", 0, "Override the preset's layer count (0: keep it).")
 flags.DEFINE_list("policies", ["bf16", "paper", "w4a16", "kv4"], "Policy presets to compare.")
 flags.DEFINE_string("fp4_format", "nvfp4", "FP4 format of the policies.")
-flags.DEFINE_list("batches", ["1", "8", "32"], "Sequences per batch.")
+flags.DEFINE_list("batches", ["1", "8", "32"], "Sequences per batch; 'capacity': as many as "
+                  "the engine's planner admits at prompt_len + new_tokens (device and, with "
+                  "decode_chunk, host memory), which the row then fills.")
 flags.DEFINE_list("paths", ["auto"], "FP4 matmul paths: kernels, xla (GPU) / reference (CPU); "
                   "auto = xla,kernels on GPU, reference elsewhere.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
@@ -115,6 +117,11 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   by_kind = {"experts": experts, "other": tree_bytes(weights) - experts
              - tree_bytes(weights["embed"])}  # embedding: only B rows are read
   rng = np.random.default_rng(0)
+  planned = None
+  if batch == "capacity":  # the planner's figure for this engine, weights and device
+    batch = planned = engine.capacity(FLAGS.prompt_len + FLAGS.new_tokens, FLAGS.prompt_len)
+    _log(f"capacity: {batch} sequences of {FLAGS.prompt_len + FLAGS.new_tokens} tokens")
+  batch = int(batch)
   prompts = [list(rng.integers(3, config.vocab_size, FLAGS.prompt_len)) for _ in range(batch)]
   s = SamplingParams(temperature=1.0)
 
@@ -160,7 +167,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "guidance_bytes_per_token": out.guidance_bytes_per_token(),
       "floor_bytes_per_step": floor_b, "floor_step_ms": 1e3 * floor_b / FLAGS.bandwidth,
       "floor_over_measured": (floor_b / FLAGS.bandwidth) / step_s,
-      "peak_device_bytes": peak,
+      "peak_device_bytes": peak, "planned_capacity": planned,
   }
 
 
@@ -270,7 +277,8 @@ def main(argv):
     config = config.replace(num_layers=FLAGS.num_layers)
   if FLAGS.row:
     policy, path, batch = FLAGS.row.split(":")
-    row = bench_engine(config, policy, path, int(batch), FLAGS.tokens_dir)
+    row = bench_engine(config, policy, path, batch if batch == "capacity" else int(batch),
+                       FLAGS.tokens_dir)
     print("ROW_JSON " + json.dumps(row), flush=True)
     return
   tokens_dir = tempfile.mkdtemp(prefix="bench_rollout_tokens_")
@@ -299,7 +307,7 @@ def main(argv):
     return out
 
   t0 = time.perf_counter()
-  for b in [int(x) for x in FLAGS.batches]:
+  for b in [x if x == "capacity" else int(x) for x in FLAGS.batches]:
     for p in FLAGS.policies:
       for path in _paths(p):
         spec = f"{p}:{path}:{b}"
@@ -310,14 +318,14 @@ def main(argv):
             row = bench_engine(config, p, path, b, tokens_dir)
           except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
             row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        row = {"policy": p, "path": path, "batch": b, **row}
+        row = {"policy": p, "path": path, "batch": b, **row}  # (a capacity row: its own batch)
         rows.append(row)
         save()
         print(f"[{time.perf_counter() - t0:7.1f} s] " + json.dumps(
             {k: row.get(k) for k in ("policy", "path", "batch", "tokens_per_s",
                                      "decode_step_ms", "floor_over_measured", "error")}),
             flush=True)
-    if FLAGS.hf_peer:
+    if FLAGS.hf_peer and b != "capacity":
       try:
         import torch  # noqa: F401
         rows += bench_hf(config, b)
@@ -328,10 +336,12 @@ def main(argv):
         f"{'floor ms':>9s} {'of floor':>8s} {'peak GB':>8s}")
   for r in rows:
     if "error" in r:
-      print(f"{r['policy']:10s} {r.get('path', ''):9s} {r['batch']:4d} error: {r['error'][:70]}")
+      print(f"{r['policy']:10s} {r.get('path', ''):9s} {str(r['batch']):>4s} error: "
+            f"{r['error'][:70]}")
       continue
     peak = r.get("peak_device_bytes")
-    print(f"{r['policy']:10s} {r.get('path', ''):9s} {r['batch']:4d} {r['tokens_per_s']:10.1f} "
+    print(f"{r['policy']:10s} {r.get('path', ''):9s} {str(r['batch']):>4s} "
+          f"{r['tokens_per_s']:10.1f} "
           f"{r.get('decode_step_ms', float('nan')):9.2f} "
           f"{r.get('floor_step_ms', float('nan')):9.3f} "
           f"{r.get('floor_over_measured', float('nan')):8.2f} "

@@ -11,6 +11,7 @@ from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.rollout import (CapacityError, RolloutEngine, SamplingParams, bytes_per_sequence,
                                filter_logits, guidance_bytes_per_token, plan_capacity)
+from trace_jax.rollout.engine import prefill_program
 
 CFG = M.tiny(num_layers=3)
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -197,6 +198,57 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
     RolloutEngine(CFG, decode_chunk=-1)
 
 
+def test_prefill_in_row_passes_writes_each_pass_in_place():
+  """3 prompts prefilled 2 rows at a time (passes at rows 0-1 and 1-2, the last redoing row 1),
+  each pass with a cache of the prompt's slots: cache, records, routes and next-token logits of
+  each row are bit for bit those of a one-pass prefill of the pass that wrote it (a batch's
+  float sums may depend on its size, so the reference is the same pass, alone) at the prompt's
+  real tokens; GRPO samples repeat them."""
+  eng = _engine("paper")
+  p, steps, n = 16, 6, 2
+  prompts = PROMPTS + [[4, 4, 2]]
+  tokens = np.zeros((3, p), np.int32)
+  mask = np.zeros((3, p), bool)
+  for i, pr in enumerate(prompts):
+    tokens[i, p - len(pr):], mask[i, p - len(pr):] = pr, True
+  prefill = lambda rows, pass_rows: jax.jit(functools.partial(  # noqa: E731
+      prefill_program, config=eng.config, ctx=eng.ctx, n=n, steps=steps,
+      kv_format=eng.policy.kv_format, pass_rows=pass_rows))(eng.params, tokens[rows],
+                                                            mask[rows])
+  records, routes, _, prompt_len, carry = prefill(slice(0, 3), 2)
+  leaves = lambda t: [np.asarray(x) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
+
+  def same(got, want, m):  # prompt slots where m (a padding token's values are never used:
+    np.testing.assert_array_equal(got[:, :p][m], want[:, :p][m])  # no key attends to it)
+    np.testing.assert_array_equal(got[:, p:], want[:, p:])  # cache slots past the prompt
+
+  for rows, take in ((slice(0, 2), [0, 1]), (slice(1, 3), [2])):
+    ref_records, ref_routes, _, _, ref_carry = prefill(rows, None)
+    local = [r - rows.start for r in take]
+    for got, want in zip(leaves(records), leaves(ref_records), strict=True):
+      same(got[take], want[local], mask[take])
+    np.testing.assert_array_equal(np.asarray(routes)[:, take][:, mask[take]],
+                                  np.asarray(ref_routes)[:, local][:, mask[take]])
+    # decode rows: sample j of prompt i is row i * n + j
+    drows = [i * n + j for i in take for j in range(n)]
+    dlocal = [i * n + j for i in local for j in range(n)]
+    for got, want in zip(leaves(carry["cache"]), leaves(ref_carry["cache"]), strict=True):
+      same(got[drows], want[dlocal], np.repeat(mask[take], n, axis=0))
+    np.testing.assert_array_equal(np.asarray(carry["logits"])[drows],
+                                  np.asarray(ref_carry["logits"])[dlocal])
+  np.testing.assert_array_equal(np.asarray(prompt_len), np.repeat(mask.sum(1), n))
+  # Through the engine: greedy rollouts agree with one pass (to float rounding in the sums)
+  passes = RolloutEngine(CFG, eng.policy, max_new_tokens=6, prefill_tokens=2 * p)
+  passes.sync(_params())
+  assert passes._pass_rows(p) == 2 and eng._pass_rows(p) >= 3
+  g = SamplingParams(temperature=0.0)
+  a, b = eng.generate(prompts, n=2, sampling=g), passes.generate(prompts, n=2, sampling=g)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
+  with pytest.raises(ValueError, match="prefill_tokens"):
+    RolloutEngine(CFG, prefill_tokens=0)
+
+
 def test_chunked_engine_plans_host_memory():
   """The chunked engine's guidance goes to host memory: its capacity is also limited by the host,
   by a hand computation from the tiny model's shapes; a batch over that limit is refused naming
@@ -224,11 +276,13 @@ def test_chunked_engine_plans_host_memory():
                      r"fit \(0\.0 MiB .* host memory 0\.0 GiB"):
     eng.generate(PROMPTS + [[1]], n=2)
   # Ample host memory: the device limit is the one-program planner's with the prompt's and two
-  # windows' guidance on the device, and the device is what a batch over it is refused for.
+  # windows' guidance on the device, beside the weights and a prefill pass's cache (64 prompt
+  # slots), and the device is what a batch over it is refused for.
   roomy = RolloutEngine(CFG, policy, max_new_tokens=6, decode_chunk=4, host_bytes=2**40,
-                        device_bytes=eng.weight_bytes * 2)
+                        device_bytes=eng.weight_bytes * 2, prefill_tokens=64)
   roomy.sync(_params())
-  cap = plan_capacity(CFG, policy, 16 + 6, roomy.weight_bytes, roomy.device_bytes,
+  fixed = roomy.weight_bytes + 64 * M.cache_bytes_per_token(CFG, policy.kv_format)
+  cap = plan_capacity(CFG, policy, 16 + 6, fixed, roomy.device_bytes,
                       guidance_tokens=16 + 2 * 4)
   assert roomy.capacity_limits(16 + 6)[0] == roomy.capacity(16 + 6) == cap > 0
   with pytest.raises(CapacityError, match=r"do not fit: at most \d+ fit next to"):
@@ -236,8 +290,8 @@ def test_chunked_engine_plans_host_memory():
   # On the CPU backend without host_bytes the device's memory is host RAM: one budget for both.
   if jax.devices()[0].platform == "cpu":
     shared = RolloutEngine(CFG, policy, max_new_tokens=6, decode_chunk=4,
-                           device_bytes=roomy.device_bytes)
+                           device_bytes=roomy.device_bytes, prefill_tokens=64)
     shared.sync(_params())
-    free = roomy.device_bytes * 0.9 - shared.weight_bytes
+    free = roomy.device_bytes * 0.9 - fixed
     both = bytes_per_sequence(CFG, policy, 22, guidance_tokens=24) + per_seq
     assert shared.capacity_limits(16 + 6) == (cap, int(free // both))

@@ -153,20 +153,80 @@ def _unpack_window(buf: jax.Array, window):
 
 
 def _prefill(params, prompt_tokens, prompt_mask, *, config: M.ModelConfig, ctx: M.QuantContext,
-             n: int, steps: int, kv_format: str | None):
+             n: int, steps: int, kv_format: str | None, pass_rows: int | None = None):
   """Prefill the prompt batch into a cache with room for `steps` more tokens. Returns the
   prefill's output (records and routes of the b prompts), the prompt positions, each of the b * n
   rows' prompt length, and their decode carry (GRPO groups share the prefill: cache and
-  next-token logits repeated n times)."""
+  next-token logits repeated n times).
+
+  pass_rows < b: the prompts go through the model `pass_rows` rows at a time (`_prefill_passes`),
+  so the forward's transients (activations, expert intermediates) scale with a pass, not with
+  the batch: what lets a batch planned for the decode's memory be prefilled at all."""
   b, p = prompt_tokens.shape
   cache = M.init_cache(config, b, kvc.padded_length(p + steps), kv_format)
   positions = M.default_positions(prompt_tokens, prompt_mask)
-  pre = M.apply(params, prompt_tokens, config, ctx, positions=positions, token_mask=prompt_mask,
-                cache=cache, cache_index=0, last_logits_only=True)
+  forward = functools.partial(M.apply, config=config, ctx=ctx, cache_index=0,
+                              last_logits_only=True)
+  if pass_rows is None or pass_rows >= b:
+    pre = forward(params, prompt_tokens, positions=positions, token_mask=prompt_mask,
+                  cache=cache)
+  else:
+    # a pass's cache holds its prompts only, written into the first slots of the whole cache
+    pass_cache = M.init_cache(config, pass_rows, kvc.padded_length(p), kv_format)
+    pre = _prefill_passes(forward, params, prompt_tokens, prompt_mask, positions, cache,
+                          pass_cache)
   carry = dict(s=jnp.int32(0), done=jnp.zeros((b * n,), bool), cache=_repeat_rows(pre.cache, n),
                logits=jnp.repeat(pre.logits[:, -1], n, axis=0))
   prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1).astype(jnp.int32), n)
   return pre, positions, prompt_len, carry
+
+
+def _prefill_passes(forward, params, tokens, mask, positions, cache, pass_cache):
+  """The prefill of b prompts in ceil(b / rows) passes of `rows` prompts (`pass_cache`: rows x
+  the prompt's slots), each written into the whole batch's cache (its first slots), records,
+  routes and logits in place (a loop carry). The last pass starts
+  at b - rows, so it may redo rows of the one before: every row's results depend on that row
+  alone (causal attention within a row, per-token routing), so a redone row is rewritten with
+  its own cache, records and routes together, never mixed."""
+  b, rows = tokens.shape[0], pass_cache.valid.shape[0]
+  rows_of = lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, rows, 0)  # noqa: E731
+  put = functools.partial(kvc.update_slice, axis=0)  # rows of a pass into the whole batch's
+
+  def one_pass(start):
+    return forward(params, rows_of(tokens, start), positions=rows_of(positions, start),
+                   token_mask=rows_of(mask, start), cache=pass_cache)
+
+  first = one_pass(0)
+  routes = None
+  if first.routes is not None:  # [L_moe, B, T, k]: batch second
+    routes = jnp.zeros(first.routes.shape[:1] + (b,) + first.routes.shape[2:],
+                       first.routes.dtype)
+    routes = kvc.update_slice(routes, first.routes, 0, axis=1)
+  state = (put(cache, first.cache, 0), put(_grow_rows(first.records, b), first.records, 0),
+           routes, put(_grow_rows(first.logits, b), first.logits, 0))
+
+  def body(i, state):
+    start = jnp.minimum(i * rows, b - rows)
+    out = one_pass(start)
+    c, rec, routes, logits = state
+    if routes is not None:
+      routes = kvc.update_slice(routes, out.routes, start, axis=1)
+    return (put(c, out.cache, start), put(rec, out.records, start), routes,
+            put(logits, out.logits, start))
+
+  c, rec, routes, logits = jax.lax.fori_loop(1, -(-b // rows), body, state)
+  return dataclasses.replace(first, cache=c, records=rec, routes=routes, logits=logits)
+
+
+def _grow_rows(tree, b: int):
+  """Zeros shaped like `tree` (arrays, QArrays, Guidance; batch-first) with b rows."""
+  def grow(x):
+    if isinstance(x, (tq.QArray, tq.Guidance)):
+      return tq.map_blocked(x, lambda a: jnp.zeros((b,) + a.shape[1:], a.dtype),
+                            (b,) + tuple(x.shape[1:]))
+    return jnp.zeros((b,) + x.shape[1:], x.dtype)
+  return jax.tree_util.tree_map(grow, tree,
+                                is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
 
 
 def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M.ModelConfig,
@@ -249,10 +309,12 @@ def _assemble(prompt_tokens, prompt_mask, positions, prompt_len, pre_routes, pre
 
 def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop_ids, *,
                      config: M.ModelConfig, ctx: M.QuantContext, n: int, steps: int,
-                     sampling: SamplingParams, kv_format: str | None, record_routes: bool):
+                     sampling: SamplingParams, kv_format: str | None, record_routes: bool,
+                     pass_rows: int | None = None):
   """The whole rollout as one pure function (jitted by the engine)."""
   pre, positions, prompt_len, carry = _prefill(params, prompt_tokens, prompt_mask, config=config,
-                                               ctx=ctx, n=n, steps=steps, kv_format=kv_format)
+                                               ctx=ctx, n=n, steps=steps, kv_format=kv_format,
+                                               pass_rows=pass_rows)
   _, bufs = _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, config=config,
                     ctx=ctx, p=prompt_tokens.shape[1], steps=steps, length=steps,
                     sampling=sampling, record_routes=record_routes)
@@ -260,10 +322,12 @@ def generate_program(params, prompt_tokens, prompt_mask, seq_keys, max_new, stop
                    bufs, n, steps)
 
 
-def prefill_program(params, prompt_tokens, prompt_mask, *, config, ctx, n, steps, kv_format):
+def prefill_program(params, prompt_tokens, prompt_mask, *, config, ctx, n, steps, kv_format,
+                    pass_rows=None):
   """The chunked engine's first program: the prefill and the decode carry."""
   pre, positions, prompt_len, carry = _prefill(params, prompt_tokens, prompt_mask, config=config,
-                                               ctx=ctx, n=n, steps=steps, kv_format=kv_format)
+                                               ctx=ctx, n=n, steps=steps, kv_format=kv_format,
+                                               pass_rows=pass_rows)
   return pre.records, pre.routes, positions, prompt_len, carry
 
 
@@ -371,6 +435,14 @@ def guidance_tokens_held(prompt_len: int, decode_chunk: int) -> int | None:
   program; with decode windows, the prompt's and two windows' (one decoding, one being copied
   to host memory)."""
   return max(prompt_len, 0) + 2 * decode_chunk if decode_chunk > 0 else None
+
+
+def prefill_reserve_bytes(config: M.ModelConfig, policy: tq.QuantPolicy,
+                          prefill_tokens: int) -> float:
+  """Device bytes a prefill pass holds beside the whole batch's cache: the pass's own cache of
+  `prefill_tokens` prompt slots (`_prefill_passes`). Its activations are within the planner's
+  headroom at the default pass size."""
+  return prefill_tokens * M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
 
 
 def host_tokens_held(prompt_len: int, max_new: int, decode_chunk: int) -> float:
@@ -569,7 +641,8 @@ class RolloutEngine:
                record_guidance: bool = True, record_routes: bool = True,
                record_codes: bool = False, device_bytes: int | None = None,
                host_bytes: int | None = None, use_kernels: bool | None = None,
-               mesh: jax.sharding.Mesh | None = None, decode_chunk: int = 0):
+               mesh: jax.sharding.Mesh | None = None, decode_chunk: int = 0,
+               prefill_tokens: int = 65536):
     self.config = config
     self.policy = policy or tq.make_policy("bf16")
     self.max_new_tokens = int(max_new_tokens)
@@ -591,6 +664,15 @@ class RolloutEngine:
     if decode_chunk < 0:
       raise ValueError(f"decode_chunk must be >= 0 (0: one program), got {decode_chunk}")
     self.decode_chunk = int(decode_chunk)
+    # prefill_tokens: prompt tokens per prefill pass; a larger batch is prefilled in passes of
+    # that many tokens' prompts (`_prefill_passes`), which bounds the forward's transients where
+    # the capacity planner counts the decode's memory. 64k prompt tokens: the prompt-2048 B=64
+    # rows (131k tokens in one pass) peaked at 32 GB of 141 on the H200 with 12 layers, weights
+    # and cache included, so half of that is within the planner's 10% headroom. With a mesh the
+    # batch is sharded over devices: one pass.
+    if prefill_tokens < 1:
+      raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+    self.prefill_tokens = int(prefill_tokens)
     # mesh: weights sharded per `parallel.param_shardings` (sync reshards the master weights
     # onto it, e.g. from a disjoint train submesh), prompts over its batch axes.
     self.mesh = mesh
@@ -633,9 +715,14 @@ class RolloutEngine:
                       prompt_len: int | None = None) -> tuple[int, int | None]:
     """(device-limited, host-limited) sequence counts (`capacity_limits`); the host figure is
     None for the one-program engine, whose guidance stays on the device."""
-    return capacity_limits(self.config, self.policy, context_len, self.weight_bytes,
+    return capacity_limits(self.config, self.policy, context_len, self._fixed_bytes(),
                            self.device_bytes, self.ctx.record_guidance,
                            **self._planning(context_len, prompt_len))
+
+  def _fixed_bytes(self) -> float:
+    """Device bytes not per sequence: the weights and a prefill pass's cache."""
+    return self.weight_bytes + prefill_reserve_bytes(self.config, self.policy,
+                                                     self.prefill_tokens)
 
   def _on_cpu(self) -> bool:
     device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
@@ -657,6 +744,10 @@ class RolloutEngine:
                             else host_memory_bytes()))
 
   # -- generation
+  def _pass_rows(self, p: int) -> int | None:
+    """Prompts per prefill pass at prompt bucket p (None: one pass)."""
+    return None if self.mesh is not None else max(1, self.prefill_tokens // p)
+
   def bucket_length(self, prompt_tokens: int) -> int:
     """The padded prompt length of a batch whose longest prompt has `prompt_tokens` tokens."""
     return -(-prompt_tokens // self.prompt_bucket) * self.prompt_bucket
@@ -665,10 +756,10 @@ class RolloutEngine:
     # Shared across engines: a new engine with the same config reuses compiled programs.
     full = (self.config, self.ctx, self.record_routes, self.mesh) + key
     if full not in _PROGRAMS:
-      n, steps, sampling = key[2], key[3], key[4]
+      n, steps, sampling, pass_rows = key[2], key[3], key[4], key[6]
       fn = functools.partial(generate_program, config=self.config, ctx=self.ctx, n=n,
                              steps=steps, sampling=sampling, kv_format=self.policy.kv_format,
-                             record_routes=self.record_routes)
+                             record_routes=self.record_routes, pass_rows=pass_rows)
       _PROGRAMS[full] = jax.jit(fn)
     return _PROGRAMS[full]
 
@@ -676,9 +767,9 @@ class RolloutEngine:
     full = ("chunked", self.decode_chunk, self.config, self.ctx, self.record_routes,
             self.mesh) + key
     if full not in _PROGRAMS:
-      p, n, steps, sampling = key[0], key[2], key[3], key[4]
+      p, n, steps, sampling, pass_rows = key[0], key[2], key[3], key[4], key[6]
       pre = functools.partial(prefill_program, config=self.config, ctx=self.ctx, n=n,
-                              steps=steps, kv_format=self.policy.kv_format)
+                              steps=steps, kv_format=self.policy.kv_format, pass_rows=pass_rows)
       dec = functools.partial(_decode, config=self.config, ctx=self.ctx, p=p, steps=steps,
                               length=self.decode_chunk, sampling=sampling,
                               record_routes=self.record_routes)
@@ -722,7 +813,7 @@ class RolloutEngine:
     (device, or host for the chunked engine's guidance) whose limit is exceeded."""
     ctx_len = p + self.max_new_tokens
     plan = self._planning(ctx_len, p)
-    on_device, on_host = capacity_limits(self.config, self.policy, ctx_len, self.weight_bytes,
+    on_device, on_host = capacity_limits(self.config, self.policy, ctx_len, self._fixed_bytes(),
                                          self.device_bytes, self.ctx.record_guidance, **plan)
     if rows <= min(n for n in (on_device, on_host) if n is not None):
       return
@@ -793,7 +884,7 @@ class RolloutEngine:
       raise ValueError(f"max_new_tokens must be in [1, {self.max_new_tokens}]")
     seq_keys = sequence_keys(seed, prompts, n)
     stop = np.asarray(list(stop_tokens) or [-1], np.int32)
-    key = (p, len(prompts), n, self.max_new_tokens, sampling, len(stop))
+    key = (p, len(prompts), n, self.max_new_tokens, sampling, len(stop), self._pass_rows(p))
     args = (jnp.asarray(tokens), jnp.asarray(mask), seq_keys,
             jnp.asarray(np.repeat(per_prompt, n)))
     def run(*args):
