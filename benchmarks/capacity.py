@@ -8,7 +8,8 @@ from `jax.eval_shape` of the engine's weight sync).
 Default device: an H200 as `benchmarks/h200_rollout.sh` runs it (143,771 MiB,
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94). The planner keeps 10% headroom and counts per sequence the
 KV cache, recorded guidance and routes at the full context plus a decode step's transients, and
-beside the weights a prefill pass's cache (--prefill_tokens, the engine's default).
+beside the weights, when the batch takes more than one prefill pass, a pass's cache
+(--prefill_tokens, the engine's default).
 With --decode_chunk the engine moves guidance to host memory window by window, so a second limit
 applies: the host's memory (--host_gib, default the 128 GiB of the H200 host the device README
 describes), which must hold each sequence's guidance for the whole context and two windows
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from trace_jax import models as M  # noqa: E402
 from trace_jax import quant as tq  # noqa: E402
+from trace_jax.models import kv_cache as kvc  # noqa: E402
 from trace_jax.provenance import run_info  # noqa: E402
 from trace_jax.rollout import engine as E  # noqa: E402
 
@@ -52,36 +54,39 @@ def main():
   ap.add_argument("--record_guidance", type=int, default=1)
   ap.add_argument("--decode_chunk", type=int, default=0,
                   help="> 0: the chunked engine (guidance of the prompt + two windows on device)")
-  ap.add_argument("--prompt_len", type=int, default=512, help="with --decode_chunk")
+  ap.add_argument("--prompt_len", type=int, default=512,
+                  help="prompt bucket: sets the guidance held with --decode_chunk and the rows "
+                       "of a prefill pass")
   ap.add_argument("--host_gib", type=float, default=128.0,
                   help="host memory, with --decode_chunk (the H200 host: 128 GiB)")
   ap.add_argument("--prefill_tokens", type=int, default=65536,
-                  help="prompt tokens per prefill pass (the engine's default): its cache is held "
-                       "beside the weights")
+                  help="prompt tokens per prefill pass (the engine's default): a batch of more "
+                       "passes holds a pass's cache of --prompt_len slots beside the weights")
   ap.add_argument("--out", default="capacity.json")
   a = ap.parse_args()
   config = M.preset(a.preset)
   device_bytes = int(a.device_mib * 2**20 * a.mem_fraction)
   host_bytes = int(a.host_gib * 2**30) if a.decode_chunk > 0 else None
   contexts = [int(c) for c in a.contexts.split(",")]
+  prefill_pass = (max(1, a.prefill_tokens // a.prompt_len), kvc.padded_length(a.prompt_len))
   rows = []
   for name in a.policies.split(","):
     policy = tq.make_policy(name)
     wb = abstract_weight_bytes(config, policy)
-    reserve = E.prefill_reserve_bytes(config, policy, a.prefill_tokens)
     held = E.guidance_tokens_held(a.prompt_len, a.decode_chunk)
     for ctx in contexts:
       per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance), held)
       row = {"policy": name, "policy_full": policy.name, "context": ctx, "weight_bytes": wb,
-             "prefill_reserve_bytes": reserve, "bytes_per_sequence": per}
+             "bytes_per_sequence": per}
       host_tokens = None
       if host_bytes is not None:
         host_tokens = E.host_tokens_held(a.prompt_len, ctx - a.prompt_len, a.decode_chunk)
         row["host_bytes_per_sequence"] = E.host_bytes_per_sequence(
             config, policy, ctx, bool(a.record_guidance), host_tokens)
-      on_device, on_host = E.capacity_limits(config, policy, ctx, wb + reserve, device_bytes,
+      on_device, on_host = E.capacity_limits(config, policy, ctx, wb, device_bytes,
                                              bool(a.record_guidance), guidance_tokens=held,
-                                             host_bytes=host_bytes, host_tokens=host_tokens)
+                                             host_bytes=host_bytes, host_tokens=host_tokens,
+                                             prefill_pass=prefill_pass)
       if host_bytes is not None:
         row["sequences_device_limited"] = on_device
         row["sequences_host_limited"] = on_host  # None: nothing goes to host memory

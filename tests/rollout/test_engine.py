@@ -247,6 +247,23 @@ def test_prefill_in_row_passes_writes_each_pass_in_place():
   np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
   with pytest.raises(ValueError, match="prefill_tokens"):
     RolloutEngine(CFG, prefill_tokens=0)
+  # The planner holds a pass's cache (2 prompts x 16 slots) beside the weights once a batch
+  # takes more than one pass, never planning fewer sequences than one pass takes.
+  per = bytes_per_sequence(CFG, eng.policy, 16 + 6)
+  kv = M.cache_bytes_per_token(CFG, eng.policy.kv_format)
+  for seqs in (40, 3.1, 2.5):  # base capacities 40, 3 (held: 2 = one pass) and 2 (one pass)
+    device = (passes.weight_bytes + seqs * per) / 0.9
+    base = int((0.9 * device - passes.weight_bytes) // per)
+    held = int((0.9 * device - passes.weight_bytes - 2 * 16 * kv) // per)
+    want = base if base <= 2 else max(held, 2)
+    got = plan_capacity(CFG, eng.policy, 16 + 6, passes.weight_bytes, device,
+                        prefill_pass=(2, 16))
+    assert got == want
+  big = RolloutEngine(CFG, eng.policy, max_new_tokens=6, prefill_tokens=2 * p,
+                      device_bytes=(passes.weight_bytes + 40 * per) / 0.9)
+  big.sync(_params())
+  assert big.capacity(16 + 6, 16) == plan_capacity(CFG, eng.policy, 16 + 6, big.weight_bytes,
+                                                   big.device_bytes, prefill_pass=(2, 16))
 
 
 def test_chunked_engine_plans_host_memory():
@@ -276,13 +293,12 @@ def test_chunked_engine_plans_host_memory():
                      r"fit \(0\.0 MiB .* host memory 0\.0 GiB"):
     eng.generate(PROMPTS + [[1]], n=2)
   # Ample host memory: the device limit is the one-program planner's with the prompt's and two
-  # windows' guidance on the device, beside the weights and a prefill pass's cache (64 prompt
-  # slots), and the device is what a batch over it is refused for.
+  # windows' guidance on the device, and the device is what a batch over it is refused for (one
+  # prefill pass for any batch here: no pass cache beside the weights).
   roomy = RolloutEngine(CFG, policy, max_new_tokens=6, decode_chunk=4, host_bytes=2**40,
-                        device_bytes=eng.weight_bytes * 2, prefill_tokens=64)
+                        device_bytes=eng.weight_bytes * 2, prefill_tokens=2**30)
   roomy.sync(_params())
-  fixed = roomy.weight_bytes + 64 * M.cache_bytes_per_token(CFG, policy.kv_format)
-  cap = plan_capacity(CFG, policy, 16 + 6, fixed, roomy.device_bytes,
+  cap = plan_capacity(CFG, policy, 16 + 6, roomy.weight_bytes, roomy.device_bytes,
                       guidance_tokens=16 + 2 * 4)
   assert roomy.capacity_limits(16 + 6)[0] == roomy.capacity(16 + 6) == cap > 0
   with pytest.raises(CapacityError, match=r"do not fit: at most \d+ fit next to"):
@@ -290,8 +306,8 @@ def test_chunked_engine_plans_host_memory():
   # On the CPU backend without host_bytes the device's memory is host RAM: one budget for both.
   if jax.devices()[0].platform == "cpu":
     shared = RolloutEngine(CFG, policy, max_new_tokens=6, decode_chunk=4,
-                           device_bytes=roomy.device_bytes, prefill_tokens=64)
+                           device_bytes=roomy.device_bytes, prefill_tokens=2**30)
     shared.sync(_params())
-    free = roomy.device_bytes * 0.9 - fixed
+    free = roomy.device_bytes * 0.9 - shared.weight_bytes
     both = bytes_per_sequence(CFG, policy, 22, guidance_tokens=24) + per_seq
     assert shared.capacity_limits(16 + 6) == (cap, int(free // both))

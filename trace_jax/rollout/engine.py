@@ -437,14 +437,6 @@ def guidance_tokens_held(prompt_len: int, decode_chunk: int) -> int | None:
   return max(prompt_len, 0) + 2 * decode_chunk if decode_chunk > 0 else None
 
 
-def prefill_reserve_bytes(config: M.ModelConfig, policy: tq.QuantPolicy,
-                          prefill_tokens: int) -> float:
-  """Device bytes a prefill pass holds beside the whole batch's cache: the pass's own cache of
-  `prefill_tokens` prompt slots (`_prefill_passes`). Its activations are within the planner's
-  headroom at the default pass size."""
-  return prefill_tokens * M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
-
-
 def host_tokens_held(prompt_len: int, max_new: int, decode_chunk: int) -> float:
   """Tokens' guidance the chunked engine holds in host memory per sequence at its peak:
   prompt + max_new + 2 windows.
@@ -471,39 +463,55 @@ def capacity_limits(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: 
                     weight_bytes: int, device_bytes: int | None = None,
                     record_guidance: bool = True, headroom: float = 0.9,
                     guidance_tokens: int | None = None, host_bytes: int | None = None,
-                    host_tokens: float | None = None,
-                    host_is_device: bool = False) -> tuple[int, int | None]:
+                    host_tokens: float | None = None, host_is_device: bool = False,
+                    prefill_pass: tuple[int, int] | None = None) -> tuple[int, int | None]:
   """(device-limited, host-limited) counts of sequences of `context_len` tokens, each with
   `headroom` of its memory. The host figure is None unless the engine keeps guidance in host
   memory (the chunked engine: `host_bytes`, or `host_is_device`). host_is_device: the device's
   memory is host RAM (the CPU backend), so the host figure charges device and host bytes per
   sequence to one budget, `device_bytes` less the weights. It counts a sequence's windows twice
   (device buffers that its host copies alias there, at most prompt + two windows of guidance
-  against a context's of host arrays): it errs toward fewer sequences."""
+  against a context's of host arrays): it errs toward fewer sequences.
+
+  prefill_pass: (prompts per prefill pass, prompt slots): a batch larger than one pass is
+  prefilled in passes (`_prefill_passes`) whose own cache is held beside the weights."""
   device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
-  free = headroom * device_bytes - weight_bytes
   per = bytes_per_sequence(config, policy, context_len, record_guidance, guidance_tokens)
-  on_device = max(int(free // per), 0)
-  if host_bytes is None and not host_is_device:
-    return on_device, None
   per_host = host_bytes_per_sequence(config, policy, context_len, record_guidance, host_tokens)
-  if host_is_device:
-    return on_device, max(int(free // (per + per_host)), 0)
-  if per_host == 0:  # nothing goes to host memory
-    return on_device, None
-  return on_device, max(int(headroom * host_bytes // per_host), 0)
+
+  def limits(fixed):
+    free = headroom * device_bytes - fixed
+    on_device = max(int(free // per), 0)
+    if host_bytes is None and not host_is_device:
+      return on_device, None
+    if host_is_device:
+      return on_device, max(int(free // (per + per_host)), 0)
+    if per_host == 0:  # nothing goes to host memory
+      return on_device, None
+    return on_device, max(int(headroom * host_bytes // per_host), 0)
+
+  base = limits(weight_bytes)
+  if prefill_pass is None or min(n for n in base if n is not None) <= prefill_pass[0]:
+    return base  # one prefill pass: it writes the whole batch's cache
+  rows, slots = prefill_pass
+  reserve = rows * slots * M.cache_bytes_per_token(config, policy.kv_format,
+                                                   config.compute_dtype)
+  # with the pass's cache held, but never fewer than one pass (which holds none)
+  return tuple(None if w is None else max(w, min(rows, b))
+               for w, b in zip(limits(weight_bytes + reserve), base))
 
 
 def plan_capacity(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
                   weight_bytes: int, device_bytes: int | None = None,
                   record_guidance: bool = True, headroom: float = 0.9,
                   guidance_tokens: int | None = None, host_bytes: int | None = None,
-                  host_tokens: float | None = None, host_is_device: bool = False) -> int:
+                  host_tokens: float | None = None, host_is_device: bool = False,
+                  prefill_pass: tuple[int, int] | None = None) -> int:
   """How many sequences of `context_len` tokens fit next to the weights, and with host_bytes
   (or host_is_device) in host memory too: the smaller of `capacity_limits`."""
   limits = capacity_limits(config, policy, context_len, weight_bytes, device_bytes,
                            record_guidance, headroom, guidance_tokens, host_bytes, host_tokens,
-                           host_is_device)
+                           host_is_device, prefill_pass)
   return min(n for n in limits if n is not None)
 
 
@@ -715,14 +723,9 @@ class RolloutEngine:
                       prompt_len: int | None = None) -> tuple[int, int | None]:
     """(device-limited, host-limited) sequence counts (`capacity_limits`); the host figure is
     None for the one-program engine, whose guidance stays on the device."""
-    return capacity_limits(self.config, self.policy, context_len, self._fixed_bytes(),
+    return capacity_limits(self.config, self.policy, context_len, self.weight_bytes,
                            self.device_bytes, self.ctx.record_guidance,
                            **self._planning(context_len, prompt_len))
-
-  def _fixed_bytes(self) -> float:
-    """Device bytes not per sequence: the weights and a prefill pass's cache."""
-    return self.weight_bytes + prefill_reserve_bytes(self.config, self.policy,
-                                                     self.prefill_tokens)
 
   def _on_cpu(self) -> bool:
     device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
@@ -732,12 +735,14 @@ class RolloutEngine:
     """`capacity_limits`' arguments for what the engine holds where: with decode windows, the
     guidance of the prompt and two windows on the device and the whole context in host memory
     (on the CPU backend, unless host_bytes is given, the device's memory is host RAM: one
-    budget)."""
-    if not self._chunked():
-      return {}
+    budget); and the cache of a prefill pass when the batch takes more than one."""
     p = context_len - self.max_new_tokens if prompt_len is None else prompt_len
+    rows = self._pass_rows(p)
+    plan = dict(prefill_pass=None if rows is None else (rows, kvc.padded_length(p)))
+    if not self._chunked():
+      return plan
     shared = self.host_bytes is None and self._on_cpu()
-    return dict(guidance_tokens=guidance_tokens_held(p, self.decode_chunk),
+    return dict(plan, guidance_tokens=guidance_tokens_held(p, self.decode_chunk),
                 host_tokens=host_tokens_held(p, context_len - p, self.decode_chunk),
                 host_is_device=shared,
                 host_bytes=(None if shared else self.host_bytes if self.host_bytes is not None
@@ -746,7 +751,7 @@ class RolloutEngine:
   # -- generation
   def _pass_rows(self, p: int) -> int | None:
     """Prompts per prefill pass at prompt bucket p (None: one pass)."""
-    return None if self.mesh is not None else max(1, self.prefill_tokens // p)
+    return None if self.mesh is not None else max(1, self.prefill_tokens // max(p, 1))
 
   def bucket_length(self, prompt_tokens: int) -> int:
     """The padded prompt length of a batch whose longest prompt has `prompt_tokens` tokens."""
@@ -813,7 +818,7 @@ class RolloutEngine:
     (device, or host for the chunked engine's guidance) whose limit is exceeded."""
     ctx_len = p + self.max_new_tokens
     plan = self._planning(ctx_len, p)
-    on_device, on_host = capacity_limits(self.config, self.policy, ctx_len, self._fixed_bytes(),
+    on_device, on_host = capacity_limits(self.config, self.policy, ctx_len, self.weight_bytes,
                                          self.device_bytes, self.ctx.record_guidance, **plan)
     if rows <= min(n for n in (on_device, on_host) if n is not None):
       return
