@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -234,6 +234,16 @@ elif [ "$stage" = 48l_bf16 ]; then
     --batches=64 --policies=bf16 --paths=kernels --isolate --row_timeout=${ROW_TIMEOUT:-575} \
     --prompt_len=256 --new_tokens=256 --repeats=1 --hf_peer=false --noresync \
     --out=$OUT/bench_rollout_48l_bf16.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
+elif [ "$stage" = cap8k ]; then
+  # issue 8's capacity bar, filled: each policy at the planner's batch for 8k tokens (prompt 512,
+  # decode windows of 256, guidance to host memory) through the whole rollout; LAYERS (48),
+  # POLICIES (paper), NEW (7680 new tokens). Session 9 planned FP4 329 sequences vs BF16 80 at
+  # 48 layers; the 48-layer FP4 program took 152 s to compile
+  timeout ${ROWS_TIMEOUT:-585} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
+    --num_layers=${LAYERS:-48} --batches=capacity --policies=${POLICIES:-paper} --paths=kernels \
+    --isolate --row_timeout=${ROW_TIMEOUT:-575} --prompt_len=512 --new_tokens=${NEW:-7680} \
+    --decode_chunk=256 --repeats=1 --hf_peer=false --noresync \
+    --out=$OUT/bench_rollout_cap8k_${LAYERS:-48}l.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
     --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \
