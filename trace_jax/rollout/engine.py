@@ -196,14 +196,14 @@ def _prefill_passes(forward, params, tokens, mask, positions, cache, pass_cache)
     return forward(params, rows_of(tokens, start), positions=rows_of(positions, start),
                    token_mask=rows_of(mask, start), cache=pass_cache)
 
-  first = one_pass(0)
+  # the whole batch's buffers, shaped from a pass traced abstractly (one traced forward: the
+  # loop body's, so the program compiles the model once)
+  shape = jax.eval_shape(one_pass, 0)
   routes = None
-  if first.routes is not None:  # [L_moe, B, T, k]: batch second
-    routes = jnp.zeros(first.routes.shape[:1] + (b,) + first.routes.shape[2:],
-                       first.routes.dtype)
-    routes = kvc.update_slice(routes, first.routes, 0, axis=1)
-  state = (put(cache, first.cache, 0), put(_grow_rows(first.records, b), first.records, 0),
-           routes, put(_grow_rows(first.logits, b), first.logits, 0))
+  if shape.routes is not None:  # [L_moe, B, T, k]: batch second
+    routes = jnp.zeros(shape.routes.shape[:1] + (b,) + shape.routes.shape[2:],
+                       shape.routes.dtype)
+  state = (cache, _grow_rows(shape.records, b), routes, _grow_rows(shape.logits, b))
 
   def body(i, state):
     start = jnp.minimum(i * rows, b - rows)
@@ -214,8 +214,10 @@ def _prefill_passes(forward, params, tokens, mask, positions, cache, pass_cache)
     return (put(c, out.cache, start), put(rec, out.records, start), routes,
             put(logits, out.logits, start))
 
-  c, rec, routes, logits = jax.lax.fori_loop(1, -(-b // rows), body, state)
-  return dataclasses.replace(first, cache=c, records=rec, routes=routes, logits=logits)
+  c, rec, routes, logits = jax.lax.fori_loop(0, -(-b // rows), body, state)
+  rest = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                (shape.aux_loss, shape.z_loss, shape.dropped_pairs))
+  return M.ModelOutput(logits, c, routes, rec, *rest)
 
 
 def _grow_rows(tree, b: int):
