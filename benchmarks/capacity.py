@@ -31,7 +31,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from trace_jax import models as M  # noqa: E402
 from trace_jax import quant as tq  # noqa: E402
-from trace_jax.models import kv_cache as kvc  # noqa: E402
 from trace_jax.provenance import run_info  # noqa: E402
 from trace_jax.rollout import engine as E  # noqa: E402
 
@@ -68,7 +67,7 @@ def main():
   device_bytes = int(a.device_mib * 2**20 * a.mem_fraction)
   host_bytes = int(a.host_gib * 2**30) if a.decode_chunk > 0 else None
   contexts = [int(c) for c in a.contexts.split(",")]
-  prefill_pass = (max(1, a.prefill_tokens // a.prompt_len), kvc.padded_length(a.prompt_len))
+  prefill_pass = E.prefill_pass(a.prefill_tokens, a.prompt_len)
   rows = []
   for name in a.policies.split(","):
     policy = tq.make_policy(name)

@@ -94,12 +94,20 @@ def _repeat_rows(tree, n: int):
                                 is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
 
 
-def _time_buffers(records_step, steps: int):
-  """Zero buffers for `steps` decode steps shaped like one step's records (time axis 1)."""
-  def grow(obj):
-    return tq.map_blocked(obj, lambda a: jnp.zeros(a.shape[:1] + (steps,) + a.shape[2:], a.dtype),
-                          obj.shape[:1] + (steps,) + obj.shape[2:])
-  return {l: {s: grow(o) for s, o in sites.items()} for l, sites in records_step.items()}
+def _zeros_resized(tree, axis: int, size: int, zeros=jnp.zeros):
+  """Zeros shaped like `tree` (arrays, QArrays, Guidance: values or abstract shapes; None stays
+  None) with `size` along `axis`: decode-step buffers (time, axis 1), a whole batch's prefill
+  buffers (rows), the chunked engine's host arrays (`zeros=np.zeros`)."""
+  def resized(shape):
+    return tuple(shape[:axis]) + (size,) + tuple(shape[axis + 1:])
+
+  def grow(x):
+    if isinstance(x, (tq.QArray, tq.Guidance)):
+      return tq.map_blocked(x, lambda a: zeros(resized(a.shape), a.dtype), resized(x.shape))
+    return zeros(resized(x.shape), x.dtype)
+
+  return jax.tree_util.tree_map(grow, tree,
+                                is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
 
 
 def _to_bytes(x: jax.Array) -> jax.Array:
@@ -199,36 +207,21 @@ def _prefill_passes(forward, params, tokens, mask, positions, cache, pass_cache)
   # the whole batch's buffers, shaped from a pass traced abstractly (one traced forward: the
   # loop body's, so the program compiles the model once)
   shape = jax.eval_shape(one_pass, 0)
-  routes = None
-  if shape.routes is not None:  # [L_moe, B, T, k]: batch second
-    routes = jnp.zeros(shape.routes.shape[:1] + (b,) + shape.routes.shape[2:],
-                       shape.routes.dtype)
-  state = (cache, _grow_rows(shape.records, b), routes, _grow_rows(shape.logits, b))
+  state = (cache, _zeros_resized(shape.records, 0, b),
+           _zeros_resized(shape.routes, 1, b),  # [L_moe, B, T, k]: batch second (or None)
+           _zeros_resized(shape.logits, 0, b))
 
   def body(i, state):
     start = jnp.minimum(i * rows, b - rows)
     out = one_pass(start)
     c, rec, routes, logits = state
-    if routes is not None:
-      routes = kvc.update_slice(routes, out.routes, start, axis=1)
-    return (put(c, out.cache, start), put(rec, out.records, start), routes,
-            put(logits, out.logits, start))
+    return (put(c, out.cache, start), put(rec, out.records, start),
+            kvc.update_slice(routes, out.routes, start, axis=1), put(logits, out.logits, start))
 
   c, rec, routes, logits = jax.lax.fori_loop(0, -(-b // rows), body, state)
   rest = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
                                 (shape.aux_loss, shape.z_loss, shape.dropped_pairs))
   return M.ModelOutput(logits, c, routes, rec, *rest)
-
-
-def _grow_rows(tree, b: int):
-  """Zeros shaped like `tree` (arrays, QArrays, Guidance; batch-first) with b rows."""
-  def grow(x):
-    if isinstance(x, (tq.QArray, tq.Guidance)):
-      return tq.map_blocked(x, lambda a: jnp.zeros((b,) + a.shape[1:], a.dtype),
-                            (b,) + tuple(x.shape[1:]))
-    return jnp.zeros((b,) + x.shape[1:], x.dtype)
-  return jax.tree_util.tree_map(grow, tree,
-                                is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
 
 
 def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M.ModelConfig,
@@ -256,7 +249,7 @@ def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M
 
   window = jax.eval_shape(lambda: dict(  # the unpacked buffers' tree (static shapes)
       tokens=jnp.zeros((r, length), jnp.int32), logp=jnp.zeros((r, length), jnp.float32),
-      valid=jnp.zeros((r, length), bool), records=_time_buffers(step0.records, length),
+      valid=jnp.zeros((r, length), bool), records=_zeros_resized(step0.records, 1, length),
       routes=(jnp.zeros((r, length) + step0.routes.shape[:1] + step0.routes.shape[3:],
                         jnp.int32) if with_routes else None)))
   packed = jnp.zeros((r, length, sum(map(_leaf_bytes, jax.tree_util.tree_leaves(window)))),
@@ -439,6 +432,12 @@ def guidance_tokens_held(prompt_len: int, decode_chunk: int) -> int | None:
   return max(prompt_len, 0) + 2 * decode_chunk if decode_chunk > 0 else None
 
 
+def prefill_pass(prefill_tokens: int, prompt_len: int) -> tuple[int, int]:
+  """(prompts per prefill pass, cache slots of a pass) for passes of at most `prefill_tokens`
+  prompt tokens at prompt bucket `prompt_len` (`_prefill_passes`; at least one prompt)."""
+  return max(1, prefill_tokens // max(prompt_len, 1)), kvc.padded_length(prompt_len)
+
+
 def host_tokens_held(prompt_len: int, max_new: int, decode_chunk: int) -> float:
   """Tokens' guidance the chunked engine holds in host memory per sequence at its peak:
   prompt + max_new + 2 windows.
@@ -592,9 +591,7 @@ def _host_guidance(pre_records, window_records, n: int, steps: int) -> dict:
     for site, g in sites.items():
       pre = pre_records[layer][site]
       total = pre.shape[1] + steps
-      full = tq.map_blocked(
-          g, lambda a: np.zeros((a.shape[0], total) + a.shape[2:], a.dtype),  # noqa: B023
-          (g.shape[0], total) + tuple(g.shape[2:]))
+      full = _zeros_resized(g, 1, total, np.zeros)
       for dst, src in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(pre),
                           strict=True):
         for j in range(n):  # sample j of prompt i is row i * n + j (no repeated copy)
@@ -739,8 +736,8 @@ class RolloutEngine:
     (on the CPU backend, unless host_bytes is given, the device's memory is host RAM: one
     budget); and the cache of a prefill pass when the batch takes more than one."""
     p = context_len - self.max_new_tokens if prompt_len is None else prompt_len
-    rows = self._pass_rows(p)
-    plan = dict(prefill_pass=None if rows is None else (rows, kvc.padded_length(p)))
+    plan = dict(prefill_pass=None if self.mesh is not None else
+                prefill_pass(self.prefill_tokens, p))
     if not self._chunked():
       return plan
     shared = self.host_bytes is None and self._on_cpu()
@@ -753,7 +750,7 @@ class RolloutEngine:
   # -- generation
   def _pass_rows(self, p: int) -> int | None:
     """Prompts per prefill pass at prompt bucket p (None: one pass)."""
-    return None if self.mesh is not None else max(1, self.prefill_tokens // max(p, 1))
+    return None if self.mesh is not None else prefill_pass(self.prefill_tokens, p)[0]
 
   def bucket_length(self, prompt_tokens: int) -> int:
     """The padded prompt length of a batch whose longest prompt has `prompt_tokens` tokens."""
