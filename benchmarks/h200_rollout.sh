@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | 48l), results under $OUT
 # Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
 # run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
 set -uo pipefail
@@ -244,6 +244,21 @@ elif [ "$stage" = cap8k ]; then
     --isolate --row_timeout=${ROW_TIMEOUT:-575} --prompt_len=512 --new_tokens=${NEW:-7680} \
     --decode_chunk=256 --repeats=1 --hf_peer=false --noresync \
     --out=$OUT/bench_rollout_cap8k_${LAYERS:-48}l.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
+elif [ "$stage" = compile_diag ]; then
+  # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
+  # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,
+  # summed by benchmarks/compile_passes.py; DIAG_LAYERS (4 8), DIAG_POLICIES (bf16 paper)
+  for pol in ${DIAG_POLICIES:-bf16 paper}; do
+    for l in ${DIAG_LAYERS:-4 8}; do
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 \
+        timeout ${DIAG_TIMEOUT:-150} python3 benchmarks/compile_time.py --policy $pol \
+        --layers $l --out $OUT/compile_${pol}_${l}l.json 2> $OUT/xla_log_${pol}_${l}l.txt
+      echo "== $pol $l layers (rc $?): $(tail -c 300 $OUT/compile_${pol}_${l}l.json | tr -d '\n ')"
+      python3 benchmarks/compile_passes.py $OUT/xla_log_${pol}_${l}l.txt --top 14 \
+        --out $OUT/passes_${pol}_${l}l.json
+      gzip -f $OUT/xla_log_${pol}_${l}l.txt
+    done
+  done
 elif [ "$stage" = 12l ]; then
   timeout 570 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l --batches=64,1 \
     --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \
