@@ -247,16 +247,18 @@ elif [ "$stage" = cap8k ]; then
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,
-  # summed by benchmarks/compile_passes.py; DIAG_LAYERS (4 8), DIAG_POLICIES (bf16 paper)
+  # summed by benchmarks/compile_passes.py; DIAG_LAYERS (4 8), DIAG_POLICIES (bf16 paper),
+  # DIAG_TAG (a file name suffix), DIAG_LOGS=0 drops the raw logs (a call returns few files)
   for pol in ${DIAG_POLICIES:-bf16 paper}; do
     for l in ${DIAG_LAYERS:-4 8}; do
+      name=${pol}_${l}l${DIAG_TAG:-}
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 \
         timeout ${DIAG_TIMEOUT:-150} python3 benchmarks/compile_time.py --policy $pol \
-        --layers $l --out $OUT/compile_${pol}_${l}l.json 2> $OUT/xla_log_${pol}_${l}l.txt
-      echo "== $pol $l layers (rc $?): $(tail -c 300 $OUT/compile_${pol}_${l}l.json | tr -d '\n ')"
-      python3 benchmarks/compile_passes.py $OUT/xla_log_${pol}_${l}l.txt --top 14 \
-        --out $OUT/passes_${pol}_${l}l.json
-      gzip -f $OUT/xla_log_${pol}_${l}l.txt
+        --layers $l --out $OUT/compile_$name.json 2> $OUT/xla_log_$name.txt
+      echo "== $name (rc $?): $(tail -c 300 $OUT/compile_$name.json | tr -d '\n ')"
+      python3 benchmarks/compile_passes.py $OUT/xla_log_$name.txt --top 14 \
+        --out $OUT/passes_$name.json
+      if [ "${DIAG_LOGS:-1}" = 1 ]; then gzip -f $OUT/xla_log_$name.txt; else rm $OUT/xla_log_$name.txt; fi
     done
   done
 elif [ "$stage" = 12l ]; then

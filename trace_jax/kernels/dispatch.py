@@ -83,6 +83,20 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def _lowered_once(*static_argnames: str):
+  """`jax.jit` around a kernel call made in every layer: JAX traces and lowers it once per
+  program and argument shapes (its lowering cache), so every layer calls one identical kernel
+  and XLA compiles it once. The Mosaic FP4 kernels were jitted from the start; unwrapped, the
+  BF16 program's kernels (tokamax's grouped matmul, the Pallas attention) made its compile grow
+  3.3 s per layer on the H200 where the FP4 program's stayed flat (session 10)."""
+  return functools.partial(jax.jit, static_argnames=static_argnames)
+
+
+def _frozen(config: dict | None):
+  """A kernel config dict as a static (hashable) argument."""
+  return None if not config else tuple(sorted(config.items()))
+
+
 @functools.cache
 def _tokamax_ragged_dot():
   if os.environ.get("TRACE_JAX_GROUPED", "") == "xla":
@@ -102,11 +116,15 @@ def grouped_backend() -> str:
 def _ragged_bf16(x, a, group_sizes) -> jax.Array:
   """bf16 grouped matmul with float32 accumulation and output."""
   group_sizes = group_sizes.astype(jnp.int32)
-  fn = _tokamax_ragged_dot() if on_gpu() else None
-  if fn is not None:
-    return fn(x, a, group_sizes, preferred_element_type=jnp.float32,
-              implementation=("mosaic", "xla"))
+  if on_gpu() and _tokamax_ragged_dot() is not None:
+    return _tokamax_grouped(x, a, group_sizes)
   return jax.lax.ragged_dot(x, a, group_sizes, preferred_element_type=jnp.float32)
+
+
+@_lowered_once()
+def _tokamax_grouped(x, a, group_sizes):
+  return _tokamax_ragged_dot()(x, a, group_sizes, preferred_element_type=jnp.float32,
+                               implementation=("mosaic", "xla"))
 
 
 def _bf16_parts(w):
@@ -242,6 +260,12 @@ def append_kv(k_cache, v_cache, k, v, index):
   from trace_jax.kernels import kv_append  # noqa: PLC0415 - Pallas imports stay lazy
   if kv_append.kernel_supported(k_cache, k) or kv_append.kernel_supported(v_cache, v):
     return None
+  return _kv_append(k_cache, v_cache, k, v, index)
+
+
+@_lowered_once()
+def _kv_append(k_cache, v_cache, k, v, index):
+  from trace_jax.kernels import kv_append  # noqa: PLC0415 - Pallas imports stay lazy
   return kv_append.append(k_cache, v_cache, k, v, index)
 
 
@@ -255,6 +279,12 @@ def quantize_rows(x, fmt):
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
   if row_quant.kernel_supported(x, fmt):
     return None
+  return _quantize_rows(x, fmt=fmt)
+
+
+@_lowered_once("fmt")
+def _quantize_rows(x, *, fmt):
+  from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
   return row_quant.quantize_rows(x, fmt)
 
 
@@ -274,8 +304,15 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
       attention_mgpu.kernel_supported(q, k, v) is None):
     return attention_mgpu.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
                                            **(config or {}))
+  return _pallas_decode(q, k, v, valid, scale=scale, out_dtype=out_dtype,
+                        config=_frozen(config))
+
+
+@_lowered_once("scale", "out_dtype", "config")
+def _pallas_decode(q, k, v, valid, *, scale, out_dtype, config):
+  from trace_jax.kernels import attention_pallas  # noqa: PLC0415 - Pallas imports stay lazy
   return attention_pallas.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
-                                           config=config)
+                                           config=dict(config) if config else None)
 
 
 def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
@@ -288,5 +325,13 @@ def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
                   and attention_pallas.kernel_supported(q[:, 0], k, v) is None)
   if not use_kernel:
     return attention_ref.prefill_attention_ref(q, k, v, key_mask, q_start, scale, out_dtype)
+  return _pallas_prefill(q, k, v, key_mask, q_start, scale=scale, out_dtype=out_dtype,
+                         config=_frozen(config))
+
+
+@_lowered_once("scale", "out_dtype", "config")
+def _pallas_prefill(q, k, v, key_mask, q_start, *, scale, out_dtype, config):
+  from trace_jax.kernels import attention_pallas  # noqa: PLC0415 - Pallas imports stay lazy
   return attention_pallas.prefill_attention(q, k, v, key_mask, q_start, scale=scale,
-                                            out_dtype=out_dtype, config=config)
+                                            out_dtype=out_dtype,
+                                            config=dict(config) if config else None)
