@@ -237,12 +237,14 @@ elif [ "$stage" = 48l_bf16 ]; then
 elif [ "$stage" = cap8k ]; then
   # issue 8's capacity bar, filled: each policy at the planner's batch for 8k tokens (prompt 512,
   # decode windows of 256, guidance to host memory) through the whole rollout; LAYERS (48),
-  # POLICIES (paper), NEW (7680 new tokens). Session 9 planned FP4 329 sequences vs BF16 80 at
-  # 48 layers; the 48-layer FP4 program took 152 s to compile
+  # POLICIES (paper), NEW (7680 new tokens), GEN (tokens the timed rollout generates, 0: NEW;
+  # the engine, cache and host arrays stay sized for NEW). Session 9 planned FP4 329 sequences vs
+  # BF16 80 at 48 layers. Session 10's call (297 planned: less host memory free) spent 571 s
+  # before its timed rollout, which the warm-up's rollout, still held, then refused (fixed)
   timeout ${ROWS_TIMEOUT:-585} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
     --num_layers=${LAYERS:-48} --batches=capacity --policies=${POLICIES:-paper} --paths=kernels \
     --isolate --row_timeout=${ROW_TIMEOUT:-575} --prompt_len=512 --new_tokens=${NEW:-7680} \
-    --decode_chunk=256 --repeats=1 --hf_peer=false --noresync \
+    --decode_chunk=256 --repeats=1 --hf_peer=false --noresync --generate_tokens=${GEN:-0} \
     --out=$OUT/bench_rollout_cap8k_${LAYERS:-48}l.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # Config files import each other (`from configs import ...`): make the repository root
@@ -38,6 +39,9 @@ flags.DEFINE_list("paths", ["auto"], "FP4 matmul paths: kernels, xla (GPU) / ref
                   "auto = xla,kernels on GPU, reference elsewhere.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
 flags.DEFINE_integer("new_tokens", 32, "Generated tokens per sequence.")
+flags.DEFINE_integer("generate_tokens", 0, "Tokens the timed rollout generates (0: new_tokens); "
+                     "fewer than new_tokens keeps the engine, its KV cache and host guidance "
+                     "arrays sized for new_tokens (a capacity row that must fit a device call).")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
 flags.DEFINE_float("bandwidth", 4.27e12, "Device read bandwidth for the floor, bytes/s (H200).")
 flags.DEFINE_boolean("hf_peer", True, "Also time HF transformers generate (eager, static cache).")
@@ -61,8 +65,17 @@ def _median(xs):
   return xs[len(xs) // 2]
 
 
+_T0 = time.perf_counter()
+
+
 def _log(msg):
-  print(f"[{FLAGS.row or 'bench'}] {msg}", file=sys.stderr, flush=True)
+  """A progress line: seconds since start and host memory free (a capacity row's guidance fills
+  host memory), on stderr; an isolated row's lines are passed on by its parent and kept in its
+  row's `progress`."""
+  from trace_jax.rollout import engine  # noqa: PLC0415 - launcher imports stay lazy
+  free = engine.host_memory_bytes() / 2**30
+  print(f"[{FLAGS.row or 'bench'}] {time.perf_counter() - _T0:7.1f} s, host {free:.1f} GiB "
+        f"free: {msg}", file=sys.stderr, flush=True)
 
 
 def _bytes_floor(config, policy, weight_bytes_by_kind, batch, context):
@@ -88,6 +101,8 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
 
   policy = tq.make_policy(policy_name, FLAGS.fp4_format)
   params = M.init_params(config, jax.random.key(0), FLAGS.init_dtype)
+  jax.block_until_ready(params)
+  _log(f"master weights made ({config.num_layers} layers, {FLAGS.init_dtype})")
   engine = RolloutEngine(config, policy, max_new_tokens=FLAGS.new_tokens,
                          prompt_bucket=FLAGS.prompt_len, record_guidance=FLAGS.record_guidance,
                          use_kernels=path == "kernels", decode_chunk=FLAGS.decode_chunk)
@@ -142,17 +157,22 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   _log("compiling")
   # max_new is an argument of the compiled program: one token compiles and warms up the same
   # program as a whole rollout does, without paying for one (a 48-layer row's budget)
-  first_call, _ = generate(1, 1)
+  first_call, out = generate(1, 1)
+  del out  # (as `_` it would stay alive: its host guidance arrays are sized for every step)
   _log(f"first call (compile, prefill, one step) {first_call:.1f} s; timing")
-  t_full, out = timed(FLAGS.new_tokens)
+  gen_tokens = FLAGS.generate_tokens or FLAGS.new_tokens
+  if not 0 < gen_tokens <= FLAGS.new_tokens:
+    raise ValueError(f"--generate_tokens={gen_tokens} must be in 1..new_tokens={FLAGS.new_tokens}")
+  t_full, out = timed(gen_tokens)
   _log(f"median {t_full:.2f} s")
   gen = int(np.sum(np.asarray(out.completion_mask)))
   guidance_per_token = out.guidance_bytes_per_token()
   completion = np.asarray(out.completion)
   del out  # before the next rollout (the engine plans host memory with what is free)
-  t_one, _ = timed(1)  # prefill + one step (same compiled program, early exit)
-  step_s = (t_full - t_one) / max(FLAGS.new_tokens - 1, 1)
-  ctx = FLAGS.prompt_len + FLAGS.new_tokens // 2
+  t_one = timed(1)[0]  # prefill + one step (same compiled program, early exit)
+  _log(f"prefill + one step {t_one:.2f} s")
+  step_s = (t_full - t_one) / max(gen_tokens - 1, 1)
+  ctx = FLAGS.prompt_len + gen_tokens // 2
   floor_b = _bytes_floor(config, policy, by_kind, batch, ctx)
   if tokens_dir:
     np.save(os.path.join(tokens_dir, f"{policy_name}_{path}_{batch}.npy"), completion)
@@ -166,6 +186,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "grouped_backend": kernels.grouped_backend() if path != "kernels" else "fp4_mgpu",
       "tokens_per_s": gen / t_full, "decode_step_ms": 1e3 * step_s,
       "prefill_plus_first_step_ms": 1e3 * t_one, "total_s": t_full, "generated_tokens": gen,
+      "generate_tokens": gen_tokens,
       "first_call_s": first_call, "sync_s": sync_s, "resync_s": resync_s,
       "weight_bytes": tree_bytes(weights), "expert_weight_bytes": experts,
       "kv_bytes": int(M.cache_bytes_per_token(config, policy.kv_format, config.compute_dtype)
@@ -225,15 +246,36 @@ def _paths(policy_name):
 
 
 def _run_isolated(spec, tokens_dir):
-  """One row in a fresh process: its own peak memory, and an error stays a row."""
-  try:
-    p = subprocess.run(_child_cmd(spec, tokens_dir), capture_output=True, text=True,
-                       timeout=FLAGS.row_timeout)
-  except subprocess.TimeoutExpired as e:
-    r = _parse_row(None, e.stdout, e.stderr)
+  """One row in a fresh process: its own peak memory, and an error stays a row. The row's
+  progress lines are printed as they come (where a long row spends its time) and kept in the
+  row's `progress`."""
+  streams = {"stdout": [], "stderr": []}
+  with subprocess.Popen(_child_cmd(spec, tokens_dir), stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, errors="replace") as p:
+    def pump(name):
+      for line in getattr(p, name):
+        streams[name].append(line)
+        if name == "stderr" and line.startswith(f"[{spec}]"):
+          print(line, end="", file=sys.stderr, flush=True)
+
+    pumps = [threading.Thread(target=pump, args=(n,), daemon=True) for n in streams]
+    for t in pumps:
+      t.start()
+    try:
+      p.wait(timeout=FLAGS.row_timeout)
+      timed_out = False
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+      timed_out = True
+    for t in pumps:
+      t.join()
+  stdout, stderr = ("".join(streams[n]) for n in ("stdout", "stderr"))
+  r = _parse_row(None if timed_out else p.returncode, stdout, stderr)
+  if timed_out:
     r["error"] = f"timed out after {FLAGS.row_timeout} s; " + r.get("error", "")
-    return r
-  return _parse_row(p.returncode, p.stdout, p.stderr)
+  r["progress"] = [line.rstrip() for line in streams["stderr"] if line.startswith(f"[{spec}]")]
+  return r
 
 
 def _child_cmd(spec, tokens_dir):
