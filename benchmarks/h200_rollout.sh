@@ -9,9 +9,11 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | 48l), results under $OUT
-# Compiling the 12-layer generate program took 2 min per row on the H200 (bf16, 2026-11-30); rows
-# run one at a time, each in its own process (--isolate: its own peak memory, errors stay rows).
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | 48l), results under $OUT
+# Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
+# rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
+# in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
+# program's compile grew 3.3 s a layer and did not finish in ~370 s at 48 layers).
 set -uo pipefail
 stage=${1:-12l}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -246,6 +248,14 @@ elif [ "$stage" = cap8k ]; then
     --isolate --row_timeout=${ROW_TIMEOUT:-575} --prompt_len=512 --new_tokens=${NEW:-7680} \
     --decode_chunk=256 --repeats=1 --hf_peer=false --noresync --generate_tokens=${GEN:-0} \
     --out=$OUT/bench_rollout_cap8k_${LAYERS:-48}l.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
+elif [ "$stage" = hf_load ]; then
+  # issue 8's HF bar at HF's own load (BENCHMARKS.md: 12 layers, 64-token prompt, 128 new
+  # tokens, B=1 and 32; HF static cache 267 / 1282 tok/s, eager 17.8 / 453): the engine's rows
+  timeout ${ROWS_TIMEOUT:-560} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l \
+    --batches=32,1 --policies=${POLICIES:-bf16,paper} --paths=kernels --isolate \
+    --row_timeout=${ROW_TIMEOUT:-150} --prompt_len=64 --new_tokens=128 --repeats=3 \
+    --hf_peer=false --out=$OUT/bench_rollout_12l_hf_load.json 2>&1 \
+    | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,
