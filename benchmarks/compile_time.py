@@ -29,9 +29,10 @@ from trace_jax.rollout import engine as E  # noqa: E402
 
 
 def compile_seconds(config, policy, batch: int, prompt_len: int, new_tokens: int,
-                    use_kernels: bool) -> dict:
+                    use_kernels: bool, prefill_tokens: int = 65536) -> dict:
   engine = RolloutEngine(config, policy, max_new_tokens=new_tokens, prompt_bucket=prompt_len,
-                         record_guidance=True, use_kernels=use_kernels)
+                         record_guidance=True, use_kernels=use_kernels,
+                         prefill_tokens=prefill_tokens)
   sync = E._first_sync(policy, engine.config.compute_dtype)
   weights = jax.eval_shape(lambda: sync(M.init_params(config, jax.random.key(0), "bfloat16")))
   if use_kernels:
@@ -58,18 +59,23 @@ def main():
   ap.add_argument("--prompt_len", type=int, default=256)
   ap.add_argument("--new_tokens", type=int, default=256)
   ap.add_argument("--kernels", type=int, default=1, help="FP4 weights on the Mosaic kernels")
+  ap.add_argument("--prefill_tokens", type=int, default=65536,
+                  help="prompt tokens per prefill pass (RolloutEngine(prefill_tokens=))")
   ap.add_argument("--out", default="compile_time.json")
   a = ap.parse_args()
   policy = tq.make_policy(a.policy)
   rows = []
   out = dict(benchmark="compile_time", **run_info(), preset=a.preset, policy=a.policy,
              batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
+             prefill_tokens=a.prefill_tokens,
              xla_flags=os.environ.get("XLA_FLAGS", ""), rows=rows)
   for layers in [int(x) for x in a.layers.split(",")]:
     config = M.preset(a.preset).replace(num_layers=layers,
                                         max_seq_len=a.prompt_len + a.new_tokens)
     row = {"layers": layers, **compile_seconds(config, policy, a.batch, a.prompt_len,
-                                               a.new_tokens, bool(a.kernels))}
+                                               a.new_tokens, bool(a.kernels),
+                                               a.prefill_tokens),
+           "prefill_passes": -(-a.batch // E.prefill_pass(a.prefill_tokens, a.prompt_len)[0])}
     rows.append(row)
     print(json.dumps(row), flush=True)
     with open(a.out, "w") as f:

@@ -260,13 +260,15 @@ elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,
   # summed by benchmarks/compile_passes.py; DIAG_LAYERS (4 8), DIAG_POLICIES (bf16 paper),
-  # DIAG_TAG (a file name suffix), DIAG_LOGS=0 drops the raw logs (a call returns few files)
+  # DIAG_TAG (a file name suffix), DIAG_LOGS=0 drops the raw logs (a call returns few files),
+  # DIAG_ARGS (more compile_time.py flags, e.g. "--batch 64 --prompt_len 2048": two prefill
+  # passes; session 10's prompt-2048 rows took 95 s / 89 s to a first token, session 9's 54 / 62)
   for pol in ${DIAG_POLICIES:-bf16 paper}; do
     for l in ${DIAG_LAYERS:-4 8}; do
       name=${pol}_${l}l${DIAG_TAG:-}
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 \
         timeout ${DIAG_TIMEOUT:-150} python3 benchmarks/compile_time.py --policy $pol \
-        --layers $l --out $OUT/compile_$name.json 2> $OUT/xla_log_$name.txt
+        --layers $l ${DIAG_ARGS:-} --out $OUT/compile_$name.json 2> $OUT/xla_log_$name.txt
       echo "== $name (rc $?): $(tail -c 300 $OUT/compile_$name.json | tr -d '\n ')"
       python3 benchmarks/compile_passes.py $OUT/xla_log_$name.txt --top 14 \
         --out $OUT/passes_$name.json
