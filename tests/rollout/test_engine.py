@@ -221,6 +221,39 @@ def test_host_guidance_arrays_commit_only_what_is_written():
   assert host_zeros((0, 3), np.float32).shape == (0, 3)
 
 
+def test_host_memory_counts_reclaimable_page_cache_as_free(tmp_path):
+  """`host_memory_bytes` from fake /proc and cgroup files: a container's limit less what the
+  cgroup holds beyond inactive file pages (a checkpoint's page cache is reclaimable), capped by
+  MemAvailable; cgroup v2 and v1; no limit; nothing readable."""
+  from trace_jax.rollout.engine import host_memory_bytes
+  gib = 2**30
+  proc, cg = tmp_path / "proc", tmp_path / "cg"
+  (proc).mkdir()
+  (proc / "meminfo").write_text(f"MemTotal: {200 * gib // 1024} kB\n"
+                                f"MemAvailable: {100 * gib // 1024} kB\n")
+  (cg / "memory").mkdir(parents=True)
+  assert host_memory_bytes(str(proc), str(cg)) == 100 * gib  # no cgroup files
+  (cg / "memory.max").write_text(f"{64 * gib}\n")
+  (cg / "memory.current").write_text(f"{60 * gib}\n")
+  (cg / "memory.stat").write_text(f"anon {9 * gib}\nfile {51 * gib}\n"
+                                  f"inactive_file {50 * gib}\nactive_file {gib}\n")
+  assert host_memory_bytes(str(proc), str(cg)) == 54 * gib  # 64 - (60 - 50)
+  (cg / "memory.max").write_text(f"{200 * gib}\n")
+  assert host_memory_bytes(str(proc), str(cg)) == 100 * gib  # MemAvailable is smaller
+  (cg / "memory.max").write_text("max\n")
+  assert host_memory_bytes(str(proc), str(cg)) == 100 * gib
+  for f in ("memory.max", "memory.current", "memory.stat"):
+    (cg / f).unlink()
+  (cg / "memory" / "memory.limit_in_bytes").write_text(f"{32 * gib}\n")
+  (cg / "memory" / "memory.usage_in_bytes").write_text(f"{8 * gib}\n")
+  (cg / "memory" / "memory.stat").write_text(f"inactive_file 1\n"
+                                             f"total_inactive_file {4 * gib}\n")
+  assert host_memory_bytes(str(proc), str(cg)) == 28 * gib  # v1: 32 - (8 - 4)
+  (cg / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1: none
+  assert host_memory_bytes(str(proc), str(cg)) == 100 * gib
+  assert host_memory_bytes(str(tmp_path / "none"), str(tmp_path / "none")) > 0  # physical
+
+
 def test_prefill_in_row_passes_writes_each_pass_in_place():
   """3 prompts prefilled 2 rows at a time (passes at rows 0-1 and 1-2, the last redoing row 1),
   each pass with a cache of the prompt's slots: cache, records, routes and next-token logits of

@@ -342,30 +342,47 @@ def device_memory_bytes(device=None) -> int:
   return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def host_memory_bytes() -> int:
-  """Host memory a rollout may still take: MemAvailable from /proc/meminfo, capped by the
-  cgroup (v2) limit less the cgroup's usage where one is set; physical RAM where neither can be
-  read. Available rather than physical memory because the per-sequence figure counts only the
-  rollout's guidance: what the process already holds (the runtime, compiled programs, a previous
-  rollout the caller still keeps) and what other processes hold is not free for it."""
-  avail = None
+def _read_ints(path: str) -> dict[str, int]:
+  """`key value` lines (memory.stat) as ints; {} where the file cannot be read."""
   try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          avail = int(line.split()[1]) * 1024
-          break
-  except OSError:
-    pass
-  try:  # a container's limit is what the kernel's OOM killer enforces there
-    with open("/sys/fs/cgroup/memory.max") as f:
-      limit = f.read().strip()
-    if limit != "max":
-      with open("/sys/fs/cgroup/memory.current") as f:
-        left = int(limit) - int(f.read())
-      avail = left if avail is None else min(avail, left)
+    with open(path) as f:
+      return {k: int(v) for k, v, *_ in (line.split() for line in f) if v.isdigit()}
   except (OSError, ValueError):
-    pass
+    return {}
+
+
+def _read_int(path: str) -> int | None:
+  try:
+    with open(path) as f:
+      text = f.read().strip()
+    return None if text == "max" else int(text)
+  except (OSError, ValueError):
+    return None
+
+
+def host_memory_bytes(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> int:
+  """Host memory a rollout may still take: MemAvailable from /proc/meminfo, capped by the
+  container's cgroup limit less what the cgroup holds that the kernel would not reclaim
+  (its usage less inactive file pages: reading a 60 GB checkpoint leaves that much page cache
+  charged to the cgroup, which the kernel drops before it kills anything); physical RAM where
+  none of these can be read. Available rather than physical memory because the per-sequence
+  figure counts only the rollout's guidance: what the process already holds (the runtime,
+  compiled programs, a previous rollout the caller still keeps) and what other processes hold
+  is not free for it. cgroup v2 (`memory.max`, `memory.current`, `memory.stat` inactive_file)
+  or v1 (`memory/memory.limit_in_bytes`, `memory.usage_in_bytes`, total_inactive_file)."""
+  avail = _read_ints(os.path.join(proc, "meminfo")).get("MemAvailable:")
+  avail = None if avail is None else avail * 1024  # kB
+  for limit_f, usage_f, stat_f, inactive in (
+      ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+      ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+       "total_inactive_file")):
+    limit, usage = (_read_int(os.path.join(cgroup, f)) for f in (limit_f, usage_f))
+    if limit is None or usage is None or limit >= 2**60:  # no limit (v1 writes a huge number)
+      continue
+    held = usage - _read_ints(os.path.join(cgroup, stat_f)).get(inactive, 0)
+    left = max(limit - held, 0)
+    avail = left if avail is None else min(avail, left)
+    break
   if avail is None:
     avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   return int(avail)
