@@ -134,6 +134,32 @@ def test_bad_requests_and_capacity():
     RolloutEngine(CFG).generate([[1]])
 
 
+def test_capacity_counts_what_the_device_already_holds(monkeypatch):
+  """On a measured device (no device_bytes given) the planner sets sequences beside everything
+  the allocator holds, e.g. a colocated trainer's state, not just the rollout weights; a
+  batch past that limit is a CapacityError naming the held bytes. (The CPU backend keeps no
+  in-use count: patched here.)"""
+  from trace_jax.rollout import engine as E
+  eng = RolloutEngine(CFG, tq.make_policy("bf16"), max_new_tokens=6)
+  eng.sync(_params())
+  monkeypatch.setattr(E, "device_memory_bytes", lambda device=None: 64 * 2**20)
+  monkeypatch.setattr(E, "device_bytes_in_use", lambda device=None: None)
+  alone = eng.capacity(16 + 6)
+  monkeypatch.setattr(E, "device_bytes_in_use", lambda device=None: eng.weight_bytes // 2)
+  assert eng.capacity(16 + 6) == alone  # less than the weights: the weights count
+  held = eng.weight_bytes + 24 * 2**20
+  monkeypatch.setattr(E, "device_bytes_in_use", lambda device=None: held)
+  beside = eng.capacity(16 + 6)
+  per = E.bytes_per_sequence(CFG, eng.policy, 16 + 6, eng.ctx.record_guidance)
+  assert beside == int((0.9 * 64 * 2**20 - held) // per) < alone
+  with pytest.raises(CapacityError, match="already held on the device"):
+    eng.generate([[1, 2]] * (beside + 1))
+  pinned = RolloutEngine(CFG, tq.make_policy("bf16"), max_new_tokens=6,
+                         device_bytes=64 * 2**20)  # a given budget: the weights alone
+  pinned.sync(_params())
+  assert pinned.capacity(16 + 6) == alone
+
+
 def test_fp4_kv_lets_more_sequences_fit():
   # 12-layer 30B-A3B shape on a 140 GiB device at 8k context: bf16 weights 16 GiB, paper-policy
   # weights (FP4 experts) about 5 GiB; KV4 stores 4.5 bits + a row scale instead of 16 bits.

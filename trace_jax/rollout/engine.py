@@ -342,6 +342,17 @@ def device_memory_bytes(device=None) -> int:
   return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def device_bytes_in_use(device=None) -> int | None:
+  """Bytes the allocator holds on `device` now (None where the backend keeps no such count,
+  as on CPU)."""
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001 - backends without memory stats
+    return None
+  return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+
+
 def _read_ints(path: str) -> dict[str, int]:
   """`key value` lines (memory.stat) as ints; {} where the file cannot be read."""
   try:
@@ -758,9 +769,21 @@ class RolloutEngine:
                       prompt_len: int | None = None) -> tuple[int, int | None]:
     """(device-limited, host-limited) sequence counts (`capacity_limits`); the host figure is
     None for the one-program engine, whose guidance stays on the device."""
-    return capacity_limits(self.config, self.policy, context_len, self.weight_bytes,
+    return capacity_limits(self.config, self.policy, context_len, self._resident_bytes(),
                            self.device_bytes, self.ctx.record_guidance,
                            **self._planning(context_len, prompt_len))
+
+  def _resident_bytes(self) -> int:
+    """What the device holds beside the rollout's sequences: the engine's weights, or, on a
+    device whose memory the engine measures (no `device_bytes` given), everything the
+    allocator holds now if that is more: a trainer's master weights, optimizer state and
+    gradients beside a colocated rollout, arrays the caller still keeps. Counting only the
+    rollout weights let a colocated trainer's state turn a planned batch into an out-of-memory
+    error instead of a `CapacityError`. (On a mesh the weights alone, as before.)"""
+    if self.device_bytes is not None or self.mesh is not None:  # (a mesh: planned as before)
+      return self.weight_bytes
+    in_use = device_bytes_in_use(jax.devices()[0])
+    return self.weight_bytes if in_use is None else max(self.weight_bytes, in_use)
 
   def _on_cpu(self) -> bool:
     device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
@@ -853,22 +876,26 @@ class RolloutEngine:
     (device, or host for the chunked engine's guidance) whose limit is exceeded."""
     ctx_len = p + self.max_new_tokens
     plan = self._planning(ctx_len, p)
-    on_device, on_host = capacity_limits(self.config, self.policy, ctx_len, self.weight_bytes,
+    resident = self._resident_bytes()
+    on_device, on_host = capacity_limits(self.config, self.policy, ctx_len, resident,
                                          self.device_bytes, self.ctx.record_guidance, **plan)
     if rows <= min(n for n in (on_device, on_host) if n is not None):
       return
     device = self.device_bytes or device_memory_bytes()
     per = bytes_per_sequence(self.config, self.policy, ctx_len, self.ctx.record_guidance,
                              plan.get("guidance_tokens"))
+    held = (f"{resident / 2**30:.2f} GiB of weights" if resident == self.weight_bytes else
+            f"{resident / 2**30:.2f} GiB already held on the device (rollout weights "
+            f"{self.weight_bytes / 2**30:.2f} GiB)")
     if on_host is None or on_device <= on_host:
       raise CapacityError(
           f"{rows} sequences of {ctx_len} tokens do not fit: at most {on_device} fit "
-          f"next to {self.weight_bytes / 2**30:.2f} GiB of weights "
-          f"({per / 2**20:.1f} MiB per sequence, device {device / 2**30:.1f} GiB)")
+          f"next to {held} ({per / 2**20:.1f} MiB per sequence, device "
+          f"{device / 2**30:.1f} GiB)")
     per_host = host_bytes_per_sequence(self.config, self.policy, ctx_len,
                                        self.ctx.record_guidance, plan["host_tokens"])
     budget = (f"host memory = the device's {device / 2**30:.1f} GiB, next to "
-              f"{self.weight_bytes / 2**30:.2f} GiB of weights and {per / 2**20:.1f} MiB per "
+              f"{held} and {per / 2**20:.1f} MiB per "
               f"sequence on the device" if plan["host_is_device"]
               else f"host memory {plan['host_bytes'] / 2**30:.1f} GiB")
     raise CapacityError(
