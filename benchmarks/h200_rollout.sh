@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | 48l), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -156,6 +156,14 @@ elif [ "$stage" = ab ]; then
         | sed "s/^/[$side $r] /" | cut -c1-200
     done
   done
+elif [ "$stage" = routing ]; then
+  # the routing-tables kernel (kernels/routing.py, opt-in since session 10): its GPU test against
+  # the XLA tables, then the decode-step A/B with it off (old) and on (new); it replaces about
+  # nine small XLA kernels per MoE layer
+  JAX_PLATFORMS=cuda timeout -k 5 120 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+    tests/kernels/test_routing.py 2>&1 | grep -v "^I1\|^W1" \
+    | grep -E "Error|assert|Mismatch|passed|failed" | cut -c1-300 | tail -12
+  AB_OLD_DIR=none AB_ENV_NEW="TRACE_JAX_ROUTING=kernel" bash $0 ab
 elif [ "$stage" = fused_sites ]; then
   # the two opt-in Pallas kernels of session 7 (kernels/kv_append.py: the decode step's K/V
   # cache write; kernels/row_quant.py: the rollout's activation-site quantization): their GPU

@@ -37,7 +37,8 @@ The trainer's attention (no cache, differentiated) stays the reference formula.
 
 Decode routing tables: `sort_by_group` and `count_by_group` order and count (token, slot) rows
 by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
-XLA's sort and scatters above it.
+XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel's chunk tables;
+`TRACE_JAX_ROUTING=kernel` computes all of them in one Pallas kernel (`routing.py`, opt-in).
 
 Pallas kernels for the rollout's glue on the GPU (`append_kv`, `quantize_rows`; opt out with
 `TRACE_JAX_KV_APPEND=xla`, `TRACE_JAX_ROW_QUANT=xla`): None off the GPU and for operands they do
@@ -58,7 +59,7 @@ from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["append_kv", "count_by_group", "decode_attention", "grouped_backend", "grouped_matmul",
-           "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows",
+           "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows", "route",
            "sort_by_group"]
 
 _ATTENTION = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "mosaic")
@@ -77,6 +78,9 @@ _PREFILL = os.environ.get("TRACE_JAX_PREFILL_ATTENTION", "kernel")
 if _PREFILL not in ("kernel", "reference"):
   raise ValueError(f"TRACE_JAX_PREFILL_ATTENTION must be kernel or reference, got {_PREFILL!r}")
 _PREFILL_KERNEL = _PREFILL == "kernel"
+_ROUTING = os.environ.get("TRACE_JAX_ROUTING", "xla")
+if _ROUTING not in ("kernel", "xla"):
+  raise ValueError(f"TRACE_JAX_ROUTING must be kernel or xla, got {_ROUTING!r}")
 
 
 def on_gpu() -> bool:
@@ -194,17 +198,19 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
 
 
 def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None = None,
-                   bm: int | None = None, config=None, rows=None, out_rows=None) -> jax.Array:
+                   bm: int | None = None, config=None, rows=None, out_rows=None,
+                   tables=None) -> jax.Array:
   """Grouped (ragged) matmul of expert-sorted rows `x [M, K]` with `w [E, K, N]`.
 
   rows `[M]` ints: the sorted rows are `x[rows]` (x then holds e.g. one row per token, each
   routed to several experts); out_rows: return `result[out_rows]` (e.g. back to token order).
   Both are plain gathers on the reference and XLA paths; the kernel path folds them into the
-  gathers that lay out its operand and read its output."""
+  gathers that lay out its operand and read its output. tables: the FP4 kernel's chunk tables
+  from `route` (None: built from group_sizes)."""
   if _kernel_ok(x, w, use_kernel) and w.experts:
     from trace_jax.kernels import fp4_mgpu
     return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
-                                   config=config, rows=rows, out_rows=out_rows)
+                                   config=config, rows=rows, out_rows=out_rows, tables=tables)
   if rows is not None:
     x = x[rows]
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
@@ -238,6 +244,26 @@ def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   order = jnp.argsort(group_ids, stable=True).astype(jnp.int32)
   inverse = jnp.zeros_like(order).at[order].set(i, unique_indices=True)
   return order, inverse
+
+
+def route(group_ids: jax.Array, num_groups: int, w=None):
+  """A MoE layer's routing tables: (order, inverse, group_sizes, tables), as `sort_by_group`
+  and `count_by_group` give them; tables: the FP4 grouped kernel's chunk tables
+  (`fp4_mgpu.chunk_tables` with its rows per chunk) for a `grouped_matmul` of these rows with
+  `w`, or None (it builds them). With `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed
+  expert weight and up to `routing.MAX_ROWS` rows, all of them come from one kernel
+  (`routing.py`) instead of about nine small XLA kernels."""
+  if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
+    from trace_jax.kernels import fp4_mgpu, routing  # noqa: PLC0415 - Pallas imports stay lazy
+    if routing.kernel_supported(group_ids, num_groups) is None:
+      m = group_ids.shape[0]
+      bm = fp4_mgpu.grouped_bm(m, w.codes.shape[0])
+      order, inverse, gs, ce, row0, slot = routing.routing_tables(
+          group_ids, num_groups=num_groups, bm=bm,
+          n_chunks=fp4_mgpu.chunk_count(m, num_groups, bm))
+      return order, inverse, gs, (bm, ce, row0, slot)
+  order, inverse = sort_by_group(group_ids)
+  return order, inverse, count_by_group(group_ids, num_groups), None
 
 
 def count_by_group(group_ids: jax.Array, num_groups: int) -> jax.Array:

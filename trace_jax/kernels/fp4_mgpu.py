@@ -411,6 +411,18 @@ def _count_le(edges: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.sum(edges[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
 
 
+def grouped_bm(m: int, e: int) -> int:
+  """The grouped kernel's rows per chunk for m rows over e experts."""
+  return pick_bm(max(1, -(-m // e)) * 2)
+
+
+def chunk_count(m: int, e: int, bm: int) -> int:
+  """Chunks the tables hold for m rows over e groups: at least sum_e ceil((size_e + start_e %
+  8) / bm) for any sizes."""
+  ne = min(e, m)  # groups that can hold rows
+  return -(-(m + 7 * ne) // bm) + ne
+
+
 def chunk_tables(group_sizes: jax.Array, m: int, bm: int):
   """Cover expert-sorted rows with chunks: windows of bm rows that start on a multiple of 8
   (the activation tile's TMA tiling) at or below the group's first row, stepping by bm until
@@ -419,8 +431,7 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int):
   [m]: each row's index in the kernel output's (chunk, row-in-window) order, C*bm for rows past
   the sum)."""
   e = group_sizes.shape[0]
-  ne = min(e, m)  # groups that can hold rows
-  n_chunks = -(-(m + 7 * ne) // bm) + ne  # >= sum_e ceil((size_e + start_e % 8) / bm)
+  n_chunks = chunk_count(m, e, bm)
   gs = group_sizes.astype(jnp.int32)
   ends = _prefix_sum(gs)
   starts = ends - gs
@@ -445,23 +456,27 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int):
 def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
                    out_dtype=jnp.bfloat16, bm: int | None = None, config=None,
                    kernel_fn=None, rows: jax.Array | None = None,
-                   out_rows: jax.Array | None = None):
+                   out_rows: jax.Array | None = None, tables=None):
   """Ragged x [M, K] (bf16, rows sorted by expert) @ expert PackedWeight [E, K, N]; rows past
   sum(group_sizes) give zeros. kernel_fn: as in `matmul`. rows [M]: the sorted rows are
   `x[rows]` (fused into the one gather that lays out the kernel's operand); out_rows: return
-  `result[out_rows]` (fused into the output gather)."""
+  `result[out_rows]` (fused into the output gather). tables: (bm, chunk_expert, chunk_row,
+  slot) made for these rows (`dispatch.route`), used when bm is this call's."""
   m = x.shape[0] if rows is None else rows.shape[0]
   e = pw.codes.shape[0]
   if m == 0:
     return jnp.zeros((0, pw.n), out_dtype)
   if bm is None:
-    bm = pick_bm(max(1, -(-m // e)) * 2)
+    bm = grouped_bm(m, e)
   k_steps = pw.k_pad // (64 * pw.kb)
   config = dict(config or {})
   n_inner = grouped_n_inner(pw.n_pad // 256, config.pop("n_inner", None))
   cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False,
                             n_inner=n_inner), **config)
-  ce, row0, slot = chunk_tables(group_sizes, m, bm)
+  if tables is not None and tables[0] == bm:
+    _, ce, row0, slot = tables
+  else:
+    ce, row0, slot = chunk_tables(group_sizes, m, bm)
   # chunks read bm rows from their first row on: pad so the last chunk stays in bounds
   n_rows = -(-(m + bm) // 8) * 8  # TMA: rows % 8
   xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)

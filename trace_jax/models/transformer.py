@@ -245,16 +245,16 @@ class MoE(nn.Module):
       y, dropped = self._expert_parallel(ep, ep_mesh, x_in, idx, w_gu, w_dn, (b, t, k), guidance,
                                          records)
     else:
-      flat = idx.reshape(-1)
-      order, inverse = kernels.sort_by_group(flat)  # (token, slot) pairs sorted by expert
-      group_sizes = kernels.count_by_group(flat, e)
+      # (token, slot) pairs sorted by expert, rows per expert (and the FP4 kernel's chunk
+      # tables where one kernel builds them all)
+      order, inverse, group_sizes, tables = kernels.route(idx.reshape(-1), e, w_gu)
       # sorted row i is token order[i] // k; the kernel path folds these gathers into its own
       gu = kernels.grouped_matmul(x_in.astype(dt), w_gu, group_sizes, out_dtype=dt,
-                                  rows=order // k)
+                                  rows=order // k, tables=tables)
       h = nn.silu(gu[:, :f]) * gu[:, f:]
       h = _sorted_site(h, order, inverse, (b, t, k), self.guided, ctx, guidance, records)
-      y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt,
-                                 out_rows=inverse).reshape(n, k, d)
+      y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt, out_rows=inverse,
+                                 tables=tables).reshape(n, k, d)
       dropped = jnp.int32(0)
     out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
 

@@ -1,0 +1,114 @@
+"""The routing-tables kernel (`kernels/routing.py`) in Pallas interpret mode against the XLA
+path it replaces (`sort_by_group`, `count_by_group`, `fp4_mgpu.chunk_tables`), every table bit
+for bit: decode sizes, row counts that are not powers of two, a single row, skewed routing with
+empty groups; its CUDA lowering; on the GPU the compiled kernel (marked)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import kernels
+from trace_jax.kernels import fp4_mgpu, routing
+
+
+def _xla_tables(ids, e, bm, c):
+  order, inverse = kernels.sort_by_group(ids)
+  gs = kernels.count_by_group(ids, e)
+  return (order, inverse, gs) + tuple(fp4_mgpu.chunk_tables(gs, ids.shape[0], bm))
+
+
+def _ids(m, e, seed, skew=False):
+  rng = np.random.default_rng(seed)
+  p = np.ones(e) / e
+  if skew:  # a few hot experts, many empty groups
+    p = rng.dirichlet(np.full(e, 0.05))
+  return jnp.asarray(rng.choice(e, size=m, p=p), jnp.int32)
+
+
+@pytest.mark.parametrize("m,e,skew", [(512, 128, False), (600, 128, True), (1, 128, False),
+                                      (37, 9, True), (1024, 64, False)],
+                         ids=["decode_b64", "non_pow2_skewed", "one_row", "small", "max_rows"])
+def test_kernel_equals_xla_tables(m, e, skew):
+  ids = _ids(m, e, m + e, skew)
+  bm = fp4_mgpu.grouped_bm(m, e)
+  c = fp4_mgpu.chunk_count(m, e, bm)
+  got = routing.routing_tables(ids, num_groups=e, bm=bm, n_chunks=c, interpret=True)
+  want = jax.jit(_xla_tables, static_argnums=(1, 2, 3))(ids, e, bm, c)
+  for name, a, b in zip(("order", "inverse", "group_sizes", "chunk_expert", "chunk_row", "slot"),
+                        got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_route_feeds_the_grouped_kernel_its_tables(monkeypatch):
+  """`dispatch.route` with the kernel on (the GPU's branch, the kernel in interpret mode here):
+  the same order, inverse and group sizes as without it, and tables that the FP4 grouped
+  wrapper (emulated kernel) takes in place of its own with the same result, bit for bit; off
+  the GPU `route` is `sort_by_group` + `count_by_group` and no tables."""
+  from trace_jax.kernels import dispatch  # noqa: PLC0415
+  from trace_jax.quant import quantize  # noqa: PLC0415
+  e, k, n, tokens, top = 6, 96, 256, 20, 2
+  w = jax.random.normal(jax.random.key(1), (e, k, n), jnp.float32)
+  pw = kernels.prepare_weight(quantize(w, "nvfp4", axis=1, second_level=(0,)), kb=4)
+  idx = _ids(tokens * top, e, 5, skew=True)
+  x = jax.random.normal(jax.random.key(2), (tokens, k), jnp.float32).astype(jnp.bfloat16)
+  off = kernels.route(idx, e, pw)
+  assert off[3] is None
+  monkeypatch.setattr(dispatch, "_ROUTING", "kernel")
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(routing, "routing_tables",
+                      functools.partial(routing.routing_tables, interpret=True))
+  on = kernels.route(idx, e, pw)
+  for a, b in zip(on[:3], off[:3], strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert on[3][0] == fp4_mgpu.grouped_bm(tokens * top, e)
+
+  def run(tables):
+    order, inverse, gs = off[:3]
+    return np.asarray(fp4_mgpu.grouped_matmul(
+        x, pw, gs, out_dtype=jnp.float32, kernel_fn=fp4_mgpu.emulate_chunked_matmul,
+        rows=order // top, out_rows=inverse, tables=tables))
+
+  np.testing.assert_array_equal(run(on[3]), run(None))
+
+
+def test_limits():
+  assert routing.kernel_supported(jnp.zeros((routing.MAX_ROWS + 1,), jnp.int32), 128)
+  assert routing.kernel_supported(jnp.zeros((4, 2), jnp.int32), 128)
+  assert routing.kernel_supported(jnp.zeros((8,), jnp.float32), 128)
+  assert routing.kernel_supported(jnp.zeros((8,), jnp.int32), 128) is None
+  with pytest.raises(ValueError, match="routing kernel"):
+    routing.routing_tables(jnp.zeros((0,), jnp.int32), num_groups=4, bm=16, n_chunks=4,
+                           interpret=True)
+
+
+def test_lowers_for_cuda(monkeypatch):
+  """The Triton lowering accepts the kernel (register tiles, masked loads and stores)."""
+  pytest.importorskip("jax_cuda13_plugin")
+  from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: PLC0415
+  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+  fn = lambda ids: routing.routing_tables(ids, num_groups=128, bm=16,  # noqa: E731
+                                          n_chunks=fp4_mgpu.chunk_count(600, 128, 16))
+  text = jax.jit(fn).trace(jax.ShapeDtypeStruct((600,), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "moe_routing_tables" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,e,skew", [(512, 128, False), (600, 128, True), (1, 128, False)])
+def test_kernel_on_gpu_equals_xla_tables(m, e, skew):
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU backend")
+  ids = _ids(m, e, 7 * m + e, skew)
+  bm = fp4_mgpu.grouped_bm(m, e)
+  c = fp4_mgpu.chunk_count(m, e, bm)
+  got = routing.routing_tables(ids, num_groups=e, bm=bm, n_chunks=c)
+  want = jax.jit(_xla_tables, static_argnums=(1, 2, 3))(ids, e, bm, c)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
