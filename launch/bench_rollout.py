@@ -99,6 +99,9 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   from trace_jax import quant as tq
   from trace_jax.rollout import RolloutEngine, SamplingParams, tree_bytes
 
+  gen_tokens = FLAGS.generate_tokens or FLAGS.new_tokens
+  if not 0 < gen_tokens <= FLAGS.new_tokens:
+    raise ValueError(f"--generate_tokens={gen_tokens} must be in 1..new_tokens={FLAGS.new_tokens}")
   policy = tq.make_policy(policy_name, FLAGS.fp4_format)
   params = M.init_params(config, jax.random.key(0), FLAGS.init_dtype)
   jax.block_until_ready(params)
@@ -160,9 +163,6 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   first_call, out = generate(1, 1)
   del out  # (as `_` it would stay alive: its host guidance arrays are sized for every step)
   _log(f"first call (compile, prefill, one step) {first_call:.1f} s; timing")
-  gen_tokens = FLAGS.generate_tokens or FLAGS.new_tokens
-  if not 0 < gen_tokens <= FLAGS.new_tokens:
-    raise ValueError(f"--generate_tokens={gen_tokens} must be in 1..new_tokens={FLAGS.new_tokens}")
   t_full, out = timed(gen_tokens)
   _log(f"median {t_full:.2f} s")
   gen = int(np.sum(np.asarray(out.completion_mask)))
