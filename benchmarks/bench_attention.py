@@ -373,10 +373,11 @@ def main():
                   valid, want, "decode_attention")
       if fmt == "nvfp4":  # the Mosaic kernel: splits and pipeline stages
         dm = attention_mgpu.default_splits(b, s)
-        for cfg in variants(dict(splits=dm, stages=2), [dict(splits=2 * dm), dict(
-            splits=max(1, dm // 2)), dict(stages=1)]):
+        for cfg in variants(dict(splits=dm, stages=2, overlap=False), [
+            dict(splits=2 * dm), dict(splits=max(1, dm // 2)), dict(stages=1),
+            dict(overlap=True), dict(overlap=True, splits=2 * dm)]):
           sweep_row("decode_sweep", f"sweep_B{b}_S{s}_nvfp4_mosaic_splits{cfg['splits']}"
-                    f"_stages{cfg['stages']}",
+                    f"_stages{cfg['stages']}" + ("_overlap" if cfg["overlap"] else ""),
                     functools.partial(kernels.decode_attention, use_kernel="mosaic"), cfg, q,
                     kvs, valid, want, "decode_attention")
       del kvs

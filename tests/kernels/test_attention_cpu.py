@@ -331,12 +331,13 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b, 300, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_),
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
-    if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages
+    if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages, V decode overlapped
       from trace_jax.kernels import attention_mgpu as AM
-      lowered = jax.jit(AM.decode_attention).trace(
-          sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
-              lowering_platforms=("cuda",))
-      assert "mosaic" in lowered.as_text()
+      for overlap in (False, True):
+        lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap)).trace(
+            sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
+                lowering_platforms=("cuda",))
+        assert "mosaic" in lowered.as_text()
 
 
 # ------------------------------------------------------------------ Mosaic NVFP4 kernel (CPU parts)

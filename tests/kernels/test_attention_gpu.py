@@ -170,10 +170,11 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 
 # ------------------------------------------------------------------ Mosaic NVFP4 decode kernel
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages"))
-def _mosaic(q, k, v, valid, splits=None, stages=2):
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap"))
+def _mosaic(q, k, v, valid, splits=None, stages=2, overlap=False):
   from trace_jax.kernels import attention_mgpu
-  return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages)
+  return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages,
+                                         overlap=overlap)
 
 
 MOSAIC_TOL = 3e-2  # K unrounded in the kernel, bf16 in the reference: see attention_mgpu
@@ -197,12 +198,13 @@ def test_mosaic_kernel_vs_reference(s):
   assert relerr(got, want) < MOSAIC_TOL
 
 
-@pytest.mark.parametrize("splits,stages", [(1, 2), (3, 1), (64, 2)])
-def test_mosaic_kernel_splits_and_stages(splits, stages):
+@pytest.mark.parametrize("splits,stages,overlap", [(1, 2, False), (3, 1, False), (64, 2, False),
+                                                   (1, 2, True), (3, 1, True)])
+def test_mosaic_kernel_splits_and_stages(splits, stages, overlap):
   b, s, kvh, g, hd = 3, 1000, 4, 5, 128  # 5 query heads per KV head (padded to 16)
   k, v = make_kv("nvfp4", (b, s, kvh, hd), 1), make_kv("nvfp4", (b, s, kvh, hd), 2)
   q = jax.random.normal(jax.random.key(3), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
   lengths = jnp.asarray([1000, 17, 1])
-  got = _mosaic(q, k, v, lengths, splits=splits, stages=stages)
+  got = _mosaic(q, k, v, lengths, splits=splits, stages=stages, overlap=overlap)
   want = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)
   assert relerr(got, want) < MOSAIC_TOL

@@ -275,9 +275,10 @@ def _bf16_smem(shape, swizzle: int):
 
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
-                                             "v_factor"))
+                                             "v_factor", "overlap"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                       k_factor: float, v_factor: float, stages: int = 2):
+                       k_factor: float, v_factor: float, stages: int = 2,
+                       overlap: bool = False):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
   slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
   tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
@@ -287,6 +288,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   The softmax denominator stays a per-thread [64, 16] partial (rescaled with the output) and is
   reduced across warps once per split, so a tile has one cross-warp reduction (the max), not
   two: 5-7% faster on the H200 than a reduction per tile (B 16/64 x S 8k/32k, 2026-11-30).
+  overlap: decode V and store it to SMEM while the S wgmma runs (between its issue and its
+  wait) instead of after the softmax; the tile is issue-bound (~800 instructions per thread
+  per tile, half of them the nibble decode), so hiding the wgmma's latency behind the decode
+  may pay. ptxas keeps an in-flight wgmma's register operands intact (it serializes the
+  wgmmas where it cannot). Off by default until an H200 sweep decides (session 10).
   Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, 16]: running max and sum)."""
   import jax.experimental.pallas as pl
@@ -341,9 +347,17 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                       plgpu.load(ks_s, (), layout=wgmma_layout))
 
+      def decode_v():  # V to SMEM (the last tile's PV wgmma, its reader, has completed)
+        v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+                        plgpu.load(vs_s, (), layout=wgmma_layout))
+        v_smem[wg, 0] = v0
+        v_smem[wg, 1] = v1
+
       def s_scope(acc):
         plgpu.wgmma(acc, k0, q_smem.at[wg, :, pl.ds(0, 64)].T)
         plgpu.wgmma(acc, k1, q_smem.at[wg, :, pl.ds(64, 64)].T)
+        if overlap:
+          decode_v()
         plgpu.wgmma_wait(0)
         return acc[...]
 
@@ -355,10 +369,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       corr = jnp.exp(m - m_new)
       l = l * corr[None, :] + p
       p_smem[wg] = _row_scaler(v_factor)(p, vg_s).astype(jnp.bfloat16)
-      v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
-                      plgpu.load(vs_s, (), layout=wgmma_layout))
-      v_smem[wg, 0] = v0
-      v_smem[wg, 1] = v1
+      if not overlap:
+        decode_v()
       plgpu.commit_smem()
 
       def o_scope(acc0, acc1):
@@ -403,12 +415,12 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
 
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                   k_factor: float, v_factor: float, stages: int = 2):
+                   k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is). Lets CPU tests
   cover the plumbing around the kernel."""
-  del stages  # (the order of the softmax sum is not modelled)
+  del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
   # the row factors as the kernel forms them: g times the factor, rounded to float32
   kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)  # [B, 4, S]
   vg = jnp.swapaxes(vg * jnp.float32(v_factor), 1, 2)
@@ -476,11 +488,12 @@ def default_splits(b: int, s: int) -> int:
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
-                     splits: int | None = None, stages: int = 2, kernel_fn=None) -> jax.Array:
+                     splits: int | None = None, stages: int = 2, overlap: bool = False,
+                     kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
-  (codes, scales, row scales) in place. kernel_fn replaces the kernel (tests pass
-  `emulate_kernel`)."""
+  (codes, scales, row scales) in place. overlap: see `mgpu_decode_kernel`. kernel_fn replaces
+  the kernel (tests pass `emulate_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
   if why:
@@ -512,7 +525,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
   o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
                                             split_tiles=split_tiles, n_splits=n_splits,
-                                            stages=stages,
+                                            stages=stages, overlap=overlap,
                                             k_factor=float(2 ** ROW_SHIFT * scale),
                                             v_factor=float(2 ** ROW_SHIFT))
   # [B, n, 4, 2, 64 physical, 16] -> [B, 4, n, g, 128 logical]: the real query heads only, and
