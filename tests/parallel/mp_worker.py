@@ -31,7 +31,9 @@ def config():
   return compare.override(c, {
       "sft.max_steps": 0, "total_steps": 2, "rollout.prompts_per_step": 4,
       "rollout.samples_per_prompt": 4, "eval.every": 2, "eval.size": 8, "checkpoint.every": 1,
-      "mesh.data": 2, "mesh.expert": 2})
+      "mesh.data": 2, "mesh.expert": 2,
+      # decode windows (guidance moved to host memory per window) when the test asks for them
+      "rollout.decode_chunk": int(os.environ.get("TRACE_TEST_DECODE_CHUNK", "0"))})
 
 
 rows = loop.run(config(), workdir, log=lambda *_: None)

@@ -647,6 +647,14 @@ def _host_guidance(pre_records, window_records, n: int, steps: int) -> dict:
   return out
 
 
+def _to_host(tree):
+  """Numpy copies of a tree's arrays in host memory. An array spread over several processes'
+  devices (a multi-host mesh) is gathered, so every process holds the whole batch's values,
+  as one process would (its rollout's guidance then enters the train step as on one host;
+  `jax.device_get` refuses such arrays)."""
+  return jax.tree_util.tree_map(parallel.to_host, tree)
+
+
 def _place_window(guidance, window_records, start: int) -> None:
   """Copy one window's host records into the final arrays from time index `start` (the
   window's first decode step after the prompt), cut at their end."""
@@ -845,13 +853,13 @@ class RolloutEngine:
     n, steps, chunk = key[2], key[3], self.decode_chunk
     pre_fn, window_fn = self._chunk_programs(key)
     pre_records, pre_routes, positions, prompt_len, carry = pre_fn(self.params, tokens, mask)
-    pre_records = jax.device_get(pre_records)
+    pre_records = _to_host(pre_records)
     p = int(tokens.shape[1])
     windows, count, pending, guidance = [], -(-steps // chunk), None, None
 
     def land(bufs):  # a finished window: its records into the final arrays, then dropped
       nonlocal guidance, pre_records
-      records = jax.device_get(bufs["records"])
+      records = _to_host(bufs["records"])
       if guidance is None:
         guidance, pre_records = _host_guidance(pre_records, records, n, steps), None
       _place_window(guidance, records, p + len(windows) * chunk)
@@ -860,11 +868,12 @@ class RolloutEngine:
     for _ in range(count):
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
       for x in jax.tree_util.tree_leaves(bufs["records"]):
-        x.copy_to_host_async()
+        if x.is_fully_addressable:  # (spread over processes: gathered when it lands)
+          x.copy_to_host_async()
       if pending is not None:  # the previous window's copy overlaps this window's decoding
         land(pending)
       pending = bufs
-      if bool(jax.device_get(jnp.all(carry["done"]))):
+      if bool(_to_host(jnp.all(carry["done"]))):
         break
     land(pending)
     del pending
