@@ -4,7 +4,6 @@ shards hold whole blocks, and the sharded forward equals the single-device one."
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
