@@ -96,8 +96,8 @@ def _kernel(ids_ref, order_ref, inv_ref, gs_ref, ce_ref, row0_ref, slot_ref, *, 
   ch_end_cmp = jnp.where(real, ch_end, _FAR)  # padding groups end past every chunk
   ends_cmp = jnp.where(real, ends, _FAR)
 
-  def look_up(table, at):  # table[at] for a [T] tile of group indices: a one-hot sum
-    return jnp.sum(jnp.where(at[:, None] == e_all[None, :], table[None, :], 0), axis=1)
+  def look_up(table, idx):  # table[idx] for a [T] tile of group indices: a one-hot sum
+    return jnp.sum(jnp.where(idx[:, None] == e_all[None, :], table[None, :], 0), axis=1)
 
   for c0 in range(0, cp, _TILE):
     ci = c0 + jnp.arange(_TILE, dtype=i32)
