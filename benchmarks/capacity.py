@@ -37,10 +37,8 @@ from trace_jax.rollout import engine as E  # noqa: E402
 
 def abstract_weight_bytes(config, policy) -> int:
   """Bytes of the rollout weights the engine's sync makes, computed from shapes alone."""
-  tree = jax.eval_shape(lambda: E._first_sync(policy, config.compute_dtype)(
-      M.init_params(config, jax.random.key(0), "bfloat16")))
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-             for x in jax.tree_util.tree_leaves(tree))
+             for x in jax.tree_util.tree_leaves(E.rollout_weight_shapes(config, policy)))
 
 
 def main():

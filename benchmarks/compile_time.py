@@ -15,7 +15,6 @@ import os
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,10 +32,7 @@ def compile_seconds(config, policy, batch: int, prompt_len: int, new_tokens: int
   engine = RolloutEngine(config, policy, max_new_tokens=new_tokens, prompt_bucket=prompt_len,
                          record_guidance=True, use_kernels=use_kernels,
                          prefill_tokens=prefill_tokens)
-  sync = E._first_sync(policy, engine.config.compute_dtype)
-  weights = jax.eval_shape(lambda: sync(M.init_params(config, jax.random.key(0), "bfloat16")))
-  if use_kernels:
-    weights = jax.eval_shape(E._kernel_layout, weights)
+  weights = E.rollout_weight_shapes(config, policy, use_kernels)
   sampling = SamplingParams(temperature=1.0)
   key = (prompt_len, batch, 1, new_tokens, sampling, 1, engine._pass_rows(prompt_len))
   args = (weights, jnp.zeros((batch, prompt_len), jnp.int32), jnp.ones((batch, prompt_len), bool),

@@ -584,6 +584,16 @@ def _kernel_layout(params):
   return jax.tree_util.tree_map(conv, params, is_leaf=lambda a: isinstance(a, tq.QArray))
 
 
+def rollout_weight_shapes(config: M.ModelConfig, policy: tq.QuantPolicy,
+                          use_kernels: bool = False):
+  """The shapes and dtypes of the rollout weights `RolloutEngine.sync` makes (in the kernel
+  layout with use_kernels), from shapes alone: nothing is allocated (capacity planning and
+  compile measurements of a 30B model on any machine)."""
+  tree = jax.eval_shape(lambda: _first_sync(policy, config.compute_dtype)(
+      M.init_params(config, jax.random.key(0), "bfloat16")))
+  return jax.eval_shape(_kernel_layout, tree) if use_kernels else tree
+
+
 def _prompt_key(seed: int, prompt: Sequence[int], occurrence: int) -> int:
   h = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=4,
                       key=seed.to_bytes(8, "little", signed=True)).digest()
