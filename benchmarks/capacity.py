@@ -70,20 +70,17 @@ def main():
   for name in a.policies.split(","):
     policy = tq.make_policy(name)
     wb = abstract_weight_bytes(config, policy)
-    held = E.guidance_tokens_held(a.prompt_len, a.decode_chunk)
     for ctx in contexts:
-      per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance), held)
+      plan = E.planning(a.prompt_len, ctx, a.decode_chunk, prefill_pass, host_bytes)
+      per = E.bytes_per_sequence(config, policy, ctx, bool(a.record_guidance),
+                                 plan.get("guidance_tokens"))
       row = {"policy": name, "policy_full": policy.name, "context": ctx, "weight_bytes": wb,
              "bytes_per_sequence": per}
-      host_tokens = None
       if host_bytes is not None:
-        host_tokens = E.host_tokens_held(a.prompt_len, ctx - a.prompt_len, a.decode_chunk)
         row["host_bytes_per_sequence"] = E.host_bytes_per_sequence(
-            config, policy, ctx, bool(a.record_guidance), host_tokens)
+            config, policy, ctx, bool(a.record_guidance), plan["host_tokens"])
       on_device, on_host = E.capacity_limits(config, policy, ctx, wb, device_bytes,
-                                             bool(a.record_guidance), guidance_tokens=held,
-                                             host_bytes=host_bytes, host_tokens=host_tokens,
-                                             prefill_pass=prefill_pass)
+                                             bool(a.record_guidance), **plan)
       if host_bytes is not None:
         row["sequences_device_limited"] = on_device
         row["sequences_host_limited"] = on_host  # None: nothing goes to host memory

@@ -6,7 +6,7 @@ from trace_jax.rollout.engine import (CapacityError, Rollout, RolloutEngine, byt
                                       capacity_limits, device_bytes_in_use,
                                       device_memory_bytes, generate_program,
                                       guidance_bytes_per_token, host_bytes_per_sequence,
-                                      host_memory_bytes, host_tokens_held, plan_capacity,
+                                      host_memory_bytes, host_tokens_held, plan_capacity, planning,
                                       sequence_keys, tree_bytes)
 from trace_jax.rollout.sampling import RowSampling, SamplingParams, filter_logits, sample
 from trace_jax.rollout.slots import SlotDecoder, SlotRequest
@@ -16,6 +16,6 @@ __all__ = [
     "SlotRequest", "bytes_per_sequence", "capacity_limits", "device_bytes_in_use",
     "device_memory_bytes",
     "filter_logits", "generate_program", "guidance_bytes_per_token", "host_bytes_per_sequence",
-    "host_memory_bytes", "host_tokens_held", "plan_capacity", "sample", "sequence_keys",
+    "host_memory_bytes", "host_tokens_held", "plan_capacity", "planning", "sample", "sequence_keys",
     "tree_bytes",
 ]

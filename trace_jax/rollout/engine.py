@@ -329,28 +329,26 @@ def prefill_program(params, prompt_tokens, prompt_mask, *, config, ctx, n, steps
 
 # --------------------------------------------------------------------------- memory planning
 
+def _memory_stat(device, key: str) -> int | None:
+  """One figure of `device`'s allocator statistics (None where the backend keeps none)."""
+  try:
+    stats = (device or jax.devices()[0]).memory_stats()
+  except Exception:  # noqa: BLE001 - backends without memory stats
+    return None
+  return int(stats[key]) if stats and key in stats else None
+
+
 def device_memory_bytes(device=None) -> int:
   """Usable memory of `device` (GPU: the allocator's limit; CPU: physical RAM)."""
-  device = device or jax.devices()[0]
-  stats = None
-  try:
-    stats = device.memory_stats()
-  except Exception:  # noqa: BLE001 - backends without memory stats
-    stats = None
-  if stats and "bytes_limit" in stats:
-    return int(stats["bytes_limit"])
-  return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+  limit = _memory_stat(device, "bytes_limit")
+  return limit if limit is not None else int(os.sysconf("SC_PHYS_PAGES")
+                                             * os.sysconf("SC_PAGE_SIZE"))
 
 
 def device_bytes_in_use(device=None) -> int | None:
   """Bytes the allocator holds on `device` now (None where the backend keeps no such count,
   as on CPU)."""
-  device = device or jax.devices()[0]
-  try:
-    stats = device.memory_stats()
-  except Exception:  # noqa: BLE001 - backends without memory stats
-    return None
-  return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+  return _memory_stat(device, "bytes_in_use")
 
 
 def _read_ints(path: str) -> dict[str, int]:
@@ -487,6 +485,22 @@ def host_bytes_per_sequence(config: M.ModelConfig, policy: tq.QuantPolicy, conte
   peak (`host_tokens_held`; default context_len)."""
   tokens = context_len if host_tokens is None else host_tokens
   return guidance_bytes_per_token(config, policy, record_guidance) * tokens
+
+
+def planning(prompt_len: int, context_len: int, decode_chunk: int,
+             prefill_pass: tuple[int, int] | None = None, host_bytes: int | None = None,
+             host_is_device: bool = False) -> dict:
+  """`capacity_limits`' keyword arguments for an engine at prompt bucket `prompt_len`: with
+  decode windows (decode_chunk > 0), the guidance of the prompt and two windows on the device
+  and a whole context's in host memory (`host_bytes`, or the device's own with
+  host_is_device); prefill_pass: `prefill_pass`'s figures when a batch may take several. The
+  engine and `benchmarks/capacity.py` plan with it."""
+  plan = dict(prefill_pass=prefill_pass)
+  if decode_chunk <= 0:
+    return plan
+  return dict(plan, guidance_tokens=guidance_tokens_held(prompt_len, decode_chunk),
+              host_tokens=host_tokens_held(prompt_len, context_len - prompt_len, decode_chunk),
+              host_bytes=host_bytes, host_is_device=host_is_device)
 
 
 def capacity_limits(config: M.ModelConfig, policy: tq.QuantPolicy, context_len: int,
@@ -813,21 +827,23 @@ class RolloutEngine:
     (on the CPU backend, unless host_bytes is given, the device's memory is host RAM: one
     budget); and the cache of a prefill pass when the batch takes more than one."""
     p = context_len - self.max_new_tokens if prompt_len is None else prompt_len
-    plan = dict(prefill_pass=None if self.mesh is not None else
-                prefill_pass(self.prefill_tokens, p))
     if not self._chunked():
-      return plan
+      return planning(p, context_len, 0, self._prefill_pass(p))
     shared = self.host_bytes is None and self._on_cpu()
-    return dict(plan, guidance_tokens=guidance_tokens_held(p, self.decode_chunk),
-                host_tokens=host_tokens_held(p, context_len - p, self.decode_chunk),
-                host_is_device=shared,
-                host_bytes=(None if shared else self.host_bytes if self.host_bytes is not None
-                            else host_memory_bytes()))
+    return planning(p, context_len, self.decode_chunk, self._prefill_pass(p),
+                    host_bytes=(None if shared else self.host_bytes
+                                if self.host_bytes is not None else host_memory_bytes()),
+                    host_is_device=shared)
 
   # -- generation
+  def _prefill_pass(self, p: int) -> tuple[int, int] | None:
+    """`prefill_pass` at prompt bucket p (None: one pass; with a mesh the batch is sharded)."""
+    return None if self.mesh is not None else prefill_pass(self.prefill_tokens, p)
+
   def _pass_rows(self, p: int) -> int | None:
     """Prompts per prefill pass at prompt bucket p (None: one pass)."""
-    return None if self.mesh is not None else prefill_pass(self.prefill_tokens, p)[0]
+    pass_ = self._prefill_pass(p)
+    return None if pass_ is None else pass_[0]
 
   def bucket_length(self, prompt_tokens: int) -> int:
     """The padded prompt length of a batch whose longest prompt has `prompt_tokens` tokens."""
