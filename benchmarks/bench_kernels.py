@@ -5,10 +5,12 @@
 Variants, side by side in one run: XLA bf16 dot / `ragged_dot` (the baseline), tokamax's bf16
 Mosaic `ragged_dot` (the BF16 engine's grouped matmul; where tokamax is installed), and the
 Mosaic GPU FP4 kernel (`trace_jax.kernels`) with NVFP4 and MXFP4 weights; grouped NVFP4 also
-with n_inner column tiles per CTA (`_inD`). Shapes: 8192x28672 (B 1, 16,
-64), the Qwen3-30B-A3B attention q (2048x4096) and o (4096x2048) projections, and the grouped
-expert matmuls (128 experts; gate+up K 2048 N 1536, down K 768 N 2048) at 256, 512 and 32768
-rows with top-8 routing of random tokens.
+with n_inner column tiles per CTA (`_inD`) and K splits (`_sS`; `_auto`: the engine's choice);
+dense bf16 at one row also as the engine calls it (`xla_bf16_engine`: a zero second row). Shapes:
+8192x28672 (B 1, 16, 64), the Qwen3-30B-A3B attention q (2048x4096) and o (4096x2048)
+projections, and the grouped expert matmuls (128 experts; gate+up K 2048 N 1536, down K 768 N
+2048) at 8 and 64 rows (decode batches 1 and 8), 256, 512 and 32768 rows with top-8 routing of
+random tokens.
 
 Protocol (../shared/BENCHMARKS.md): CUPTI device times (`profiler.measure`, aggregate=False),
 median over iterations; weights rotated over enough copies to exceed the 60 MB L2; each output
@@ -174,7 +176,7 @@ def main():
     wb = w.astype(jnp.bfloat16)
     qs = {fmt: quantize(w, fmt, axis=0, validate=False) for fmt in ("nvfp4", "mxfp4")}
     pws = {fmt: kernels.prepare_weight(q) for fmt, q in qs.items()}
-    variants = ["xla_bf16", "nvfp4", "mxfp4"]
+    variants = ["xla_bf16", "xla_bf16_engine", "nvfp4", "mxfp4"]
     if k * n >= 2**27 and not args.quick:  # the big FFN shape: also kb=8 steps (2 stages)
       pws["nvfp4_kb8"] = kernels.prepare_weight(qs["nvfp4"], kb=8)
       qs["nvfp4_kb8"] = qs["nvfp4"]
@@ -185,15 +187,19 @@ def main():
       for var in variants:
         if var == "nvfp4_kb8" and b == 64:
           continue  # kb=8 with 64-row chunks does not fit SMEM
+        if var == "xla_bf16_engine" and b != 1:
+          continue  # the engine's bf16 product differs from `x @ w` at one row only
         name = f"{sname}_B{b}_{var}"
         if not want(name):
           continue
         row = dict(name=name, kind="dense", K=k, N=n, B=b, variant=var)
         state.update(t=time.time(), name=name)
         try:
-          if var == "xla_bf16":
+          if var in ("xla_bf16", "xla_bf16_engine"):
             wbytes = k * n * 2
-            fn = lambda x, w: x @ w
+            # the engine's path (dispatch.xla_matmul: one row gets a zero second row)
+            fn = ((lambda x, w: x @ w) if var == "xla_bf16" else
+                  (lambda x, w: dispatch.matmul(x, w, jnp.bfloat16, use_kernel=False)))
             wt = wb
             if not args.dry:
               ref = reference.matmul_ref(x.astype(jnp.float32), wb.astype(jnp.float32))
@@ -225,8 +231,8 @@ def main():
         record(row)
 
   # ------------------------------------------------------------------ grouped (experts)
-  grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (256, 512, 32768)),
-             ("moe_down_E128_K768_N2048", 128, 768, 2048, (256, 512))]
+  grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (8, 64, 256, 512, 32768)),
+             ("moe_down_E128_K768_N2048", 128, 768, 2048, (8, 64, 256, 512))]
   if args.quick:
     grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (256,))]
   for sname, e, k, n, ms in grouped:
@@ -247,7 +253,10 @@ def main():
       base = tok = None
       n_tiles = -(-n // 256)
       inner = sorted({d for d in (2, 4, n_tiles) if n_tiles % d == 0 and d > 1})
-      variants = (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else []) + ["nvfp4"]
+      # nvfp4_auto: the engine's choice (fp4_mgpu.grouped_parallelism); nvfp4[_inD][_sS]:
+      # D column tiles per CTA (default 1), S K splits (default: the rule's for that D)
+      variants = (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
+                  + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
                   + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"])
       for var in variants:
         name = f"{sname}_M{m}_{var}"
@@ -270,9 +279,18 @@ def main():
                                                  wb.astype(jnp.float32), gs)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, gs, wb), ref)
           else:
-            fmt, _, inner_s = var.partition("_in")
-            cfg = dict(n_inner=int(inner_s)) if inner_s else dict(n_inner=1)
+            fmt, *opts = var.split("_")
+            cfg = {} if opts == ["auto"] else dict(n_inner=1)
+            for o in opts:
+              if o.startswith("in"):
+                cfg["n_inner"] = int(o[2:])
+              elif o.startswith("s"):
+                cfg["splits"] = int(o[1:])
+            from trace_jax.kernels import fp4_mgpu
+            k_steps = pws[fmt].k_pad // (64 * pws[fmt].kb)
             row["config"] = cfg
+            row["n_inner_splits"] = fp4_mgpu.grouped_parallelism(
+                min(m, e), pws[fmt].n_pad // 256, k_steps, cfg.get("n_inner"), cfg.get("splits"))
             pw, q = pws[fmt], qs[fmt]
             wbytes = pw.nbytes
             row["bytes_qarray"] = q.nbytes

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -264,6 +264,26 @@ elif [ "$stage" = hf_load ]; then
     --row_timeout=${ROW_TIMEOUT:-150} --prompt_len=64 --new_tokens=128 --repeats=3 \
     --hf_peer=false --out=$OUT/bench_rollout_12l_hf_load.json 2>&1 \
     | grep -v "^I1\|^W1\|Autotuning cache miss"
+elif [ "$stage" = small_batch ]; then
+  # batch-1 decode (session 11: FP4 1.07 ms vs BF16 0.70 ms a step at 4 layers; the grouped FP4
+  # kernel ran 8 CTAs, XLA made each one-row attention projection a multiply + reduce): the
+  # GPU tests of the grouped K split and the one-row product, the kernel rows at 8 and 64 rows,
+  # then the batch-1 decode step of both engines (SB_PROFILE=0 skips it)
+  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:xdist \
+    -o addopts="" tests/kernels/test_kernels_gpu.py -k "single_row or grouped" \
+    > $OUT/test_kernels_gpu.txt 2>&1; echo "kernel tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_kernels_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
+  timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 \
+    --only ${KERNEL_ROWS:-M8_,M64_,attn_q_2048x4096_B1_xla,attn_o_4096x2048_B1_xla} --out $OUT \
+    2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -34
+  if [ "${SB_PROFILE:-1}" = 1 ]; then
+    for pol in bf16:xla paper:kernels; do
+      timeout 120 python3 benchmarks/profile_decode.py --layers 4 --policy ${pol%%:*} \
+        --path ${pol##*:} --batch 1 --prompt_len 64 --new_tokens 128 --repeats 3 \
+        --out $OUT/profile_decode_${pol%%:*}_b1.json 2>&1 | grep "guidance_on\|decode loop" \
+        | cut -c1-240
+    done
+  fi
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,

@@ -268,6 +268,56 @@ def test_grouped_n_inner_and_stages(monkeypatch):
         assert cfg["stages"] == want and cfg["n_inner"] == n_inner, (bm, k_steps, n_inner)
 
 
+def test_grouped_parallelism_rule():
+  """Column tiles per CTA and K splits of a grouped call against the rule enumerated: n_inner the
+  largest divisor of the tiles (up to the setting) that leaves >= NUM_SMS/2 CTAs with rows, else
+  1; then the most K splits (divisors of the steps) with <= 2*NUM_SMS CTAs; given values kept."""
+  sms = fp4_mgpu.NUM_SMS
+  for active in (1, 3, 8, 16, 40, 64, 128):
+    for tiles in (1, 2, 6, 8):
+      for steps in (1, 2, 3, 8):
+        ni, sp = fp4_mgpu.grouped_parallelism(active, tiles, steps)
+        divs = [d for d in range(1, tiles + 1) if tiles % d == 0]
+        want_ni = max([d for d in divs if active * tiles // d >= sms // 2] or [1])
+        assert ni == want_ni, (active, tiles, steps)
+        if ni == 1 and active * tiles < sms // 2:
+          want_sp = max(s for s in range(1, steps + 1)
+                        if steps % s == 0 and active * tiles * s <= 2 * sms)
+        else:
+          want_sp = 1
+        assert sp == want_sp, (active, tiles, steps)
+        assert fp4_mgpu.grouped_parallelism(active, tiles, steps, 1, 1) == (1, 1)
+  # the 30B-A3B experts (gate+up: 6 tiles, 8 steps; down: 8 tiles, 3 steps) at batch 1, 8, 64
+  assert fp4_mgpu.grouped_parallelism(8, 6, 8) == (1, 4)
+  assert fp4_mgpu.grouped_parallelism(8, 8, 3) == (1, 3)
+  assert fp4_mgpu.grouped_parallelism(64, 6, 8) == (3, 1)
+  assert fp4_mgpu.grouped_parallelism(128, 6, 8) == (6, 1)
+  with pytest.raises(ValueError, match="splits"):
+    fp4_mgpu.default_config(16, 4, jnp.bfloat16, k_steps=3, n_ctas=0, split=False, splits=2)
+
+
+@functools.partial(jax.jit, static_argnames=("splits",))
+def _grouped_split_emulated(x, pw, g, splits):
+  return fp4_mgpu.grouped_matmul(x, pw, g, out_dtype=jnp.float32, config=dict(splits=splits),
+                                 kernel_fn=fp4_mgpu.emulate_chunked_matmul)
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+def test_grouped_wrapper_split_k_emulated(splits):
+  """K split across CTAs (3 steps: few groups split 3 ways by the rule) sums the partial
+  products of the wanted rows; empty groups and rows past the sum stay zero."""
+  q = quantize(rand_w((3, 520, 64), 12), "nvfp4", axis=1, second_level=(0,))
+  pw = kernels.prepare_weight(q, kb=4)
+  assert fp4_mgpu.grouped_parallelism(3, 1, pw.k_pad // 256) == (1, 3)
+  for gs in ([0, 7, 0], [5, 1, 9]):
+    x = jax.random.normal(jax.random.key(sum(gs)), (20, 520), jnp.float32).astype(jnp.bfloat16)
+    g = jnp.asarray(gs, jnp.int32)
+    got = _grouped_split_emulated(x, pw, g, splits)
+    want = reference.grouped_matmul_ref(x, q, g, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(got)[sum(gs):] == 0)
+
+
 @pytest.mark.parametrize("bm", [16, 32])
 def test_grouped_wrapper_emulated(bm):
   e, k, n = EXPERTS

@@ -63,10 +63,24 @@ def test_dense(fmt, k, n, kb, b):
   assert relerr(_dense(x, pw, jnp.bfloat16), ref) < 1e-2
 
 
+def test_single_row_bf16_is_a_matrix_product():
+  """A one-row bf16 product (batch-1 decode of the attention projections) stays a matrix
+  product: XLA:GPU's multiply + reduce form wrote the float32 product [N, K] (32 MB for the
+  30B-A3B q projection); the result equals the float32 reference to bf16 rounding."""
+  w = (jax.random.normal(jax.random.key(1), (2048, 4096), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(2), (1, 1, 2048), jnp.float32).astype(jnp.bfloat16)
+  f = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32))
+  text = f.lower(x, w).compile().as_text()
+  assert "f32[4096,2048]" not in text and "f32[2048,4096]" not in text, text[:3000]
+  ref = reference.matmul_ref(x.astype(jnp.float32), w.astype(jnp.float32))
+  assert relerr(f(x, w), ref) < 1e-5
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("bm,n_inner", [(None, 1), (16, 1), (64, 1), (16, 2), (None, 2)])
 def test_grouped_ragged(fmt, bm, n_inner):
-  """n_inner 2: a CTA chains the pipelines of both column tiles of N 512."""
+  """n_inner 2: a CTA chains the pipelines of both column tiles of N 512; n_inner 1: the 3 K
+  steps split over 3 CTAs (few groups: `fp4_mgpu.grouped_parallelism`)."""
   e, k, n = 8, 704, 512  # K not a multiple of 256
   q = quantize(rand_w((e, k, n), 3), fmt, axis=1, second_level=(0,))
   pw = jax.jit(kernels.prepare_weight)(q)
@@ -86,6 +100,8 @@ def test_grouped_ragged(fmt, bm, n_inner):
 @pytest.mark.parametrize("k,n,m,seed,n_inners", [
     (2048, 1536, 256, 0, (None, 1, 6)),  # gate+up; n_inner 6: one CTA per chunk
     (768, 2048, 512, 2, (1, 4, 8)),  # down at 512 decode rows: 3 K steps per tile, 8 chained
+    (2048, 1536, 8, 4, (None, 6)),  # batch 1: 8 experts, K split 4 ways (the rule) / chained
+    (768, 2048, 8, 6, (None,)),  # batch 1, down: K split 3 ways
 ])
 def test_grouped_expert_shapes(k, n, m, seed, n_inners):
   """The 30B-A3B expert matmuls (128 experts, top-8 routing) for each column-tile chaining."""

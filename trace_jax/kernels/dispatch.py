@@ -13,6 +13,9 @@ reference up to float32 rounding (`(q*s)*g` instead of `q*(s*g)`) and the accumu
 Grouped matmuls use tokamax's Mosaic GPU `ragged_dot` when tokamax is installed (an optional GPU
 dependency), XLA's `ragged_dot` otherwise; `TRACE_JAX_GROUPED=xla` forces XLA's.
 
+A one-row bf16 product (batch-1 decode) gets a zero second row (`TRACE_JAX_SINGLE_ROW=xla`:
+not), so that XLA:GPU keeps it a matrix product (see `xla_matmul`).
+
 Everything else (CPU, float32 activations, FP4 activations) runs the reference in
 `reference.py`. `use_kernel=False` forces the reference on CPU and the XLA path on GPU;
 `use_kernel=True` forces the kernel (errors off-GPU).
@@ -78,6 +81,9 @@ _PREFILL = os.environ.get("TRACE_JAX_PREFILL_ATTENTION", "kernel")
 if _PREFILL not in ("kernel", "reference"):
   raise ValueError(f"TRACE_JAX_PREFILL_ATTENTION must be kernel or reference, got {_PREFILL!r}")
 _PREFILL_KERNEL = _PREFILL == "kernel"
+_SINGLE_ROW = os.environ.get("TRACE_JAX_SINGLE_ROW", "pad")
+if _SINGLE_ROW not in ("pad", "xla"):
+  raise ValueError(f"TRACE_JAX_SINGLE_ROW must be pad or xla, got {_SINGLE_ROW!r}")
 _ROUTING = os.environ.get("TRACE_JAX_ROUTING", "xla")
 if _ROUTING not in ("kernel", "xla"):
   raise ValueError(f"TRACE_JAX_ROUTING must be kernel or xla, got {_ROUTING!r}")
@@ -150,7 +156,16 @@ def _bf16_parts(w):
 def xla_matmul(x, parts, out_dtype) -> jax.Array:
   """The XLA path's dense matmul: bf16 `x @ a` with float32 accumulation, times the factor."""
   a, factor = parts
-  y = jnp.einsum("...k,kn->...n", x.astype(jnp.bfloat16), a, preferred_element_type=jnp.float32)
+  x = x.astype(jnp.bfloat16)
+  if x.size == x.shape[-1] and _SINGLE_ROW == "pad":
+    # XLA:GPU rewrites a one-row dot with a weight under 10M elements (every 30B-A3B attention
+    # projection) as multiply + reduce; with [K, N] weights it writes the float32 product
+    # transposed, then reads it back: 21-30 us for 4 us of weight bytes (H200, batch-1 decode).
+    # A second (zero) row keeps it a matrix product.
+    x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+    y = jnp.dot(x2, a, preferred_element_type=jnp.float32)[:1].reshape(*x.shape[:-1], -1)
+  else:
+    y = jnp.einsum("...k,kn->...n", x, a, preferred_element_type=jnp.float32)
   return (y if factor is None else y * factor).astype(out_dtype)
 
 

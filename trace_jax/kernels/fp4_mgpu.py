@@ -311,12 +311,15 @@ NUM_SMS = 132
 
 
 def default_config(bm: int, kb: int, out_dtype, *, k_steps: int, n_ctas: int,
-                   split: bool, n_inner: int = 1) -> dict:
+                   split: bool, n_inner: int = 1, splits: int = 1) -> dict:
   """4 compute warpgroups; the most pipeline stages (<= 4) that fit SMEM (with n_inner > 1, a
   divisor of the steps per tile: chained pipelines need it); for dense calls with fewer CTAs
-  than SMs, split K across CTAs so that about 132 run (partial sums in f32)."""
-  splits = 1
+  than SMs, split K across CTAs so that about 132 run (partial sums in f32); splits: the K
+  split when not `split` (grouped calls choose theirs in `grouped_parallelism`)."""
+  if k_steps % splits:
+    raise ValueError(f"splits={splits} must divide the {k_steps} K steps")
   if split:
+    splits = 1
     while (n_ctas * splits * 2 <= NUM_SMS and k_steps % (splits * 2) == 0
            and k_steps // (splits * 2) >= 1):
       splits *= 2
@@ -349,6 +352,29 @@ def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
   if want < 1:
     raise ValueError(f"grouped n_inner must be >= 1 or 'all', got {setting!r}")
   return max(d for d in range(1, n_tiles + 1) if n_tiles % d == 0 and d <= want)
+
+
+def grouped_parallelism(active_groups: int, n_tiles: int, k_steps: int, n_inner=None,
+                        splits: int | None = None) -> tuple[int, int]:
+  """(n_inner, splits) of a grouped call in which at most `active_groups` groups hold rows.
+
+  Chaining a chunk's column tiles in one CTA (n_inner) pays when many groups hold rows (a
+  decode batch of 32-64 touches nearly all 128 experts). With few (batch 1: 8 rows, 8 experts)
+  it leaves most SMs idle: 8 CTAs each streaming 1.5 MB of gate+up weights took ~50 us a call
+  on the H200. So, unless n_inner is given: fewer tiles per CTA until at least NUM_SMS / 2 CTAs
+  can hold rows, then (one tile per CTA and still short of that) K split across CTAs, the most
+  splits that divide the steps with at most 2 * NUM_SMS such CTAs (f32 partial sums)."""
+  ni = grouped_n_inner(n_tiles, n_inner)
+  if n_inner is None:
+    while ni > 1 and active_groups * (n_tiles // ni) < NUM_SMS // 2:
+      ni = max(d for d in range(1, ni) if n_tiles % d == 0)
+  if splits is None:
+    ctas = active_groups * (n_tiles // ni)
+    splits = 1
+    if ni == 1 and ctas < NUM_SMS // 2:
+      splits = max(s for s in range(1, k_steps + 1)
+                   if k_steps % s == 0 and ctas * s <= 2 * NUM_SMS)
+  return ni, splits
 
 
 def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
@@ -470,9 +496,11 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
     bm = grouped_bm(m, e)
   k_steps = pw.k_pad // (64 * pw.kb)
   config = dict(config or {})
-  n_inner = grouped_n_inner(pw.n_pad // 256, config.pop("n_inner", None))
+  n_inner, splits = grouped_parallelism(min(m, e), pw.n_pad // 256, k_steps,
+                                        config.pop("n_inner", None), config.pop("splits", None))
   cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False,
-                            n_inner=n_inner), **config)
+                            n_inner=n_inner, splits=splits), **config)
+  part_dtype = jnp.float32 if cfg["splits"] > 1 else out_dtype
   if tables is not None and tables[0] == bm:
     _, ce, row0, slot = tables
   else:
@@ -482,9 +510,11 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
-      out_dtype=out_dtype, **cfg)
+      out_dtype=part_dtype, **cfg)
   if out_rows is not None:
     slot = slot[out_rows]
-  flat = out[0, :, :, :pw.n].reshape(-1, pw.n)  # [C * bm, N]: chunk rows in order
-  # slot C * bm (rows past the groups) reads as zeros: one gather, no padded copy of `flat`
-  return jnp.take(flat, slot, axis=0, mode="fill", fill_value=0)
+  flat = out[:, :, :, :pw.n].reshape(cfg["splits"], -1, pw.n)  # [S, C * bm, N]: chunk rows
+  # slot C * bm (rows past the groups) reads as zeros: one gather, no padded copy of `flat`;
+  # K partial sums are added after it (only the wanted rows)
+  y = jnp.take(flat, slot, axis=1, mode="fill", fill_value=0)
+  return y[0] if cfg["splits"] == 1 else jnp.sum(y, axis=0).astype(out_dtype)
