@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -75,16 +74,13 @@ def main():
   from trace_jax.kernels import dispatch, reference
   from trace_jax.quant import quantize
 
-  commit = os.environ.get("GIT_COMMIT")
-  if not commit:
-    try:
-      commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001 - not a checkout (the device copy has no .git)
-      commit = "unknown"
+  from trace_jax import provenance
+
   res = dict(
       benchmark="fp4_matmul_kernels", date=datetime.datetime.utcnow().isoformat() + "Z",
-      device=str(jax.devices()[0].device_kind), jax_version=jax.__version__, git_commit=commit,
+      device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+      # provenance: TRACE_JAX_COMMIT on the device copy, whose own .git (if any) is stale
+      git_commit=provenance.git_commit(),
       command=" ".join([os.path.basename(sys.executable)] + sys.argv),
       units=dict(us="microseconds of CUPTI device time, median over iterations",
                  TBps="1e12 bytes/s on the bytes named in bytes_*",

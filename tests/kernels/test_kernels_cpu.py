@@ -271,7 +271,7 @@ def test_grouped_n_inner_and_stages(monkeypatch):
 def test_grouped_parallelism_rule():
   """Column tiles per CTA and K splits of a grouped call against the rule enumerated: n_inner the
   largest divisor of the tiles (up to the setting) that leaves >= NUM_SMS/2 CTAs with rows, else
-  1; then the most K splits (divisors of the steps) with <= 2*NUM_SMS CTAs; given values kept."""
+  1; then the most K splits (divisors of the steps) with <= NUM_SMS CTAs; given values kept."""
   sms = fp4_mgpu.NUM_SMS
   for active in (1, 3, 8, 16, 40, 64, 128):
     for tiles in (1, 2, 6, 8):
@@ -282,14 +282,14 @@ def test_grouped_parallelism_rule():
         assert ni == want_ni, (active, tiles, steps)
         if ni == 1 and active * tiles < sms // 2:
           want_sp = max(s for s in range(1, steps + 1)
-                        if steps % s == 0 and active * tiles * s <= 2 * sms)
+                        if steps % s == 0 and active * tiles * s <= sms)
         else:
           want_sp = 1
         assert sp == want_sp, (active, tiles, steps)
         assert fp4_mgpu.grouped_parallelism(active, tiles, steps, 1, 1) == (1, 1)
   # the 30B-A3B experts (gate+up: 6 tiles, 8 steps; down: 8 tiles, 3 steps) at batch 1, 8, 64
-  assert fp4_mgpu.grouped_parallelism(8, 6, 8) == (1, 4)
-  assert fp4_mgpu.grouped_parallelism(8, 8, 3) == (1, 3)
+  assert fp4_mgpu.grouped_parallelism(8, 6, 8) == (1, 2)
+  assert fp4_mgpu.grouped_parallelism(8, 8, 3) == (1, 1)
   assert fp4_mgpu.grouped_parallelism(64, 6, 8) == (3, 1)
   assert fp4_mgpu.grouped_parallelism(128, 6, 8) == (6, 1)
   with pytest.raises(ValueError, match="splits"):

@@ -100,8 +100,8 @@ def test_grouped_ragged(fmt, bm, n_inner):
 @pytest.mark.parametrize("k,n,m,seed,n_inners", [
     (2048, 1536, 256, 0, (None, 1, 6)),  # gate+up; n_inner 6: one CTA per chunk
     (768, 2048, 512, 2, (1, 4, 8)),  # down at 512 decode rows: 3 K steps per tile, 8 chained
-    (2048, 1536, 8, 4, (None, 6)),  # batch 1: 8 experts, K split 4 ways (the rule) / chained
-    (768, 2048, 8, 6, (None,)),  # batch 1, down: K split 3 ways
+    (2048, 1536, 8, 4, (None, 6)),  # batch 1: 8 experts, K split 2 ways (the rule) / chained
+    (768, 2048, 8, 6, (None,)),  # batch 1, down: one column tile per CTA
 ])
 def test_grouped_expert_shapes(k, n, m, seed, n_inners):
   """The 30B-A3B expert matmuls (128 experts, top-8 routing) for each column-tile chaining."""

@@ -14,7 +14,8 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
   tiles of 64 K per step, `stages` buffers.
 - grid (N / 256 / n_inner, chunks, K splits): a CTA runs n_inner column tiles as a chain of
   pipelines (the TMA warpgroup runs ahead into the next tile), by default all of its chunk's
-  columns. A chunk is a window of `bm` consecutive rows starting at a
+  columns; where few groups hold rows (decode batches up to 8) fewer, and K split across CTAs
+  (`grouped_parallelism`). A chunk is a window of `bm` consecutive rows starting at a
   multiple of 8 that covers (part of) one expert's rows; dense calls are one chunk. Chunk tables
   come from `group_sizes` (XLA, tiny); the kernel reads the activation rows in place (TMA at a
   dynamic row), so groups are padded to nothing: empty experts cost no weight traffic and
@@ -360,10 +361,14 @@ def grouped_parallelism(active_groups: int, n_tiles: int, k_steps: int, n_inner=
 
   Chaining a chunk's column tiles in one CTA (n_inner) pays when many groups hold rows (a
   decode batch of 32-64 touches nearly all 128 experts). With few (batch 1: 8 rows, 8 experts)
-  it leaves most SMs idle: 8 CTAs each streaming 1.5 MB of gate+up weights took ~50 us a call
+  it leaves most SMs idle: 8 CTAs each streaming 1.5 MB of gate+up weights took 66 us (kernel)
   on the H200. So, unless n_inner is given: fewer tiles per CTA until at least NUM_SMS / 2 CTAs
   can hold rows, then (one tile per CTA and still short of that) K split across CTAs, the most
-  splits that divide the steps with at most 2 * NUM_SMS such CTAs (f32 partial sums)."""
+  splits that divide the steps with at most NUM_SMS such CTAs (f32 partial sums). H200, 30B-A3B
+  experts, batch 1 (8 rows), us per call: gate+up 76.1 (old: all 6 tiles chained) -> 23.9 (one
+  tile per CTA) -> 20.4 (and K split 2) / 20.9 (split 4); down 25.4 (4 chained) -> 12.3
+  (one tile) / 13.6 (split 3); batch 8 (64 rows) gate+up 78.4 -> 50.0 (3 chained)
+  (benchmarks/results/session11_h200_2026-11-30/bench_kernels_small_batch.json)."""
   ni = grouped_n_inner(n_tiles, n_inner)
   if n_inner is None:
     while ni > 1 and active_groups * (n_tiles // ni) < NUM_SMS // 2:
@@ -373,7 +378,7 @@ def grouped_parallelism(active_groups: int, n_tiles: int, k_steps: int, n_inner=
     splits = 1
     if ni == 1 and ctas < NUM_SMS // 2:
       splits = max(s for s in range(1, k_steps + 1)
-                   if k_steps % s == 0 and ctas * s <= 2 * NUM_SMS)
+                   if k_steps % s == 0 and ctas * s <= NUM_SMS)
   return ni, splits
 
 

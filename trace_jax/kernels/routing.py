@@ -16,7 +16,10 @@ sliced from registers. One program: it runs where the rows are few (`MAX_ROWS`);
 (prefill) keep the XLA path, whose cost grows more gently.
 
 Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
-`row_quant`). Opt-in (`TRACE_JAX_ROUTING=kernel`) until an H200 A/B decides the default.
+`row_quant`). Opt-in (`TRACE_JAX_ROUTING=kernel`), and slower: the H200 A/B (session 11, 4
+layers, B=64) measured 187 us a call against about 10 us for the XLA kernels it replaces (decode
+step 1.94 vs 1.23 ms of kernels). One program walking 512 rows serially leaves the GPU idle; a
+faster version would spread the rows over programs.
 """
 
 from __future__ import annotations
