@@ -193,6 +193,40 @@ def test_kernel_layout_weights_give_the_same_rollout():
   np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-4)
 
 
+def test_sync_shares_unchanged_master_arrays():
+  """Weights the rollout uses as they are (not quantized, already in the compute dtype) are the
+  master's arrays, not copies; quantized ones are the engine's own. A re-sync donates only the
+  engine's own arrays (the old master's stay alive) and gives the rollout of a fresh engine;
+  master arrays deleted after a sync (a donating train step) stop generate with a clear error."""
+  master = _params()
+  m_leaves = jax.tree_util.tree_leaves(master)
+  eng = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6)
+  eng.sync(master)
+  flat = jax.tree_util.tree_structure(master).flatten_up_to(eng.params)
+  quantized = [isinstance(p, tq.QArray) for p in flat]
+  assert any(quantized) and not all(quantized)
+  for m, p, q in zip(m_leaves, flat, quantized):
+    assert (p is m) != q  # shared exactly where not quantized
+  # master values changed (a train step's result): new arrays, the old ones survive the re-sync
+  master2 = jax.tree_util.tree_map(lambda a: a * 0.9, master)
+  eng.sync(master2)
+  assert not any(a.is_deleted() for a in m_leaves)
+  fresh = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6)
+  fresh.sync(master2)
+  s = SamplingParams(temperature=0.0)
+  a, b = eng.generate(PROMPTS, sampling=s), fresh.generate(PROMPTS, sampling=s)
+  np.testing.assert_array_equal(np.asarray(a.completion), np.asarray(b.completion))
+  np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+  # a float32 master under a bf16 compute dtype is cast: nothing shared
+  cfg16 = M.tiny(num_layers=3, dtype="bfloat16")
+  e16 = RolloutEngine(cfg16, tq.make_policy("bf16", "nvfp4"), max_new_tokens=6)
+  e16.sync(master)
+  assert not any(p is m for p, m in zip(jax.tree_util.tree_leaves(e16.params), m_leaves))
+  master2["final_norm"]["scale"].delete()
+  with pytest.raises(RuntimeError, match="deleted since the last sync"):
+    eng.generate(PROMPTS, sampling=s)
+
+
 def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
   """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
   host memory per window. Same tokens, logprobs, routes and guidance bits as the one-program
