@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -35,3 +36,35 @@ def abstract_h200():
   dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                   abstract_device=dev))
+
+
+def decode_loop_listing(hlo_text: str) -> str:
+  """The kernels of the decode loop, one line each in program order: instruction, HLO op,
+  output shape, source scope. The loop is the largest while body of the optimized module."""
+  lines = hlo_text.split("\n")
+  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
+  best = []
+  for name in bodies:
+    start = next((i for i, l in enumerate(lines) if l.startswith(f"%{name} ")), None)
+    if start is None:
+      continue
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("}"))
+    if end - start > len(best):
+      best = lines[start + 1:end]
+  out = []
+  for line in best:
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(", line)
+    if not m or m.group(3) in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+      continue
+    op = re.search(r'op_name="([^"]+)"', line)
+    out.append(f"{m.group(1):40} {m.group(3):12} {m.group(2)[:60]:60} "
+               f"{source_scope(op.group(1)) if op else ''}")
+  return "\n".join(out) + "\n"
+
+
+def source_scope(op_name: str) -> str:
+  """A readable source scope: jit/while/vmap wrappers and numbers dropped."""
+  parts = [p for p in re.sub(r"\d+", "#", op_name).split("/")
+           if p and not p.startswith(("jit(", "while", "body", "cond", "pjit", "closed_call",
+                                      "vmap(", "checkpoint", "remat"))]
+  return "/".join(parts[:6]) or op_name

@@ -35,6 +35,8 @@ if "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
 import jax
 import numpy as np
 
+import bench_util
+
 from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.provenance import run_info
@@ -57,11 +59,11 @@ def _timed(engine, prompts, new, repeats):
 
 
 def _scope(args):
-  """The jit name-stack scope a device event's own arguments carry (see `_source`), or "?"."""
+  """The jit name-stack scope a device event's own arguments carry (see `bench_util.source_scope`), or "?"."""
   for key in ("tf_op", "long_name", "hlo_op", "name"):
     v = args.get(key)
     if isinstance(v, str) and "/" in v:
-      return _source(v.split(":")[0])
+      return bench_util.source_scope(v.split(":")[0])
   return "?"
 
 
@@ -88,38 +90,6 @@ def hlo_sources(dump_dir=HLO_DUMP) -> dict:
         if m:
           out[_norm(m.group(1))] = m.group(2)
   return out
-
-
-def decode_loop_listing(hlo_text: str) -> str:
-  """The kernels of the decode loop, one line each in program order: instruction, HLO op,
-  output shape, source scope. The loop is the largest while body of the optimized module."""
-  lines = hlo_text.split("\n")
-  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
-  best = []
-  for name in bodies:
-    start = next((i for i, l in enumerate(lines) if l.startswith(f"%{name} ")), None)
-    if start is None:
-      continue
-    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("}"))
-    if end - start > len(best):
-      best = lines[start + 1:end]
-  out = []
-  for line in best:
-    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(", line)
-    if not m or m.group(3) in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
-      continue
-    op = re.search(r'op_name="([^"]+)"', line)
-    out.append(f"{m.group(1):40} {m.group(3):12} {m.group(2)[:60]:60} "
-               f"{_source(op.group(1)) if op else ''}")
-  return "\n".join(out) + "\n"
-
-
-def _source(op_name: str) -> str:
-  """A readable source scope: jit/while/vmap wrappers and numbers dropped."""
-  parts = [p for p in re.sub(r"\d+", "#", op_name).split("/")
-           if p and not p.startswith(("jit(", "while", "body", "cond", "pjit", "closed_call",
-                                      "vmap(", "checkpoint", "remat"))]
-  return "/".join(parts[:6]) or op_name
 
 
 def summarize_trace(log_dir, steps, top=40, sources=None):
@@ -161,7 +131,7 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
     # kernels inside the decode loop's command buffer carry no hlo_op; a fusion's kernel is
     # named after its HLO instruction, so the name finds it
     op = sources.get(_norm(str(args.get("hlo_op", "")))) or sources.get(_norm(e["name"]))
-    src = _source(op) if op else "(unattributed) " + e["name"][:60]
+    src = bench_util.source_scope(op) if op else "(unattributed) " + e["name"][:60]
     by_source[src] += e["dur"]
     name_source[e["name"][:120]] = src
   total = sum(by_name.values())
@@ -245,7 +215,7 @@ def main():
         dumps = optimized_hlo_dumps()
         if dumps:  # the largest: the whole generate program
           with open(dumps[-1]) as src, open(a.hlo_out, "w") as dst:
-            dst.write(decode_loop_listing(src.read()))
+            dst.write(bench_util.decode_loop_listing(src.read()))
       p = out["profile"]
       print("device kernel ms/step", p.get("device_kernel_ms_per_step"), p.get("error", ""),
             "| HLO instructions mapped:", p.get("hlo_instructions_mapped"))
