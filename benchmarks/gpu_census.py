@@ -122,7 +122,9 @@ def census(policy_name: str, layers: int, batch: int, prompt_len: int, new_token
   kinds = collections.Counter(kind(ln) for ln in lines)
   per_layer = collections.Counter(kind(ln) for ln in lines if "layers_#" in ln)
   backend = dispatch.grouped_backend()
-  if backend == "tokamax" and not any("ragged" in ln and "custom-call" in ln for ln in lines):
+  if any("moe/kernel" in ln for ln in lines):
+    backend = "fp4_mgpu"
+  elif backend == "tokamax" and not any("ragged" in ln and "custom-call" in ln for ln in lines):
     # tokamax chooses its implementation by the local device: here its XLA fallback
     backend = "tokamax, compiled as its XLA fallback (no local GPU); the H200 runs its kernel"
   return dict(policy=policy_name, policy_full=policy.name, layers=layers, batch=batch,
