@@ -578,11 +578,19 @@ def _shared_leaves(master, policy, dtype) -> tuple[bool, ...]:
   (not quantized by the policy, already in the compute dtype). Those leaves are shared with the
   master instead of copied: a BF16 rollout of bf16 master weights held both, 122 GB for the
   48-layer 30B-A3B shape on the H200, where 61 GB do."""
+  leaves, treedef = jax.tree_util.tree_flatten(master)
+  sig = tuple((tuple(m.shape), jnp.dtype(m.dtype).name, isinstance(m, jax.Array))
+              for m in leaves)
+  return _shared_mask(policy, jnp.dtype(dtype).name, treedef, sig)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_mask(policy, dtype, treedef, sig):
+  # cached: an abstract quantization of a 48-layer model at every sync would cost seconds
+  master = treedef.unflatten([jax.ShapeDtypeStruct(shape, dt) for shape, dt, _ in sig])
   out = jax.eval_shape(functools.partial(_rollout_weights, policy=policy, dtype=dtype), master)
-  treedef = jax.tree_util.tree_structure(master)
-  return tuple(isinstance(m, jax.Array) and not isinstance(r, tq.QArray)
-               and r.dtype == m.dtype and r.shape == m.shape
-               for m, r in zip(jax.tree_util.tree_leaves(master), treedef.flatten_up_to(out)))
+  return tuple(is_array and not isinstance(r, tq.QArray) and r.dtype == dt and r.shape == shape
+               for (shape, dt, is_array), r in zip(sig, treedef.flatten_up_to(out)))
 
 
 def _changed_weights(master, policy, dtype, shared):
