@@ -27,10 +27,13 @@ from trace_jax.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from trace_jax.rollout import engine as E  # noqa: E402
 
 
-def compile_seconds(config, policy, batch: int, prompt_len: int, new_tokens: int,
-                    use_kernels: bool, prefill_tokens: int = 65536) -> dict:
+def generate_program(config, policy, batch: int, prompt_len: int, new_tokens: int,
+                     use_kernels: bool, prefill_tokens: int = 65536,
+                     record_guidance: bool = True):
+  """(the engine's jitted generate program, arguments to lower it with: the rollout weights as
+  shapes, a batch of prompts) for one sampled rollout of `new_tokens` tokens."""
   engine = RolloutEngine(config, policy, max_new_tokens=new_tokens, prompt_bucket=prompt_len,
-                         record_guidance=True, use_kernels=use_kernels,
+                         record_guidance=record_guidance, use_kernels=use_kernels,
                          prefill_tokens=prefill_tokens)
   weights = E.rollout_weight_shapes(config, policy, use_kernels)
   sampling = SamplingParams(temperature=1.0)
@@ -38,8 +41,15 @@ def compile_seconds(config, policy, batch: int, prompt_len: int, new_tokens: int
   args = (weights, jnp.zeros((batch, prompt_len), jnp.int32), jnp.ones((batch, prompt_len), bool),
           E.sequence_keys(0, [[3]] * batch), jnp.full((batch,), new_tokens, jnp.int32),
           jnp.asarray([-1], jnp.int32))
+  return engine._program(key), args
+
+
+def compile_seconds(config, policy, batch: int, prompt_len: int, new_tokens: int,
+                    use_kernels: bool, prefill_tokens: int = 65536) -> dict:
+  program, args = generate_program(config, policy, batch, prompt_len, new_tokens, use_kernels,
+                                   prefill_tokens)
   t = time.perf_counter()
-  lowered = engine._program(key).lower(*args)
+  lowered = program.lower(*args)
   lower_s = time.perf_counter() - t
   t = time.perf_counter()
   lowered.compile()

@@ -31,18 +31,16 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # compile only: never touch
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to ask
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import bench_util  # noqa: E402
+import compile_time  # noqa: E402
 
 from trace_jax import models as M  # noqa: E402
 from trace_jax import quant as tq  # noqa: E402
 from trace_jax.kernels import dispatch  # noqa: E402
 from trace_jax.provenance import run_info  # noqa: E402
-from trace_jax.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from trace_jax.rollout import engine as E  # noqa: E402
 
 # The H200 as XLA:GPU describes a device (GpuTargetConfigProto text): 132 SMs, 227 KiB of shared
 # memory a block, 141 GB; what the compiler's cost models and kernel emitters read.
@@ -100,14 +98,9 @@ def census(policy_name: str, layers: int, batch: int, prompt_len: int, new_token
   policy = tq.make_policy(policy_name, fmt)
   sh = h200_sharding()
   dispatch.on_gpu = lambda: True  # the kernel choices of a GPU backend
-  engine = RolloutEngine(config, policy, max_new_tokens=new_tokens, prompt_bucket=prompt_len,
-                         record_guidance=policy_name != "bf16", use_kernels=use_kernels)
-  weights = E.rollout_weight_shapes(config, policy, use_kernels)
-  sampling = SamplingParams(temperature=1.0)
-  key = (prompt_len, batch, 1, new_tokens, sampling, 1, engine._pass_rows(prompt_len))
-  args = (weights, jnp.zeros((batch, prompt_len), jnp.int32), jnp.ones((batch, prompt_len), bool),
-          E.sequence_keys(0, [[3]] * batch), jnp.full((batch,), new_tokens, jnp.int32),
-          jnp.asarray([-1], jnp.int32))
+  program, args = compile_time.generate_program(config, policy, batch, prompt_len, new_tokens,
+                                                use_kernels,
+                                                record_guidance=policy_name != "bf16")
   abstract = jax.tree_util.tree_map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), args)
   # Pallas' Triton lowering asks the device for its compute capability: name an abstract H200
@@ -115,7 +108,7 @@ def census(policy_name: str, layers: int, batch: int, prompt_len: int, new_token
   auto = (jax.sharding.AxisType.Auto,)  # as the compile-only mesh of the arguments
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
       (1,), ("x",), axis_types=auto, abstract_device=h200)):
-    lowered = engine._program(key).lower(*abstract)
+    lowered = program.lower(*abstract)
   compiled = lowered.compile()
   listing = bench_util.decode_loop_listing(compiled.as_text())
   lines = [ln for ln in listing.splitlines() if ln.strip()]
