@@ -66,28 +66,24 @@ __all__ = ["append_kv", "count_by_group", "decode_attention", "grouped_backend",
            "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows", "route",
            "sort_by_group"]
 
-_ATTENTION = os.environ.get("TRACE_JAX_DECODE_ATTENTION", "mosaic")
-if _ATTENTION not in ("kernel", "reference", "mosaic"):
-  raise ValueError(f"TRACE_JAX_DECODE_ATTENTION must be kernel, reference or mosaic, got "
-                   f"{_ATTENTION!r}")
+def _setting(name: str, default: str, choices: tuple[str, ...]) -> str:
+  """An environment setting read at import, one of `choices` (a clear error otherwise)."""
+  value = os.environ.get(name, default)
+  if value not in choices:
+    raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, "
+                     f"got {value!r}")
+  return value
+
+
+_ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
 _ATTENTION_MOSAIC = _ATTENTION == "mosaic"
-_KV_APPEND = os.environ.get("TRACE_JAX_KV_APPEND", "kernel")
-if _KV_APPEND not in ("xla", "kernel"):
-  raise ValueError(f"TRACE_JAX_KV_APPEND must be xla or kernel, got {_KV_APPEND!r}")
-_ROW_QUANT = os.environ.get("TRACE_JAX_ROW_QUANT", "kernel")
-if _ROW_QUANT not in ("xla", "kernel"):
-  raise ValueError(f"TRACE_JAX_ROW_QUANT must be xla or kernel, got {_ROW_QUANT!r}")
-_PREFILL = os.environ.get("TRACE_JAX_PREFILL_ATTENTION", "kernel")
-if _PREFILL not in ("kernel", "reference"):
-  raise ValueError(f"TRACE_JAX_PREFILL_ATTENTION must be kernel or reference, got {_PREFILL!r}")
-_PREFILL_KERNEL = _PREFILL == "kernel"
-_SINGLE_ROW = os.environ.get("TRACE_JAX_SINGLE_ROW", "pad")
-if _SINGLE_ROW not in ("pad", "xla"):
-  raise ValueError(f"TRACE_JAX_SINGLE_ROW must be pad or xla, got {_SINGLE_ROW!r}")
-_ROUTING = os.environ.get("TRACE_JAX_ROUTING", "xla")
-if _ROUTING not in ("kernel", "xla"):
-  raise ValueError(f"TRACE_JAX_ROUTING must be kernel or xla, got {_ROUTING!r}")
+_KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
+_ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
+_PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
+                           ("kernel", "reference")) == "kernel"
+_SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
+_ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
 
 
 def on_gpu() -> bool:
@@ -106,6 +102,11 @@ def _lowered_once(*static_argnames: str):
 def _frozen(config: dict | None):
   """A kernel config dict as a static (hashable) argument."""
   return None if not config else tuple(sorted(config.items()))
+
+
+def _thawed(config) -> dict | None:
+  """The config dict back from `_frozen`."""
+  return dict(config) if config else None
 
 
 @functools.cache
@@ -268,7 +269,8 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   (`fp4_mgpu.chunk_tables` with its rows per chunk) for a `grouped_matmul` of these rows with
   `w`, or None (it builds them). With `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed
   expert weight and up to `routing.MAX_ROWS` rows, all of them come from one kernel
-  (`routing.py`) instead of about nine small XLA kernels."""
+  (`routing.py`) instead of about seven small XLA kernels a layer (18x slower on the H200,
+  session 11: off by default)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import fp4_mgpu, routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
@@ -354,7 +356,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
 def _pallas_decode(q, k, v, valid, *, scale, out_dtype, config):
   from trace_jax.kernels import attention_pallas  # noqa: PLC0415 - Pallas imports stay lazy
   return attention_pallas.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
-                                           config=dict(config) if config else None)
+                                           config=_thawed(config))
 
 
 def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
@@ -376,4 +378,4 @@ def _pallas_prefill(q, k, v, key_mask, q_start, *, scale, out_dtype, config):
   from trace_jax.kernels import attention_pallas  # noqa: PLC0415 - Pallas imports stay lazy
   return attention_pallas.prefill_attention(q, k, v, key_mask, q_start, scale=scale,
                                             out_dtype=out_dtype,
-                                            config=dict(config) if config else None)
+                                            config=_thawed(config))
