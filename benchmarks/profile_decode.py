@@ -187,7 +187,7 @@ def main():
   cfg = M.preset(a.preset).replace(num_layers=a.layers,
                                           max_seq_len=a.prompt_len + a.new_tokens)
   policy = tq.make_policy(a.policy)
-  params = M.init_params(cfg, jax.random.key(0), "bfloat16")
+  params = M.random_params(cfg, jax.random.key(0), "bfloat16")
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, cfg.vocab_size, a.prompt_len)) for _ in range(a.batch)]
   out = {**run_info(), "benchmark": "profile_decode", **vars(a), "policy_full": policy.name}

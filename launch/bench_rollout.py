@@ -51,6 +51,9 @@ flags.DEFINE_integer("decode_chunk", 0, "Decode windows (guidance moved to host 
 flags.DEFINE_boolean("resync", True, "Time a re-sync of new master values (needs the master, "
                      "the old and the new rollout copy at once: 48 BF16 layers do not fit).")
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
+flags.DEFINE_float("host_reserve_gib", 8.0, "A capacity row's planning leaves this much of the "
+                   "host memory available then to what the process takes before the rollout "
+                   "(the 48-layer FP4 program's compile and first call took 5.1 GiB).")
 flags.DEFINE_boolean("isolate", False, "Run each row in a subprocess (GPU: honest peak memory).")
 flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
 flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")
@@ -103,7 +106,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   if not 0 < gen_tokens <= FLAGS.new_tokens:
     raise ValueError(f"--generate_tokens={gen_tokens} must be in 1..new_tokens={FLAGS.new_tokens}")
   policy = tq.make_policy(policy_name, FLAGS.fp4_format)
-  params = M.init_params(config, jax.random.key(0), FLAGS.init_dtype)
+  params = M.random_params(config, jax.random.key(0), FLAGS.init_dtype)
   jax.block_until_ready(params)
   _log(f"master weights made ({config.num_layers} layers, {FLAGS.init_dtype})")
   engine = RolloutEngine(config, policy, max_new_tokens=FLAGS.new_tokens,
@@ -135,10 +138,13 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   by_kind = {"experts": experts, "other": tree_bytes(weights) - experts
              - tree_bytes(weights["embed"])}  # embedding: only B rows are read
   rng = np.random.default_rng(0)
-  planned = None
+  planned = limits = None
   if batch == "capacity":  # the planner's figure for this engine, weights and device
-    batch = planned = engine.capacity(FLAGS.prompt_len + FLAGS.new_tokens, FLAGS.prompt_len)
-    _log(f"capacity: {batch} sequences of {FLAGS.prompt_len + FLAGS.new_tokens} tokens")
+    ctx_len, reserve = FLAGS.prompt_len + FLAGS.new_tokens, int(FLAGS.host_reserve_gib * 2**30)
+    batch = planned = engine.capacity(ctx_len, FLAGS.prompt_len, host_reserve=reserve)
+    limits = engine.capacity_limits(ctx_len, FLAGS.prompt_len, host_reserve=reserve)
+    _log(f"capacity: {batch} sequences of {ctx_len} tokens (device-limited {limits[0]}, "
+         f"host-limited {limits[1]} with {FLAGS.host_reserve_gib} GiB reserved)")
   batch = int(batch)
   prompts = [list(rng.integers(3, config.vocab_size, FLAGS.prompt_len)) for _ in range(batch)]
   s = SamplingParams(temperature=1.0)
@@ -195,6 +201,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "floor_bytes_per_step": floor_b, "floor_step_ms": 1e3 * floor_b / FLAGS.bandwidth,
       "floor_over_measured": (floor_b / FLAGS.bandwidth) / step_s,
       "peak_device_bytes": peak, "planned_capacity": planned,
+      "capacity_limits": limits, "host_reserve_gib": FLAGS.host_reserve_gib if planned else None,
   }
 
 
@@ -206,7 +213,7 @@ def bench_hf(config, batch):
 
   from trace_jax import models as M
   with tempfile.TemporaryDirectory() as d:
-    M.save_hf_checkpoint(d, M.init_params(config, jax.random.key(0)), config)
+    M.save_hf_checkpoint(d, M.random_params(config, jax.random.key(0), config.dtype), config)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()

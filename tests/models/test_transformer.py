@@ -257,3 +257,29 @@ def test_shared_experts_wiring():
   b = apply(without, tokens, CFG.replace(), M.QuantContext(), token_mask=mask).logits
   np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
   assert float(jnp.max(jnp.abs(with_shared - a))) > 1e-3
+
+
+def test_random_params_match_init_params_shapes_and_distributions():
+  """The benchmarks' leaf-by-leaf init: init_params' tree, shapes and dtype; norm scales 1;
+  weights normal with std 0.02 (checked on the large leaves); the forward runs on them."""
+  cfg = M.tiny(num_layers=2, vocab_size=64, attention_bias=True)
+  ref = M.init_params(cfg, jax.random.key(0), "bfloat16")
+  got = M.random_params(cfg, jax.random.key(1), "bfloat16")
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                          jax.tree_util.tree_leaves(ref), strict=True):
+    assert a.shape == b.shape and a.dtype == b.dtype == jnp.bfloat16, path
+    name = path[-1].key
+    x = np.asarray(a, np.float32)
+    if name in ("scale", "bias"):
+      np.testing.assert_array_equal(x, np.asarray(b, np.float32), err_msg=str(path))
+    elif x.size >= 4096:
+      assert abs(x.std() / 0.02 - 1) < 0.05 and abs(x.mean()) < 0.002, (path, x.std())
+  # leaves of one shape draw from their own keys
+  attn = got["layers_0"]["attn"]
+  assert attn["k_proj"]["kernel"].shape == attn["v_proj"]["kernel"].shape
+  assert not np.array_equal(np.asarray(attn["k_proj"]["kernel"], np.float32),
+                            np.asarray(attn["v_proj"]["kernel"], np.float32))
+  tokens = jnp.asarray(np.arange(8).reshape(1, 8) % cfg.vocab_size, jnp.int32)
+  out = M.apply(got, tokens, cfg)
+  assert np.isfinite(np.asarray(out.logits, np.float32)).all()

@@ -403,6 +403,10 @@ def test_chunked_engine_plans_host_memory():
   eng.sync(_params())
   on_device, on_host = eng.capacity_limits(16 + 6)
   assert on_host == 4 < on_device and eng.capacity(16 + 6) == 4
+  # Host memory the process will still take is left out: 5 sequences' worth less 2 leaves
+  # 0.9 x 3 of them, so 2 fit; the device figure does not move.
+  assert eng.capacity_limits(16 + 6, host_reserve=2 * 3840) == (on_device, 2)
+  assert eng.capacity(16 + 6, host_reserve=2 * 3840) == 2
   ro = eng.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=1.0), seed=3)
   assert ro.num_rows == 4
   with pytest.raises(CapacityError, match=r"6 sequences .* do not fit in host memory: at most 4 "

@@ -9,7 +9,8 @@ from trace_jax.models.config import ModelConfig, from_hf_config, preset, qwen3_3
 from trace_jax.models.kv_cache import KVCache, LayerKV, cache_bytes_per_token, init_cache
 from trace_jax.models.sites import (QuantContext, check_params_finite, codes_key, concat_records,
                                     quantize_params)
-from trace_jax.models.transformer import ModelOutput, Transformer, apply, default_positions, forward, init_params
+from trace_jax.models.transformer import (ModelOutput, Transformer, apply, default_positions,
+                                          forward, init_params, random_params)
 
 __all__ = [
     "KVCache", "LayerKV", "ModelConfig", "ModelOutput", "QuantContext", "Transformer", "apply",
@@ -17,7 +18,7 @@ __all__ = [
     "default_positions",
     "forward",
     "from_hf_config", "init_cache", "init_params", "load_hf_checkpoint", "preset",
-    "quantize_params", "qwen3_30b_a3b", "save_hf_checkpoint", "tiny", "to_hf_config",
+    "quantize_params", "qwen3_30b_a3b", "random_params", "save_hf_checkpoint", "tiny", "to_hf_config",
 ]
 
 

@@ -436,6 +436,32 @@ def _init_params(config: ModelConfig, key: jax.Array, dtype: str | None) -> dict
   return jax.tree_util.tree_map(lambda a: a.astype(dtype), variables["params"])
 
 
+def random_params(config: ModelConfig, key: jax.Array, dtype=None) -> dict:
+  """Parameters with `init_params`' shapes and distributions (normal with std 0.02; norm scales
+  1, biases 0) but other values, made leaf by leaf without compiling the model: for benchmarks of
+  large shapes, where only shapes and magnitudes matter. `init_params` runs flax's `init`, which
+  compiles the whole forward once more (the 48-layer 30B-A3B shape took 149 s on the H200,
+  session 12). One small program per distinct leaf shape; leaf i draws from `fold_in(key, i)`."""
+  dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
+  shapes = jax.eval_shape(lambda k: _init_params(config, k, None), key)
+  paths, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  leaves = []
+  for i, (path, leaf) in enumerate(paths):
+    name = getattr(path[-1], "key", str(path[-1]))
+    kind = "ones" if name == "scale" else "zeros" if name == "bias" else "normal"
+    leaves.append(_random_leaf(jax.random.fold_in(key, i), leaf.shape, dtype.name, kind))
+  return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_leaf(key, shape, dtype: str, kind: str):
+  if kind == "ones":
+    return jnp.ones(shape, dtype)
+  if kind == "zeros":
+    return jnp.zeros(shape, dtype)
+  return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
 def default_positions(tokens: jax.Array, token_mask: jax.Array | None) -> jax.Array:
   """Positions counting only real tokens (left padding gets position 0)."""
   if token_mask is None:

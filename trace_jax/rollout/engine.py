@@ -836,18 +836,25 @@ class RolloutEngine:
   def _chunked(self) -> bool:
     return 0 < self.decode_chunk < self.max_new_tokens
 
-  def capacity(self, context_len: int, prompt_len: int | None = None) -> int:
+  def capacity(self, context_len: int, prompt_len: int | None = None,
+               host_reserve: int = 0) -> int:
     """Sequences of `context_len` tokens that fit (prompt_len: the prompt bucket, which sets
-    how much guidance the chunked engine holds at once; default context_len - max_new)."""
-    return min(n for n in self.capacity_limits(context_len, prompt_len) if n is not None)
+    how much guidance the chunked engine holds at once; default context_len - max_new;
+    host_reserve: `capacity_limits`)."""
+    return min(n for n in self.capacity_limits(context_len, prompt_len, host_reserve)
+               if n is not None)
 
-  def capacity_limits(self, context_len: int,
-                      prompt_len: int | None = None) -> tuple[int, int | None]:
+  def capacity_limits(self, context_len: int, prompt_len: int | None = None,
+                      host_reserve: int = 0) -> tuple[int, int | None]:
     """(device-limited, host-limited) sequence counts (`capacity_limits`); the host figure is
-    None for the one-program engine, whose guidance stays on the device."""
+    None for the one-program engine, whose guidance stays on the device. host_reserve: bytes of
+    the host memory available now that the process will take before the rollout (planning
+    before the first call: compiling the 48-layer FP4 program and its first call took 5.1 GiB
+    of host memory on the H200 machine, session 12, which turned a batch planned on 115.3 GiB
+    into a `CapacityError` on 110.2)."""
     return capacity_limits(self.config, self.policy, context_len, self._resident_bytes(),
                            self.device_bytes, self.ctx.record_guidance,
-                           **self._planning(context_len, prompt_len))
+                           **self._planning(context_len, prompt_len, host_reserve))
 
   def _resident_bytes(self) -> int:
     """What the device holds beside the rollout's sequences: the engine's weights, or, on a
@@ -865,7 +872,7 @@ class RolloutEngine:
     device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
     return device.platform == "cpu"
 
-  def _planning(self, context_len: int, prompt_len: int | None) -> dict:
+  def _planning(self, context_len: int, prompt_len: int | None, host_reserve: int = 0) -> dict:
     """`capacity_limits`' arguments for what the engine holds where: with decode windows, the
     guidance of the prompt and two windows on the device and the whole context in host memory
     (on the CPU backend, unless host_bytes is given, the device's memory is host RAM: one
@@ -874,9 +881,11 @@ class RolloutEngine:
     if not self._chunked():
       return planning(p, context_len, 0, self._prefill_pass(p))
     shared = self.host_bytes is None and self._on_cpu()
-    return planning(p, context_len, self.decode_chunk, self._prefill_pass(p),
-                    host_bytes=(None if shared else self.host_bytes
-                                if self.host_bytes is not None else host_memory_bytes()),
+    host = None
+    if not shared:
+      host = self.host_bytes if self.host_bytes is not None else host_memory_bytes()
+      host = max(host - host_reserve, 0)
+    return planning(p, context_len, self.decode_chunk, self._prefill_pass(p), host_bytes=host,
                     host_is_device=shared)
 
   # -- generation
