@@ -51,9 +51,9 @@ flags.DEFINE_integer("decode_chunk", 0, "Decode windows (guidance moved to host 
 flags.DEFINE_boolean("resync", True, "Time a re-sync of new master values (needs the master, "
                      "the old and the new rollout copy at once: 48 BF16 layers do not fit).")
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
-flags.DEFINE_float("host_reserve_gib", 8.0, "A capacity row's planning leaves this much of the "
+flags.DEFINE_float("host_reserve_gib", 12.0, "A capacity row's planning leaves this much of the "
                    "host memory available then to what the process takes before the rollout "
-                   "(the 48-layer FP4 program's compile and first call took 5.1 GiB).")
+                   "(the 48-layer FP4 row's host memory free fell 10.6 GiB from planning to its last rollout).")
 flags.DEFINE_boolean("isolate", False, "Run each row in a subprocess (GPU: honest peak memory).")
 flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
 flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")
@@ -169,14 +169,16 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   first_call, out = generate(1, 1)
   del out  # (as `_` it would stay alive: its host guidance arrays are sized for every step)
   _log(f"first call (compile, prefill, one step) {first_call:.1f} s; timing")
+  # prefill + one step (same compiled program, early exit) before the whole rollout: host
+  # memory available shrinks as the process runs (a capacity row is planned on what is free)
+  t_one = timed(1)[0]
+  _log(f"prefill + one step {t_one:.2f} s")
   t_full, out = timed(gen_tokens)
   _log(f"median {t_full:.2f} s")
   gen = int(np.sum(np.asarray(out.completion_mask)))
   guidance_per_token = out.guidance_bytes_per_token()
   completion = np.asarray(out.completion)
-  del out  # before the next rollout (the engine plans host memory with what is free)
-  t_one = timed(1)[0]  # prefill + one step (same compiled program, early exit)
-  _log(f"prefill + one step {t_one:.2f} s")
+  del out
   step_s = (t_full - t_one) / max(gen_tokens - 1, 1)
   ctx = FLAGS.prompt_len + gen_tokens // 2
   floor_b = _bytes_floor(config, policy, by_kind, batch, ctx)
@@ -206,17 +208,20 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
 
 
 def bench_hf(config, batch):
-  """HF transformers generate on the same shape (random weights): eager and static cache."""
-  import jax
+  """HF transformers generate on the same shape (random weights, HF's own initializer, made on
+  the device: no JAX in this process, which would take the GPU's memory): eager and static
+  cache."""
   import torch
   import transformers
 
   from trace_jax import models as M
-  with tempfile.TemporaryDirectory() as d:
-    M.save_hf_checkpoint(d, M.random_params(config, jax.random.key(0), config.dtype), config)
-    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
+  dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  fields = M.to_hf_config(config, str(dtype).split(".")[1])
+  hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+  torch.manual_seed(0)
+  with torch.device(dev):
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
   ids = torch.randint(3, config.vocab_size, (batch, FLAGS.prompt_len), device=dev)
   rows = []
   for impl in ("eager", "static"):
