@@ -240,7 +240,8 @@ def bench_hf(config, batch):
           ts.append(time.perf_counter() - t)
       rows.append({"policy": f"hf_{impl}", "batch": batch,
                    "tokens_per_s": batch * FLAGS.new_tokens / _median(ts),
-                   "total_s": _median(ts)})
+                   "total_s": _median(ts), "transformers_version": transformers.__version__,
+                   "torch_version": torch.__version__})
     except Exception as e:  # noqa: BLE001 - record why the peer could not run
       rows.append({"policy": f"hf_{impl}", "batch": batch, "error": str(e)[:300]})
   return rows
