@@ -58,7 +58,11 @@ def test_route_feeds_the_grouped_kernel_its_tables(monkeypatch):
   idx = _ids(tokens * top, e, 5, skew=True)
   x = jax.random.normal(jax.random.key(2), (tokens, k), jnp.float32).astype(jnp.bfloat16)
   off = kernels.route(idx, e, pw)
-  assert off[3] is None
+  # the XLA path's tables (group ends counted from the ids) equal those from the sizes alone
+  bm = fp4_mgpu.grouped_bm(tokens * top, e)
+  assert off[3][0] == bm
+  for a, b in zip(off[3][1:], fp4_mgpu.chunk_tables(off[2], tokens * top, bm), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   monkeypatch.setattr(dispatch, "_ROUTING", "kernel")
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(routing, "routing_tables",
@@ -66,7 +70,9 @@ def test_route_feeds_the_grouped_kernel_its_tables(monkeypatch):
   on = kernels.route(idx, e, pw)
   for a, b in zip(on[:3], off[:3], strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert on[3][0] == fp4_mgpu.grouped_bm(tokens * top, e)
+  assert on[3][0] == bm
+  for a, b in zip(on[3][1:], off[3][1:], strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   def run(tables):
     order, inverse, gs = off[:3]
@@ -75,6 +81,7 @@ def test_route_feeds_the_grouped_kernel_its_tables(monkeypatch):
         rows=order // top, out_rows=inverse, tables=tables))
 
   np.testing.assert_array_equal(run(on[3]), run(None))
+  np.testing.assert_array_equal(run(off[3]), run(None))
 
 
 def test_limits():

@@ -478,13 +478,15 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 # --------------------------------------------------------------------------- the wrapper
 
 def default_splits(b: int, s: int) -> int:
-  """Splits for about two waves of CTAs (one CTA fits an SM: ~200 KB of SMEM). A CTA's tile
-  rate, not HBM, bounds this kernel, so short splits over many CTAs win, and a wave that is
-  barely started costs a whole one: on the H200 (launch sweep, 2026-11-30) B=16 x 8k took
-  59 us with 16 splits (256 CTAs), 85 us with 9 (144), 100 us with 4 (64); B=64 x 1k 41 us
-  with 6 splits, 45 with 3."""
+  """Splits for one full wave of CTAs (one CTA fits an SM: ~200 KB of SMEM): the most with
+  b x splits <= NUM_SMS. A CTA's tile rate, not HBM, bounds this kernel, so splits over many
+  CTAs win, and a wave that is barely started costs a whole one. H200 launch sweeps, kernel us:
+  2026-11-30, B=16 x 8k 59 with 16 splits (256 CTAs), 85 with 9 (144), 100 with 4 (64); session
+  12 (2026-12-01, bench_attention --quick --sweep), B=16 x 8k 51.2 with 8 (128 CTAs), 54.6 with
+  16, 63.0 with 32; B=64 x 1k 28.8 with 2 (128), 33.6 with 4, 42.4 with 8 (the previous rule,
+  two waves, chose 16 and 4)."""
   tiles = -(-s // TILE)
-  return max(1, min(tiles, round(2 * NUM_SMS / b)))
+  return max(1, min(tiles, NUM_SMS // b))
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,

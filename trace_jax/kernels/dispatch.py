@@ -267,8 +267,9 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   """A MoE layer's routing tables: (order, inverse, group_sizes, tables), as `sort_by_group`
   and `count_by_group` give them; tables: the FP4 grouped kernel's chunk tables
   (`fp4_mgpu.chunk_tables` with its rows per chunk) for a `grouped_matmul` of these rows with
-  `w`, or None (it builds them). With `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed
-  expert weight and up to `routing.MAX_ROWS` rows, all of them come from one kernel
+  `w` (a packed expert weight, up to `SMALL_SORT` rows), or None (it builds them). With
+  `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed expert weight and up to
+  `routing.MAX_ROWS` rows, all of them come from one kernel
   (`routing.py`) instead of about seven small XLA kernels a layer (18x slower on the H200,
   session 11: off by default)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
@@ -281,6 +282,16 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
           n_chunks=fp4_mgpu.chunk_count(m, num_groups, bm))
       return order, inverse, gs, (bm, ce, row0, slot)
   order, inverse = sort_by_group(group_ids)
+  m = group_ids.shape[0]
+  if isinstance(w, PackedWeight) and w.experts and m <= SMALL_SORT:
+    # the FP4 kernel's chunk tables here, from group ends counted beside the sizes (one
+    # kernel for both instead of a prefix sum after the count)
+    from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+    g = jnp.arange(num_groups, dtype=group_ids.dtype)[:, None]
+    sizes = count_by_group(group_ids, num_groups)
+    ends = jnp.sum(group_ids[None, :] <= g, axis=1, dtype=jnp.int32)
+    bm = fp4_mgpu.grouped_bm(m, w.codes.shape[0])
+    return order, inverse, sizes, (bm, *fp4_mgpu.chunk_tables(sizes, m, bm, ends=ends))
   return order, inverse, count_by_group(group_ids, num_groups), None
 
 

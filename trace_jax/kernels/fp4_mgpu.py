@@ -454,34 +454,43 @@ def chunk_count(m: int, e: int, bm: int) -> int:
   return -(-(m + 7 * ne) // bm) + ne
 
 
-def chunk_tables(group_sizes: jax.Array, m: int, bm: int):
+def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None = None):
   """Cover expert-sorted rows with chunks: windows of bm rows that start on a multiple of 8
   (the activation tile's TMA tiling) at or below the group's first row, stepping by bm until
   past its last row. A window also holds rows of neighbouring groups; they are computed and
   never gathered. Returns (chunk_expert [C] (-1 = unused), chunk_row [C] (window start), slot
   [m]: each row's index in the kernel output's (chunk, row-in-window) order, C*bm for rows past
-  the sum)."""
+  the sum). ends: the inclusive prefix sum of group_sizes if the caller has it (`route` counts
+  it from the ids beside the sizes, in the same kernel).
+
+  Each chunk (each row) has at most one owning group, and a table entry is the owner's value:
+  a max (min) over groups of [C, E] ([M, E]) terms, so XLA computes a table in one kernel (a
+  look-up after finding the owner was a reduction and a select kernel more per table). Row r of
+  group e lands at slot r + off[e], and e's chunk c starts at row c * bm - off[e], with
+  off = ch_first * bm - al; bm is a power of two, so no term divides."""
   e = group_sizes.shape[0]
+  if bm & (bm - 1):
+    raise ValueError(f"rows per chunk must be a power of two, got {bm}")
   n_chunks = chunk_count(m, e, bm)
   gs = group_sizes.astype(jnp.int32)
-  ends = _prefix_sum(gs)
+  ends = _prefix_sum(gs) if ends is None else ends.astype(jnp.int32)
   starts = ends - gs
-  al = starts // 8 * 8
-  nch = jnp.where(gs > 0, (ends - al + bm - 1) // bm, 0)
+  al = starts & -8  # (>= 0) rounded down to 8
+  nch = jnp.where(gs > 0, (ends - al + bm - 1) >> (bm.bit_length() - 1), 0)
   ch_end = _prefix_sum(nch)
   ch_first = ch_end - nch
-  c = jnp.arange(n_chunks, dtype=jnp.int32)
-  ce = jnp.minimum(_count_le(ch_end, c), e - 1)
-  valid = c < ch_end[-1]
-  row0 = jnp.where(valid, al[ce] + (c - ch_first[ce]) * bm, 0)
-  r = jnp.arange(m, dtype=jnp.int32)
-  re = jnp.minimum(_count_le(ends, r), e - 1)
-  rl = r - al[re]
-  slot = jnp.where(r < ends[-1], (ch_first[re] + rl // bm) * bm + rl % bm, n_chunks * bm)
+  off = (ch_first * bm - al)[None, :]
+  g = jnp.arange(e, dtype=jnp.int32)[None, :]
+  c = jnp.arange(n_chunks, dtype=jnp.int32)[:, None]
+  owns = (ch_first[None, :] <= c) & (c < ch_end[None, :])  # [C, E]: one owner or none
+  ce = jnp.max(jnp.where(owns, g, -1), axis=1)  # -1: unused
+  row0 = jnp.max(jnp.where(owns, c * bm - off, 0), axis=1)
+  r = jnp.arange(m, dtype=jnp.int32)[:, None]
+  holds = (starts[None, :] <= r) & (r < ends[None, :])  # [M, E]: the row's group, if any
+  slot = jnp.min(jnp.where(holds, r + off, n_chunks * bm), axis=1)
   # materialize the small tables: fused into the big gathers they would be recomputed per
   # element (measured: 140 us of XLA glue around a 73 us kernel at 256 rows)
-  return lax.optimization_barrier((jnp.where(valid, ce, -1).astype(jnp.int32),
-                                   row0.astype(jnp.int32), slot.astype(jnp.int32)))
+  return lax.optimization_barrier(tuple(t.astype(jnp.int32) for t in (ce, row0, slot)))
 
 
 def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
