@@ -3,7 +3,8 @@
   PYTHONPATH=. python benchmarks/bench_kernels.py [--quick] [--out DIR]
 
 Variants, side by side in one run: XLA bf16 dot / `ragged_dot` (the baseline), tokamax's bf16
-Mosaic `ragged_dot` (the BF16 engine's grouped matmul; where tokamax is installed), and the
+Mosaic `ragged_dot` (the BF16 engine's grouped matmul; where tokamax is installed), our bf16
+Mosaic grouped kernel at decode sizes (`bf16_mgpu`, opt-in in the engine), and the
 Mosaic GPU FP4 kernel (`trace_jax.kernels`) with NVFP4 and MXFP4 weights; grouped NVFP4 also
 with n_inner column tiles per CTA (`_inD`) and K splits (`_sS`; `_auto`: the engine's choice);
 dense bf16 at one row also as the engine calls it (`xla_bf16_engine`: a zero second row). Shapes:
@@ -71,7 +72,7 @@ def main():
   from jax.experimental.mosaic.gpu import profiler
 
   from trace_jax import kernels
-  from trace_jax.kernels import dispatch, reference
+  from trace_jax.kernels import bf16_mgpu, dispatch, fp4_mgpu, reference
   from trace_jax.quant import quantize
 
   from trace_jax import provenance
@@ -154,7 +155,7 @@ def main():
     return not args.only or any(s in name for s in args.only.split(","))
 
   force = True if args.dry else None  # dry: lower the kernel path off-GPU
-  tokamax_ok = not args.dry and dispatch.grouped_backend() == "tokamax"
+  tokamax_ok = not args.dry and dispatch.grouped_backend().endswith("tokamax")
   key = [jax.random.key(int(time.time()) % 100000)]  # fresh data every run
 
   def nk():
@@ -252,7 +253,7 @@ def main():
       # nvfp4_auto: the engine's choice (fp4_mgpu.grouped_parallelism); nvfp4[_inD][_sS]:
       # D column tiles per CTA (default 1), S K splits (default: the rule's for that D)
       variants = (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
-                  + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
+                  + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else []) + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
                   + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"])
       for var in variants:
         name = f"{sname}_M{m}_{var}"
@@ -262,18 +263,25 @@ def main():
                    experts_with_rows=nonempty, max_group=int(jnp.max(gs)))
         state.update(t=time.time(), name=name)
         try:
-          if var in ("xla_bf16", "tokamax_bf16"):
+          if var in ("xla_bf16", "tokamax_bf16", "bf16_mgpu"):
             wbytes = e * k * n * 2
             if var == "xla_bf16":
               fn = lambda x, g, w: jax.lax.ragged_dot(x, w, g, preferred_element_type=jnp.float32
                                                       ).astype(jnp.bfloat16)
-            else:  # the BF16 engine's grouped matmul on the GPU (tokamax Mosaic ragged_dot)
+            elif var == "tokamax_bf16":  # the BF16 engine's default on the GPU
               fn = lambda x, g, w: dispatch._ragged_bf16(x, w, g).astype(jnp.bfloat16)
+            else:  # our Mosaic kernel for bf16 experts (opt-in: TRACE_JAX_BF16_GROUPED=kernel)
+              fn = lambda x, g, w: bf16_mgpu.grouped_matmul(x, w, g)
+              row["n_inner_splits"] = fp4_mgpu.grouped_parallelism(
+                  min(m, e), n // 256, k // (64 * bf16_mgpu.KB))
             wt = wb
             if not args.dry:
               ref = reference.grouped_matmul_ref(x.astype(jnp.float32),
                                                  wb.astype(jnp.float32), gs)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, gs, wb), ref)
+              if var == "bf16_mgpu":
+                row["relerr_f32"] = relerr(jax.jit(lambda x, g, w: bf16_mgpu.grouped_matmul(
+                    x, w, g, out_dtype=jnp.float32))(x, gs, wb), ref)
           else:
             fmt, *opts = var.split("_")
             cfg = {} if opts == ["auto"] else dict(n_inner=1)
@@ -282,7 +290,6 @@ def main():
                 cfg["n_inner"] = int(o[2:])
               elif o.startswith("s"):
                 cfg["splits"] = int(o[1:])
-            from trace_jax.kernels import fp4_mgpu
             k_steps = pws[fmt].k_pad // (64 * pws[fmt].kb)
             row["config"] = cfg
             row["n_inner_splits"] = fp4_mgpu.grouped_parallelism(

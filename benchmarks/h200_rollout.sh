@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -286,6 +286,22 @@ elif [ "$stage" = small_batch ]; then
         | cut -c1-240
     done
   fi
+elif [ "$stage" = bf16_grouped ]; then
+  # the opt-in bf16 grouped kernel (kernels/bf16_mgpu.py, session 12; lowered and compiled for
+  # an H200 on CPU, never run): its GPU tests, its kernel rows beside tokamax's at 8 / 64 / 256 /
+  # 512 rows, then the 12-layer BF16 engine at HF's load (B 1 and 32) with it, against the
+  # default (tokamax: 758.5 tok/s at B=1 in session 12, HF static 279.9 in the same run)
+  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:xdist \
+    -o addopts="" tests/kernels/test_kernels_gpu.py -k "bf16_grouped" \
+    > $OUT/test_bf16_grouped_gpu.txt 2>&1; echo "bf16 grouped tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_bf16_grouped_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
+  timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 \
+    --only ${KERNEL_ROWS:-tokamax_bf16,bf16_mgpu} --out $OUT \
+    2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -20
+  TRACE_JAX_BF16_GROUPED=kernel timeout ${ROWS_TIMEOUT:-150} python3 launch/bench_rollout.py \
+    --preset=qwen3_30b_a3b_12l --batches=1,32 --policies=bf16 --paths=kernels --isolate \
+    --row_timeout=70 --prompt_len=64 --new_tokens=128 --repeats=3 --hf_peer=false \
+    --out=$OUT/bench_rollout_12l_hf_load_bf16_kernel.json 2>&1 | grep -v "^I1\|^W1" | tail -5
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,

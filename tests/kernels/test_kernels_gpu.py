@@ -114,3 +114,43 @@ def test_grouped_expert_shapes(k, n, m, seed, n_inners):
   ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
   for n_inner in n_inners:
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner
+
+
+@functools.partial(jax.jit, static_argnames=("n_inner", "splits"))
+def _bf16_kernel(x, w, g, n_inner=None, splits=None):
+  from trace_jax.kernels import bf16_mgpu
+  over = {k: v for k, v in (("n_inner", n_inner), ("splits", splits)) if v is not None}
+  return bf16_mgpu.grouped_matmul(x, w, g, out_dtype=jnp.float32, config_override=over)
+
+
+@pytest.mark.parametrize("k,n,m,seed,configs", [
+    (2048, 1536, 8, 0, ((None, None), (6, 1), (1, 4))),  # batch 1, gate+up: the rule, chained
+    (768, 2048, 8, 2, ((None, None), (1, 1))),  # batch 1, down
+    (2048, 1536, 64, 4, ((None, None),)),  # batch 8
+    (768, 2048, 512, 6, ((None, None), (8, 1))),  # batch 64, down
+])
+def test_bf16_grouped_expert_shapes(k, n, m, seed, configs):
+  """The bf16 grouped kernel (`bf16_mgpu`) at the 30B-A3B expert shapes: bf16 products are
+  exact in float32, so only the summation order differs from the reference."""
+  e = 128
+  w = (rand_w((e, k, n), 7 + seed) * 0.02).astype(jnp.bfloat16)
+  top = jax.lax.top_k(jax.random.normal(jax.random.key(seed), (m // 8, e)), 8)[1].reshape(-1)
+  g = jnp.bincount(top, length=e).astype(jnp.int32)
+  x = jax.random.normal(jax.random.key(seed + 1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  ref = reference.grouped_matmul_ref(x, w, g, jnp.float32)
+  for n_inner, splits in configs:
+    got = _bf16_kernel(x, w, g, n_inner, splits)
+    assert relerr(got, ref) < TOL, (n_inner, splits)
+
+
+def test_bf16_grouped_ragged():
+  """Empty groups, one row, a group over several chunks, rows past the groups (zeros)."""
+  e, k, n = 8, 512, 512
+  w = (rand_w((e, k, n), 11) * 0.05).astype(jnp.bfloat16)
+  for gs in ([0, 0, 0, 1, 0, 0, 0, 0], [0, 70, 0, 0, 2, 0, 0, 9], [3, 1, 4, 1, 5, 9, 2, 6]):
+    m = sum(gs) + 5
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+    g = jnp.asarray(gs, jnp.int32)
+    got = _bf16_kernel(x, w, g)
+    assert relerr(got, reference.grouped_matmul_ref(x, w, g, jnp.float32)) < TOL, gs
+    assert np.all(np.asarray(got)[sum(gs):] == 0)

@@ -84,6 +84,9 @@ _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
 _SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
+# bf16 expert weights at decode sizes: tokamax's ragged_dot (default), or the Mosaic kernel of
+# `bf16_mgpu.py` (opt-in until measured on the H200)
+_BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "tokamax", ("tokamax", "kernel"))
 
 
 def on_gpu() -> bool:
@@ -121,8 +124,11 @@ def _tokamax_ragged_dot():
 
 
 def grouped_backend() -> str:
-  """Which bf16 grouped matmul the XLA path uses here: 'tokamax' or 'xla'."""
-  return "tokamax" if on_gpu() and _tokamax_ragged_dot() is not None else "xla"
+  """Which bf16 grouped matmul the XLA path uses here: 'tokamax' or 'xla', or with
+  `TRACE_JAX_BF16_GROUPED=kernel` on a GPU 'bf16_mgpu+tokamax' / 'bf16_mgpu+xla' (the kernel
+  up to `bf16_mgpu.MAX_ROWS` rows, the other above)."""
+  base = "tokamax" if on_gpu() and _tokamax_ragged_dot() is not None else "xla"
+  return f"bf16_mgpu+{base}" if on_gpu() and _BF16_GROUPED == "kernel" else base
 
 
 def _ragged_bf16(x, a, group_sizes) -> jax.Array:
@@ -228,6 +234,12 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     from trace_jax.kernels import fp4_mgpu
     return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
                                    config=config, rows=rows, out_rows=out_rows, tables=tables)
+  if _bf16_kernel_weight(w) and _xla_gpu_ok(x, w, use_kernel):
+    from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+    if bf16_mgpu.kernel_supported(x if rows is None else rows, w, group_sizes) is None:
+      bm, arrays = (None, None) if tables is None else (tables[0], tables[1:])
+      return _bf16_grouped(x, w, group_sizes, rows, out_rows, arrays, bm=bm,
+                           out_dtype=_out_dtype(x, out_dtype))
   if rows is not None:
     x = x[rows]
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
@@ -235,6 +247,20 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   else:
     y = reference.grouped_matmul_ref(x, w, group_sizes, out_dtype)
   return y if out_rows is None else y[out_rows]
+
+
+def _bf16_kernel_weight(w) -> bool:
+  """Whether bf16 expert weights `w` go to the Mosaic kernel of `bf16_mgpu.py` (opt-in)."""
+  return (_BF16_GROUPED == "kernel" and on_gpu() and isinstance(w, jax.Array)
+          and w.dtype == jnp.bfloat16 and w.ndim == 3)
+
+
+@_lowered_once("bm", "out_dtype")
+def _bf16_grouped(x, w, group_sizes, rows, out_rows, tables, *, bm, out_dtype):
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415
+  return bf16_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=out_dtype, rows=rows,
+                                  out_rows=out_rows,
+                                  tables=None if tables is None else (bm, *tables))
 
 
 # Rows (e.g. (token, slot) pairs of a MoE layer) up to this many are ordered and counted by
@@ -283,14 +309,14 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
       return order, inverse, gs, (bm, ce, row0, slot)
   order, inverse = sort_by_group(group_ids)
   m = group_ids.shape[0]
-  if isinstance(w, PackedWeight) and w.experts and m <= SMALL_SORT:
+  if m <= SMALL_SORT and ((isinstance(w, PackedWeight) and w.experts) or _bf16_kernel_weight(w)):
     # the FP4 kernel's chunk tables here, from group ends counted beside the sizes (one
     # kernel for both instead of a prefix sum after the count)
     from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
     g = jnp.arange(num_groups, dtype=group_ids.dtype)[:, None]
     sizes = count_by_group(group_ids, num_groups)
     ends = jnp.sum(group_ids[None, :] <= g, axis=1, dtype=jnp.int32)
-    bm = fp4_mgpu.grouped_bm(m, w.codes.shape[0])
+    bm = fp4_mgpu.grouped_bm(m, num_groups)
     return order, inverse, sizes, (bm, *fp4_mgpu.chunk_tables(sizes, m, bm, ends=ends))
   return order, inverse, count_by_group(group_ids, num_groups), None
 

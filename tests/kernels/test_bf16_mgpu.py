@@ -1,0 +1,103 @@
+"""The bf16 grouped kernel's wrapper (`kernels/bf16_mgpu.py`) on CPU: chunk tables, K split,
+row and output gathers around `emulate_chunked_matmul` against the reference grouped matmul;
+the dispatch that chooses it; its Mosaic GPU lowering where `jax-cuda13-plugin` is installed.
+The kernel itself runs against the reference in tests/kernels/test_kernels_gpu.py."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.kernels import bf16_mgpu, dispatch, reference
+
+E, K, N = 6, 256, 512  # K: 2 pipeline steps (a K split of 2 is possible); N: 2 column tiles
+
+
+def _weights(seed):
+  w = jax.random.normal(jax.random.key(seed), (E, K, N), jnp.float32) * 0.05
+  return w.astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("n_inner", "splits"))
+def _emulated(x, w, g, rows, out_rows, n_inner=None, splits=None):
+  over = {k: v for k, v in (("n_inner", n_inner), ("splits", splits)) if v is not None}
+  return bf16_mgpu.grouped_matmul(x, w, g, out_dtype=jnp.float32, config_override=over,
+                                  kernel_fn=bf16_mgpu.emulate_chunked_matmul, rows=rows,
+                                  out_rows=out_rows)
+
+
+@pytest.mark.parametrize("sizes", [
+    [0, 0, 1, 0, 0, 0],  # one row
+    [0, 40, 0, 0, 3, 0],  # empty groups, a group over several 16-row chunks
+    [3, 1, 4, 1, 5, 9],
+])
+@pytest.mark.parametrize("n_inner,splits", [(None, None), (1, 2), (2, 1)])
+def test_wrapper_equals_reference(sizes, n_inner, splits):
+  """Every row of every group equals the reference's (bf16 products, float32 sums: only the
+  summation order differs); rows past sum(sizes) are zeros; rows / out_rows gathers equal
+  gathering around the reference; n_inner 2 chains both column tiles, splits 2 adds two
+  float32 K halves (a wrapper that kept only one half fails)."""
+  w = _weights(1)
+  g = jnp.asarray(sizes, jnp.int32)
+  m = sum(sizes) + 3
+  x = jax.random.normal(jax.random.key(m), (m, K), jnp.float32).astype(jnp.bfloat16)
+  rows = jnp.asarray(np.random.default_rng(m).permutation(m), jnp.int32)
+  out_rows = jnp.asarray(np.random.default_rng(m + 1).permutation(m), jnp.int32)
+  want = reference.grouped_matmul_ref(x[rows], w, g, jnp.float32)[out_rows]
+  got = _emulated(x, w, g, rows, out_rows, n_inner, splits)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+  past = np.asarray(out_rows) >= sum(sizes)
+  assert np.all(np.asarray(got)[past] == 0)
+
+
+def test_kernel_supported_names_the_problem():
+  x, w, g = jnp.zeros((8, K), jnp.bfloat16), _weights(2), jnp.zeros((E,), jnp.int32)
+  assert bf16_mgpu.kernel_supported(x, w, g) is None
+  assert "not bf16" in bf16_mgpu.kernel_supported(x, w.astype(jnp.float32), g)
+  assert "K=200" in bf16_mgpu.kernel_supported(x[:, :200], w[:, :200], g)
+  assert "rows" in bf16_mgpu.kernel_supported(jnp.zeros((2048, K), jnp.bfloat16), w, g)
+  assert "group sizes" in bf16_mgpu.kernel_supported(x, w, g[:3])
+
+
+def test_dispatch_chooses_it_when_asked(monkeypatch):
+  """`TRACE_JAX_BF16_GROUPED=kernel` on a GPU sends bf16 expert weights through the kernel
+  (here its jnp model), with the MoE layer's row and output gathers folded in."""
+  monkeypatch.setattr(dispatch, "_BF16_GROUPED", "kernel")
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  calls = []
+
+  def model(*args, **kw):
+    calls.append(kw["bm"])
+    return bf16_mgpu.emulate_chunked_matmul(*args, **kw)
+
+  monkeypatch.setattr(bf16_mgpu, "bf16_chunked_matmul", model)
+  w, g = _weights(3), jnp.asarray([2, 0, 3, 1, 0, 2], jnp.int32)
+  x = jax.random.normal(jax.random.key(4), (8, K), jnp.float32).astype(jnp.bfloat16)
+  rows = jnp.asarray([7, 6, 5, 4, 3, 2, 1, 0], jnp.int32)
+  got = dispatch.grouped_matmul(x, w, g, jnp.float32, rows=rows, out_rows=rows)
+  want = reference.grouped_matmul_ref(x[rows], w, g, jnp.float32)[rows]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+  assert calls == [16]
+  # route builds the chunk tables once for both of a layer's calls; with them, the same
+  ids = jnp.repeat(jnp.arange(E, dtype=jnp.int32), np.asarray(g))
+  order, inverse, sizes, tables = dispatch.route(ids, E, w)
+  np.testing.assert_array_equal(np.asarray(sizes), np.asarray(g))
+  assert tables is not None and tables[0] == 16
+  again = dispatch.grouped_matmul(x, w, sizes, jnp.float32, rows=rows, out_rows=rows,
+                                  tables=tables)
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+
+
+def test_lowers_for_cuda():
+  """Mosaic GPU lowering (TMA tiling and swizzle of the bf16 weight tile, wgmma with A
+  transposed from SMEM, SMEM budget) at the 30B-A3B expert shapes, batch 1 and 8."""
+  pytest.importorskip("jax_cuda13_plugin")
+  sds = jax.ShapeDtypeStruct
+  for k, n in ((2048, 1536), (768, 2048)):
+    for m in (8, 64):
+      jax.jit(lambda x, w, g: bf16_mgpu.grouped_matmul(x, w, g)).trace(
+          sds((m, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16),
+          sds((128,), jnp.int32)).lower(lowering_platforms=("cuda",))

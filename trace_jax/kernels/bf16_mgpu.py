@@ -1,0 +1,199 @@
+"""Mosaic GPU (Pallas `plgpu`, Hopper sm_90) grouped matmul for bf16 expert weights at decode
+sizes: the FP4 grouped kernel's plan (`fp4_mgpu`) with the weight tile taken from SMEM as it is.
+
+Owns this kernel, its launch configuration and its wrapper. The result is defined by
+`reference.grouped_matmul_ref`; the row chunk tables, the CTA plan for few active experts
+(`grouped_parallelism`), the transposed epilogue and the output gather are `fp4_mgpu`'s.
+
+Why: at a batch of 1 (8 rows over 8 experts) tokamax's `ragged_dot` took 18.5 us a call inside
+the H200 decode loop (gate+up and down, 37 us a layer, session 11) against 15.7 us a layer of
+weight bytes at 4.8 TB/s; the FP4 kernel's plan (swap AB, a chunk of <= 16 rows per expert,
+few experts spread over the SMs by column tiles and K splits) is what made its own batch-1 call
+3.6x faster. Here the A operand is the bf16 weight tile [64 K, 64 N] read by TMA (128-byte
+swizzle) and given to wgmma transposed from SMEM; nothing is decoded.
+
+Opt-in (`TRACE_JAX_BF16_GROUPED=kernel`, `dispatch.py`) until it is measured on the H200: its
+lowering is tested on CPU (`jax-cuda13-plugin`), its results against the reference only on the
+GPU (tests/kernels/test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from trace_jax.kernels import fp4_mgpu as F
+
+KB = 2  # 64-wide K tiles per pipeline step: 64 KB of weights per step with 4 warpgroups
+WGS = 4  # compute warpgroups, 64 output columns each
+MAX_ROWS = 1024  # (token, slot) rows this path takes: decode batches (B <= 128 at top-8)
+
+
+def kernel_supported(x, w, group_sizes) -> str | None:
+  """None if the kernel takes this call, else why not."""
+  if w.ndim != 3 or w.dtype != jnp.bfloat16:
+    return f"weight {w.shape} {w.dtype}, not bf16 [E, K, N]"
+  e, k, n = w.shape
+  if k % (64 * KB) or n % (64 * WGS):
+    return f"K={k} (needs a multiple of {64 * KB}) or N={n} (of {64 * WGS})"
+  if not 0 < x.shape[0] <= MAX_ROWS:
+    return f"{x.shape[0]} rows (takes 1 to {MAX_ROWS})"
+  if group_sizes.shape != (e,):
+    return f"group sizes {group_sizes.shape} for {e} experts"
+  return None
+
+
+def config(bm: int, k_steps: int, out_dtype, n_inner: int, splits: int) -> dict:
+  """The most pipeline stages (<= 4) that fit SMEM beside the output staging; with n_inner > 1
+  a divisor of the steps per tile (chained pipelines need it)."""
+  if k_steps % splits:
+    raise ValueError(f"splits={splits} must divide the {k_steps} K steps")
+  out_bytes = 4 if splits > 1 else jnp.dtype(out_dtype).itemsize
+  per_stage = bm * 64 * KB * 2 + 64 * KB * 64 * WGS * 2
+  fixed = WGS * 64 * bm * out_bytes
+  steps = k_steps // splits
+  stages = min(4, (F.SMEM_BUDGET - fixed) // per_stage, steps)
+  while n_inner > 1 and steps % stages:
+    stages -= 1
+  if stages < 1:
+    raise ValueError(f"{bm}-row chunks do not fit SMEM")
+  return dict(stages=int(stages), splits=splits, n_inner=n_inner)
+
+
+@functools.partial(jax.jit, static_argnames=("bm", "stages", "splits", "n_inner", "out_dtype"))
+def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
+                        splits: int = 1, n_inner: int = 1, out_dtype=jnp.bfloat16):
+  """The raw kernel. xc: bf16 [R, K] (R >= max(chunk_row) + bm, rows % 8 == 0); w: bf16
+  [E, K, N]; chunk_expert / chunk_row as for `fp4_mgpu.fp4_chunked_matmul`. Returns out_dtype
+  [splits, C, bm, N]: out[s, c, i, n] = row i of chunk c times column n over K part s."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  F._patch_register_pool()
+
+  _, k, n = w.shape
+  n_chunks = chunk_expert.shape[0]
+  n_tiles = n // 64
+  assert xc.shape[1] == k and n_tiles % (WGS * n_inner) == 0 and k % (64 * KB * splits) == 0
+  assert bm in F.BM_CHOICES
+  k_iters = k // (64 * KB) // splits
+  if n_inner > 1 and k_iters % stages:
+    raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
+                     f"tile to be a multiple of stages={stages}")
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, out_gmem, out_smem):
+    n_outer = lax.axis_index("n")
+    c_idx = lax.axis_index("c")
+    s_idx = lax.axis_index("s")
+    e = ce_gmem[c_idx]
+    row0 = pl.multiple_of(cr_gmem[c_idx], 8)
+    k0 = s_idx * k_iters
+
+    def tile_pipeline(n_idx, state):
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
+        def _scope(acc_ref):
+          wg = lax.axis_index("wg")
+          col0 = (n_idx * WGS + wg) * 64
+          eval_pipeline(acc_ref)
+          F._transposed_store()(acc_ref[...].astype(out_dtype), out_smem.at[wg])
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                  out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      def body(_, x_smem, w_smem, acc_ref):
+        wg = lax.axis_index("wg")
+        for j in range(KB):
+          # A = W^T tile [64 N, 64 K]: the [64 K, 64 N] tile in SMEM, transposed
+          a = w_smem.at[pl.ds(j * 64, 64), pl.ds(wg * 64, 64)].T
+          plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(j * 64, 64)].T)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      return plgpu.emit_pipeline_warp_specialized(
+          body, grid=(k_iters,), memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((bm, 64 * KB), lambda i: (0, k0 + i), transforms=swizzled),
+              plgpu.BlockSpec((64 * KB, 64 * WGS), lambda i: (k0 + i, n_idx),
+                              transforms=swizzled),
+          ],
+          wg_axis="wg", num_compute_wgs=WGS, max_concurrent_steps=stages,
+          compute_context=compute_context, pipeline_state=state)
+
+    @pl.when(e >= 0)
+    def _():
+      refs = (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e])
+      if n_inner == 1:
+        tile_pipeline(n_outer, None)(*refs)
+        return
+      states = ([plgpu.PipelinePipeline.START] + [plgpu.PipelinePipeline.STEADY] * (n_inner - 2)
+                + [plgpu.PipelinePipeline.STOP])
+      pipes = [tile_pipeline(n_outer * n_inner + j, st) for j, st in enumerate(states)]
+
+      def chain(allocations):
+        for p in pipes:
+          p(*refs, allocations=allocations)
+
+      pl.run_scoped(chain, pipes[0].get_allocations(*refs), collective_axes="wg")
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n), out_dtype),
+      grid=(n_tiles // WGS // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
+      num_threads=WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=dict(out_smem=F._out_smem(WGS, bm, out_dtype)),
+  )(chunk_expert, chunk_row, xc, w)
+
+
+def emulate_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, splits: int = 1,
+                           out_dtype=jnp.bfloat16, **unused_config):
+  """A `jnp` model of `bf16_chunked_matmul` (same inputs and output; unused chunks give 0), for
+  CPU tests of the wrapper's tables, K split and output gather."""
+  rows = chunk_row[:, None] + jnp.arange(bm)[None, :]
+  xr = xc.astype(jnp.float32)[rows]  # [C, bm, K]
+  ce = jnp.maximum(chunk_expert, 0)
+  c, k = ce.shape[0], xc.shape[1]
+  w_s = w.astype(jnp.float32)[ce].reshape(c, splits, k // splits, -1)
+  x_s = xr.reshape(c, bm, splits, k // splits)
+  out = jnp.einsum("cskn,cisk->scin", w_s, x_s, precision=lax.Precision.HIGHEST)
+  return jnp.where((chunk_expert >= 0)[None, :, None, None], out, 0).astype(out_dtype)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                   out_dtype=jnp.bfloat16, config_override: dict | None = None, kernel_fn=None,
+                   rows: jax.Array | None = None, out_rows: jax.Array | None = None,
+                   tables=None):
+  """Ragged x [M, K] (rows sorted by expert) @ bf16 w [E, K, N], as `fp4_mgpu.grouped_matmul`
+  (rows / out_rows: gathers folded into the operand and output gathers; rows past
+  sum(group_sizes) give zeros; tables: `dispatch.route`'s chunk tables, used when their rows
+  per chunk are this call's). config_override: n_inner / splits / stages."""
+  m = x.shape[0] if rows is None else rows.shape[0]
+  e, k, n = w.shape
+  if m == 0:
+    return jnp.zeros((0, n), out_dtype)
+  bm = F.grouped_bm(m, e)
+  k_steps = k // (64 * KB)
+  over = dict(config_override or {})
+  n_inner, splits = F.grouped_parallelism(min(m, e), n // (64 * WGS), k_steps,
+                                          over.pop("n_inner", None), over.pop("splits", None))
+  cfg = dict(config(bm, k_steps, out_dtype, n_inner, splits), **over)
+  part_dtype = jnp.float32 if cfg["splits"] > 1 else out_dtype
+  if tables is not None and tables[0] == bm:
+    _, ce, row0, slot = tables
+  else:
+    ce, row0, slot = F.chunk_tables(group_sizes, m, bm)
+  n_rows = -(-(m + bm) // 8) * 8  # chunks read bm rows from their first row on; TMA: rows % 8
+  src = jnp.arange(x.shape[0], dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+  src = jnp.pad(src, (0, n_rows - m), constant_values=x.shape[0])  # past the rows: zeros
+  xc = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
+  out = (kernel_fn or bf16_chunked_matmul)(xc, w, ce, row0, bm=bm, out_dtype=part_dtype, **cfg)
+  if out_rows is not None:
+    slot = slot[out_rows]
+  flat = out.reshape(cfg["splits"], -1, n)  # [S, C * bm, N]
+  y = jnp.take(flat, slot, axis=1, mode="fill", fill_value=0)
+  return y[0] if cfg["splits"] == 1 else jnp.sum(y, axis=0).astype(out_dtype)
