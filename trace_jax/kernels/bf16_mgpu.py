@@ -126,19 +126,8 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
 
     @pl.when(e >= 0)
     def _():
-      refs = (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e])
-      if n_inner == 1:
-        tile_pipeline(n_outer, None)(*refs)
-        return
-      states = ([plgpu.PipelinePipeline.START] + [plgpu.PipelinePipeline.STEADY] * (n_inner - 2)
-                + [plgpu.PipelinePipeline.STOP])
-      pipes = [tile_pipeline(n_outer * n_inner + j, st) for j, st in enumerate(states)]
-
-      def chain(allocations):
-        for p in pipes:
-          p(*refs, allocations=allocations)
-
-      pl.run_scoped(chain, pipes[0].get_allocations(*refs), collective_axes="wg")
+      F.run_tile_chain(tile_pipeline, (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e]), n_outer,
+                       n_inner)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n), out_dtype),
@@ -192,8 +181,4 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   src = jnp.pad(src, (0, n_rows - m), constant_values=x.shape[0])  # past the rows: zeros
   xc = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
   out = (kernel_fn or bf16_chunked_matmul)(xc, w, ce, row0, bm=bm, out_dtype=part_dtype, **cfg)
-  if out_rows is not None:
-    slot = slot[out_rows]
-  flat = out.reshape(cfg["splits"], -1, n)  # [S, C * bm, N]
-  y = jnp.take(flat, slot, axis=1, mode="fill", fill_value=0)
-  return y[0] if cfg["splits"] == 1 else jnp.sum(y, axis=0).astype(out_dtype)
+  return F.gather_rows(out, slot, out_rows, n, out_dtype)

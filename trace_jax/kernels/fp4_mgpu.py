@@ -190,6 +190,38 @@ def _out_smem(wgs: int, bm: int, dtype):
   return plgpu.SMEM((wgs, bm, 64), dtype)
 
 
+def run_tile_chain(tile_pipeline, refs, n_outer, n_inner: int):
+  """A CTA's column tiles n_outer * n_inner + (0 .. n_inner - 1) over `refs`: one pipeline
+  (`tile_pipeline(tile, state)`), or a chain of them sharing one set of SMEM buffers and
+  barriers, the TMA warpgroup running ahead into the next tile."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  if n_inner == 1:
+    tile_pipeline(n_outer, None)(*refs)
+    return
+  states = ([plgpu.PipelinePipeline.START] + [plgpu.PipelinePipeline.STEADY] * (n_inner - 2)
+            + [plgpu.PipelinePipeline.STOP])
+  pipes = [tile_pipeline(n_outer * n_inner + j, st) for j, st in enumerate(states)]
+
+  def chain(allocations):
+    for p in pipes:
+      p(*refs, allocations=allocations)
+
+  pl.run_scoped(chain, pipes[0].get_allocations(*refs), collective_axes="wg")
+
+
+def gather_rows(out, slot, out_rows, n: int, out_dtype):
+  """The rows a grouped call returns from the kernel's [S, C, bm, N_pad] output: `slot` order
+  (C * bm: a row past the groups, read as zeros), composed with the caller's `out_rows`; one
+  gather, no padded copy; K partial sums added after it (only the wanted rows)."""
+  if out_rows is not None:
+    slot = slot[out_rows]
+  splits = out.shape[0]
+  flat = out[:, :, :, :n].reshape(splits, -1, n)  # [S, C * bm, N]: chunk rows
+  y = jnp.take(flat, slot, axis=1, mode="fill", fill_value=0)
+  return y[0] if splits == 1 else jnp.sum(y, axis=0).astype(out_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
                                              "n_inner", "out_dtype"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
@@ -272,19 +304,8 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
     @pl.when(e >= 0)
     def _():
-      refs = (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
-      if n_inner == 1:
-        tile_pipeline(n_outer, None)(*refs)
-        return
-      states = ([plgpu.PipelinePipeline.START] + [plgpu.PipelinePipeline.STEADY] * (n_inner - 2)
-                + [plgpu.PipelinePipeline.STOP])
-      pipes = [tile_pipeline(n_outer * n_inner + j, st) for j, st in enumerate(states)]
-
-      def chain(allocations):  # one set of SMEM buffers and barriers for the whole chain
-        for p in pipes:
-          p(*refs, allocations=allocations)
-
-      pl.run_scoped(chain, pipes[0].get_allocations(*refs), collective_axes="wg")
+      run_tile_chain(tile_pipeline, (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e]),
+                     n_outer, n_inner)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n_pad), out_dtype),
@@ -525,10 +546,4 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=part_dtype, **cfg)
-  if out_rows is not None:
-    slot = slot[out_rows]
-  flat = out[:, :, :, :pw.n].reshape(cfg["splits"], -1, pw.n)  # [S, C * bm, N]: chunk rows
-  # slot C * bm (rows past the groups) reads as zeros: one gather, no padded copy of `flat`;
-  # K partial sums are added after it (only the wanted rows)
-  y = jnp.take(flat, slot, axis=1, mode="fill", fill_value=0)
-  return y[0] if cfg["splits"] == 1 else jnp.sum(y, axis=0).astype(out_dtype)
+  return gather_rows(out, slot, out_rows, pw.n, out_dtype)
