@@ -53,7 +53,7 @@ flags.DEFINE_boolean("resync", True, "Time a re-sync of new master values (needs
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
 flags.DEFINE_float("host_reserve_gib", 12.0, "A capacity row's planning leaves this much of the "
                    "host memory available then to what the process takes before the rollout "
-                   "(the 48-layer FP4 row's host memory free fell 10.6 GiB from planning to its last rollout).")
+                   "(48 FP4 layers: free host memory fell 10.6 GiB from planning to the end).")
 flags.DEFINE_boolean("isolate", False, "Run each row in a subprocess (GPU: honest peak memory).")
 flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
 flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")

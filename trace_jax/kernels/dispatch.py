@@ -293,7 +293,8 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   """A MoE layer's routing tables: (order, inverse, group_sizes, tables), as `sort_by_group`
   and `count_by_group` give them; tables: the FP4 grouped kernel's chunk tables
   (`fp4_mgpu.chunk_tables` with its rows per chunk) for a `grouped_matmul` of these rows with
-  `w` (a packed expert weight, up to `SMALL_SORT` rows), or None (it builds them). With
+  `w` (a packed expert weight up to `SMALL_SORT` rows, or bf16 experts for `bf16_mgpu` up to
+  its `MAX_ROWS`), or None (the grouped matmul builds them if it needs them). With
   `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed expert weight and up to
   `routing.MAX_ROWS` rows, all of them come from one kernel
   (`routing.py`) instead of about seven small XLA kernels a layer (18x slower on the H200,
@@ -309,10 +310,11 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
       return order, inverse, gs, (bm, ce, row0, slot)
   order, inverse = sort_by_group(group_ids)
   m = group_ids.shape[0]
-  if m <= SMALL_SORT and ((isinstance(w, PackedWeight) and w.experts) or _bf16_kernel_weight(w)):
-    # the FP4 kernel's chunk tables here, from group ends counted beside the sizes (one
+  from trace_jax.kernels import bf16_mgpu, fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  if ((isinstance(w, PackedWeight) and w.experts and m <= SMALL_SORT)
+      or (_bf16_kernel_weight(w) and m <= min(SMALL_SORT, bf16_mgpu.MAX_ROWS))):
+    # the grouped kernels' chunk tables here, from group ends counted beside the sizes (one
     # kernel for both instead of a prefix sum after the count)
-    from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
     g = jnp.arange(num_groups, dtype=group_ids.dtype)[:, None]
     sizes = count_by_group(group_ids, num_groups)
     ends = jnp.sum(group_ids[None, :] <= g, axis=1, dtype=jnp.int32)
