@@ -253,7 +253,8 @@ def main():
       # nvfp4_auto: the engine's choice (fp4_mgpu.grouped_parallelism); nvfp4[_inD][_sS]:
       # D column tiles per CTA (default 1), S K splits (default: the rule's for that D)
       variants = (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
-                  + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else []) + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
+                  + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else [])
+                  + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
                   + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"])
       for var in variants:
         name = f"{sname}_M{m}_{var}"
@@ -272,8 +273,7 @@ def main():
               fn = lambda x, g, w: dispatch._ragged_bf16(x, w, g).astype(jnp.bfloat16)
             else:  # our Mosaic kernel for bf16 experts (opt-in: TRACE_JAX_BF16_GROUPED=kernel)
               fn = lambda x, g, w: bf16_mgpu.grouped_matmul(x, w, g)
-              row["n_inner_splits"] = fp4_mgpu.grouped_parallelism(
-                  min(m, e), n // 256, k // (64 * bf16_mgpu.KB))
+              row["n_inner_splits"] = bf16_mgpu.parallelism(m, e, k, n)
             wt = wb
             if not args.dry:
               ref = reference.grouped_matmul_ref(x.astype(jnp.float32),

@@ -141,8 +141,9 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   planned = limits = None
   if batch == "capacity":  # the planner's figure for this engine, weights and device
     ctx_len, reserve = FLAGS.prompt_len + FLAGS.new_tokens, int(FLAGS.host_reserve_gib * 2**30)
-    batch = planned = engine.capacity(ctx_len, FLAGS.prompt_len, host_reserve=reserve)
+    # one reading of free memory for both figures (`capacity` is the smaller limit)
     limits = engine.capacity_limits(ctx_len, FLAGS.prompt_len, host_reserve=reserve)
+    batch = planned = min(n for n in limits if n is not None)
     _log(f"capacity: {batch} sequences of {ctx_len} tokens (device-limited {limits[0]}, "
          f"host-limited {limits[1]} with {FLAGS.host_reserve_gib} GiB reserved)")
   batch = int(batch)

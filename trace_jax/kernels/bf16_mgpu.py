@@ -54,13 +54,16 @@ def config(bm: int, k_steps: int, out_dtype, n_inner: int, splits: int) -> dict:
   out_bytes = 4 if splits > 1 else jnp.dtype(out_dtype).itemsize
   per_stage = bm * 64 * KB * 2 + 64 * KB * 64 * WGS * 2
   fixed = WGS * 64 * bm * out_bytes
-  steps = k_steps // splits
-  stages = min(4, (F.SMEM_BUDGET - fixed) // per_stage, steps)
-  while n_inner > 1 and steps % stages:
-    stages -= 1
+  stages = F.fit_stages(per_stage, fixed, k_steps // splits, n_inner)
   if stages < 1:
     raise ValueError(f"{bm}-row chunks do not fit SMEM")
-  return dict(stages=int(stages), splits=splits, n_inner=n_inner)
+  return dict(stages=stages, splits=splits, n_inner=n_inner)
+
+
+def parallelism(m: int, e: int, k: int, n: int, n_inner=None, splits=None) -> tuple[int, int]:
+  """(n_inner, splits) of a call with m rows over e experts of [K, N] weights: the FP4 grouped
+  kernel's rule (`fp4_mgpu.grouped_parallelism`) on this kernel's column tiles and K steps."""
+  return F.grouped_parallelism(min(m, e), n // (64 * WGS), k // (64 * KB), n_inner, splits)
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "stages", "splits", "n_inner", "out_dtype"))
@@ -166,11 +169,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   if m == 0:
     return jnp.zeros((0, n), out_dtype)
   bm = F.grouped_bm(m, e)
-  k_steps = k // (64 * KB)
   over = dict(config_override or {})
-  n_inner, splits = F.grouped_parallelism(min(m, e), n // (64 * WGS), k_steps,
-                                          over.pop("n_inner", None), over.pop("splits", None))
-  cfg = dict(config(bm, k_steps, out_dtype, n_inner, splits), **over)
+  n_inner, splits = parallelism(m, e, k, n, over.pop("n_inner", None), over.pop("splits", None))
+  cfg = dict(config(bm, k // (64 * KB), out_dtype, n_inner, splits), **over)
   part_dtype = jnp.float32 if cfg["splits"] > 1 else out_dtype
   if tables is not None and tables[0] == bm:
     _, ce, row0, slot = tables

@@ -349,12 +349,20 @@ def default_config(bm: int, kb: int, out_dtype, *, k_steps: int, n_ctas: int,
   per_stage = bm * 64 * kb * 2 + 4 * kb * 2048 + 4 * kb * 256
   fixed = 4 * 64 * bm * out_bytes + 4 * 64 * 4
   steps = max(1, k_steps // splits)
-  stages = min(4, (SMEM_BUDGET - fixed) // per_stage, steps)
+  stages = fit_stages(per_stage, fixed, steps, n_inner)
   if stages < 1:
     raise ValueError(f"kb={kb} with {bm}-row chunks does not fit SMEM; prepare with kb=4")
-  while n_inner > 1 and steps % stages:
+  return dict(wgs=4, stages=stages, splits=splits, n_inner=n_inner)
+
+
+def fit_stages(per_stage: int, fixed: int, steps: int, n_inner: int) -> int:
+  """Pipeline stages of a grouped/dense kernel: the most (<= 4, <= steps) whose buffers of
+  `per_stage` bytes fit SMEM beside `fixed` bytes; with n_inner > 1 a divisor of the steps per
+  tile (chained pipelines need it). 0: not even one fits."""
+  stages = min(4, (SMEM_BUDGET - fixed) // per_stage, steps)
+  while stages > 1 and n_inner > 1 and steps % stages:
     stages -= 1
-  return dict(wgs=4, stages=int(stages), splits=splits, n_inner=n_inner)
+  return int(stages)
 
 
 # Column tiles per CTA of the grouped kernel (`fp4_chunked_matmul`'s n_inner): "all" (a CTA
