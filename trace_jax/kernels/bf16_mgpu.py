@@ -88,12 +88,7 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, out_gmem, out_smem):
-    n_outer = lax.axis_index("n")
-    c_idx = lax.axis_index("c")
-    s_idx = lax.axis_index("s")
-    e = ce_gmem[c_idx]
-    row0 = pl.multiple_of(cr_gmem[c_idx], 8)
-    k0 = s_idx * k_iters
+    n_outer, c_idx, s_idx, e, row0, k0 = F.chunk_coords(ce_gmem, cr_gmem, k_iters)
 
     def tile_pipeline(n_idx, state):
       def compute_context(eval_pipeline):
@@ -102,11 +97,8 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
           wg = lax.axis_index("wg")
           col0 = (n_idx * WGS + wg) * 64
           eval_pipeline(acc_ref)
-          F._transposed_store()(acc_ref[...].astype(out_dtype), out_smem.at[wg])
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                  out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          F.store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg],
+                       out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
 
       def body(_, x_smem, w_smem, acc_ref):
         wg = lax.axis_index("wg")

@@ -190,6 +190,25 @@ def _out_smem(wgs: int, bm: int, dtype):
   return plgpu.SMEM((wgs, bm, 64), dtype)
 
 
+def chunk_coords(ce_gmem, cr_gmem, k_iters: int):
+  """Inside a grouped kernel on the ("n", "c", "s") grid: (column-tile block, chunk, K split,
+  the chunk's expert (-1: unused), its first row, its first K step)."""
+  import jax.experimental.pallas as pl
+  n_outer, c_idx, s_idx = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("s")
+  row0 = pl.multiple_of(cr_gmem[c_idx], 8)  # chunk_tables aligns windows to 8
+  return n_outer, c_idx, s_idx, ce_gmem[c_idx], row0, s_idx * k_iters
+
+
+def store_tile(y, stage_ref, out_ref):
+  """A warpgroup's finished tile (y: [64 columns, bm rows] in the WGMMA layout) to its output
+  rows: transposed into SMEM, then one TMA copy to `out_ref` ([bm, 64] of the output)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  _transposed_store()(y, stage_ref)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(stage_ref, out_ref)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def run_tile_chain(tile_pipeline, refs, n_outer, n_inner: int):
   """A CTA's column tiles n_outer * n_inner + (0 .. n_inner - 1) over `refs`: one pipeline
   (`tile_pipeline(tile, state)`), or a chain of them sharing one set of SMEM buffers and
@@ -257,12 +276,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, out_smem, f_smem,
              f_bar):
-    n_outer = lax.axis_index("n")
-    c_idx = lax.axis_index("c")
-    s_idx = lax.axis_index("s")
-    e = ce_gmem[c_idx]
-    row0 = pl.multiple_of(cr_gmem[c_idx], 8)  # chunk_tables aligns windows to 8
-    k0 = s_idx * k_iters
+    n_outer, c_idx, s_idx, e, row0, k0 = chunk_coords(ce_gmem, cr_gmem, k_iters)
 
     def tile_pipeline(n_idx, state):
       """The pipeline of one column tile (wgs * 64 columns) over this CTA's K range."""
@@ -275,11 +289,8 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
           eval_pipeline(acc_ref)
           plgpu.barrier_wait(f_bar.at[wg])
           f = plgpu.load(f_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-          _transposed_store()((acc_ref[...] * f[:, None]).astype(out_dtype), out_smem.at[wg])
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                  out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          store_tile((acc_ref[...] * f[:, None]).astype(out_dtype), out_smem.at[wg],
+                     out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
 
       def body(_, x_smem, w_smem, s_smem, acc_ref):
         wg = lax.axis_index("wg")
