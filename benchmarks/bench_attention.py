@@ -110,6 +110,9 @@ def main():
   ap.add_argument("--sweep", action="store_true",
                   help="after the rows: time launch configurations of both kernels (rows of "
                        "kind decode_sweep / prefill_sweep) to choose their defaults")
+  ap.add_argument("--live", default="",
+                  help="rollout-shaped decode rows BxSxL (cache S slots, L live), e.g. "
+                       "276x8192x1536,64x8192x1536: Mosaic split counts and the bf16 kernel")
   ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
   ap.add_argument("--dry", action="store_true",
                   help="CPU with jax-cuda13-plugin: only lower every kernel for cuda")
@@ -382,6 +385,43 @@ def main():
                     kvs, valid, want, "decode_attention")
       del kvs
 
+  # rollout-shaped decode: a cache sized for the longest context, L slots live (prompts
+  # left-padded, every row at the same slot as in the engine): the Mosaic kernel's split counts
+  # (splits past the live tiles exit at once) beside the bf16-KV kernel on the same rows
+  for spec in filter(None, args.live.split(",")):
+    b, s, live = (int(x) for x in spec.lower().split("x"))
+    mask = np.arange(s)[None].repeat(b, 0) < live
+    mask[0, : live // 10] = False
+    mask = jnp.asarray(mask)
+    tiles = -(-s // attention_mgpu.TILE)
+    dm = attention_mgpu.default_splits(b, s)
+    for fmt in ("nvfp4", "bf16"):
+      key, kq, kk, kv = jax.random.split(key, 4)
+      k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
+      q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
+           else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
+      want = None if args.dry else jax.jit(ref_fn)(q, k, v, mask)
+      live_bytes = (nbytes(k) + nbytes(v)) * live / s
+      n = int(min(4, max(1, np.ceil(2.5 * L2_BYTES / live_bytes))))  # live bytes past L2
+      kvs = [(k, v)] + [jax.tree.map(jnp.copy, (k, v)) for _ in range(n - 1)] if (
+          not args.dry) else [(k, v)] * n
+      if fmt == "bf16":
+        cfgs = [("pallas", attention_pallas.decode_attention,
+                 attention_pallas.default_config(b, KVH, s, False))]
+      else:
+        cfgs = [(f"mosaic_splits{n}", functools.partial(kernels.decode_attention,
+                                                         use_kernel="mosaic"), dict(splits=n))
+                for n in sorted({dm, *(tiles // t for t in (32, 16, 8, 4, 2) if tiles >= t)})]
+      for tag, fn, cfg in cfgs:
+        name = f"live_B{b}_S{s}_L{live}_{fmt}_{tag}"
+        sweep_row("decode_live", name, fn, cfg, q, kvs, mask, want, "decode_attention")
+        r = res["rows"][-1]
+        if "us_call" in r:
+          r.update(batch=b, context=s, live=live, kv=fmt, live_kv_bytes=live_bytes,
+                   pct_of_ceiling_live=100 * live_bytes / r["us_call"] / 1e3
+                   / (READ_CEILING_TBPS * 1e3))
+      del k, v, kvs
+
   for b, t in ((16, 2048),) if args.sweep else ():
     s = t + 256
     for fmt in ("nvfp4", "bf16"):
@@ -417,9 +457,11 @@ def main():
       msg = r.get("skipped") or r["error"].strip().splitlines()[-1][:100]
       print(f"{r['name']:22s} {'SKIP' if 'skipped' in r else 'ERROR'} {msg}")
       continue
-    if r.get("kind") in ("decode_sweep", "prefill_sweep"):
+    if r.get("kind") in ("decode_sweep", "prefill_sweep", "decode_live"):
       print(f"{r['name']:22s} {f(r, 'us_call', '8.1f'):>8s} {f(r, 'us_kernel', '8.1f'):>8s} "
-            f"relerr {f(r, 'relerr_max', '8.1e')}")
+            f"relerr {f(r, 'relerr_max', '8.1e')}"
+            + (f" {f(r, 'pct_of_ceiling_live', '5.1f')}% of 4.27 TB/s on live KV bytes"
+               if r.get("kind") == "decode_live" else ""))
       continue
     if r.get("kind") == "prefill":
       print(f"{r['name']:22s} {f(r, 'us_call', '8.1f'):>8s} {f(r, 'us_kernel', '8.1f'):>8s} "

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -302,6 +302,26 @@ elif [ "$stage" = bf16_grouped ]; then
     --preset=qwen3_30b_a3b_12l --batches=1,32 --policies=bf16 --paths=kernels --isolate \
     --row_timeout=70 --prompt_len=64 --new_tokens=128 --repeats=3 --hf_peer=false \
     --out=$OUT/bench_rollout_12l_hf_load_bf16_kernel.json 2>&1 | grep -v "^I1\|^W1" | tail -5
+elif [ "$stage" = live ]; then
+  # rollout-shaped decode (session 13): the cache sized for 8k, a short context live, as in the
+  # 8k-capacity rollout (FP4 at 276 sequences ran at 0.17 of its floor). The Mosaic attention
+  # tests (splits past the live tiles now exit at once), the kernel's split counts at such shapes
+  # beside the bf16 kernel (LIVE rows BxSxL), then the decode step at the capacity shape on 4
+  # layers (B 276, prompt 512, cache for 7,680 new, 256 generated in windows of 128)
+  JAX_PLATFORMS=cuda timeout -k 5 ${MOSAIC_TIMEOUT:-100} python3 -m pytest -q -x -m gpu \
+    -p no:xdist -o addopts="" -k mosaic tests/kernels/test_attention_gpu.py \
+    > $OUT/test_attn_mosaic.txt 2>&1; echo "mosaic tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_attn_mosaic.txt | tail -6
+  timeout -k 5 ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_attention.py --what decode \
+    --formats nvfp4_mosaic --batches 16 --contexts 8192 \
+    --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048,64x1024x768} \
+    --budget_s $(( ${BENCH_TIMEOUT:-200} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
+    | grep -v "^I1\|^W1" | tail -30
+  timeout -k 5 ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_decode.py --layers 4 \
+    --policy ${PROFILE_POLICY:-paper} --path kernels --batch ${PROFILE_BATCH:-276} \
+    --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 128 --repeats 1 \
+    --hlo_out $OUT/decode_loop_kernels_live.txt --out $OUT/profile_decode_live.json 2>&1 \
+    | grep -v "^I1\|^W1" | tail -60
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,

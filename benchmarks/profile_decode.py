@@ -176,6 +176,10 @@ def main():
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--prompt_len", type=int, default=256)
   ap.add_argument("--new_tokens", type=int, default=128)
+  ap.add_argument("--cache_new_tokens", type=int, default=0,
+                  help="the engine's max_new_tokens (cache and arrays sized for prompt + this; "
+                       "0: --new_tokens): a capacity-shaped rollout generates fewer")
+  ap.add_argument("--decode_chunk", type=int, default=0, help="the engine's decode windows")
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--guidance_cost", action="store_true",
                   help="also time the same engine with guidance recording off (one more compile)")
@@ -184,8 +188,8 @@ def main():
                   help="also write the decode loop's kernels (from the optimized HLO) here, one "
                        "line each: instruction, op, shape, source")
   a = ap.parse_args()
-  cfg = M.preset(a.preset).replace(num_layers=a.layers,
-                                          max_seq_len=a.prompt_len + a.new_tokens)
+  cache_new = a.cache_new_tokens or a.new_tokens
+  cfg = M.preset(a.preset).replace(num_layers=a.layers, max_seq_len=a.prompt_len + cache_new)
   policy = tq.make_policy(a.policy)
   params = M.random_params(cfg, jax.random.key(0), "bfloat16")
   rng = np.random.default_rng(0)
@@ -193,8 +197,9 @@ def main():
   out = {**run_info(), "benchmark": "profile_decode", **vars(a), "policy_full": policy.name}
   guidance = [True, False] if a.guidance_cost else [True]
   for rec in guidance:
-    eng = RolloutEngine(cfg, policy, max_new_tokens=a.new_tokens, prompt_bucket=a.prompt_len,
-                        record_guidance=rec, use_kernels=a.path == "kernels")
+    eng = RolloutEngine(cfg, policy, max_new_tokens=cache_new, prompt_bucket=a.prompt_len,
+                        record_guidance=rec, use_kernels=a.path == "kernels",
+                        decode_chunk=a.decode_chunk)
     eng.sync(params)
     first, full, ro = _timed(eng, prompts, a.new_tokens, a.repeats)
     _, one, _ = _timed(eng, prompts, 1, a.repeats)

@@ -294,7 +294,9 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   may pay. ptxas keeps an in-flight wgmma's register operands intact (it serializes the
   wgmmas where it cannot). Off by default until an H200 sweep decides (session 10).
   Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
-  ml float32 [B, n_splits, 4, 2, 16]: running max and sum)."""
+  ml float32 [B, n_splits, 4, 2, 16]: running max and sum). A split s > 0 with
+  s * split_tiles >= kt is neither run nor written: its partials are undefined (see
+  `live_splits`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax import lax
@@ -393,8 +395,16 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
                   plgpu.BlockSpec((TILE,), lambda i: (tile(i),))],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
         compute_context=compute_context)
-    pipeline(kc_gmem.at[bi], vc_gmem.at[bi], ks_gmem.at[bi], vs_gmem.at[bi], kg_gmem.at[bi],
-             vg_gmem.at[bi], vf_gmem.at[bi])
+
+    # A split that starts at or past the row's last needed tile runs nothing and writes
+    # nothing (the wrapper masks its partials): at rollout shapes the cache is sized for the
+    # longest context while the live one is short, and a pipeline over tiles it skips still
+    # waits for each tile's (L2) load. Split 0 always runs: a row without visible slots gets
+    # its zero state from it.
+    @pl.when((t0 < need) | (si == 0))
+    def _():
+      pipeline(kc_gmem.at[bi], vc_gmem.at[bi], ks_gmem.at[bi], vs_gmem.at[bi], kg_gmem.at[bi],
+               vg_gmem.at[bi], vf_gmem.at[bi])
 
   return plgpu.kernel(
       decode_attention_mosaic,
@@ -468,6 +478,10 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
       carry = jax.tree.map(lambda a, b_: jnp.where(
           (i < kt).reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), new, carry)
     m, l, o = carry
+    # a split past the row's last needed tile is not written by the kernel: undefined, NaN here
+    dead = ~live_splits(kt, split_tiles, n_splits)[:, sp]
+    m, l, o = (jnp.where(dead.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
+               for a in (m, l, o))
     os_.append(o), ms.append(m), ls.append(l)
   o = jnp.stack(os_, 1)  # [B, n, 4, 16, 128]
   o = jnp.moveaxis(o.reshape(b, n_splits, KV_HEADS, GP, 2, 64), 3, -1)  # [B, n, 4, 2, 64, 16]
@@ -476,6 +490,13 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 
 
 # --------------------------------------------------------------------------- the wrapper
+
+def live_splits(kt, split_tiles: int, n_splits: int) -> jax.Array:
+  """bool [B, n_splits]: the splits the kernel runs and writes, those that start before the
+  row's last needed tile (`kt` [B] tiles), and split 0."""
+  first = jnp.arange(n_splits) * split_tiles
+  return (first[None, :] < kt[:, None]) | (jnp.arange(n_splits) == 0)[None, :]
+
 
 def default_splits(b: int, s: int) -> int:
   """Splits for one full wave of CTAs (one CTA fits an SM: ~200 KB of SMEM): the most with
@@ -538,5 +559,11 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
       b, kvh, n_splits, g, hd)
   m = jnp.swapaxes(ml[:, :, :, 0, :g], 1, 2)
   l = jnp.swapaxes(ml[:, :, :, 1, :g], 1, 2)
+  # splits the kernel did not write drop out of the combine (selected away, never multiplied:
+  # their memory may hold NaN)
+  live = live_splits(kt, split_tiles, n_splits)[:, None, :, None]  # [B, 1, n, 1]
+  m = jnp.where(live, m, R.NEG)
+  l = jnp.where(live, l, 0.0)
+  o = jnp.where(live[..., None], o, 0.0)
   out = combine_splits(o, m, l)  # [B, 4, g, 128]
   return out.reshape(b, h, hd).astype(out_dtype)
