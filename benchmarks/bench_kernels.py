@@ -228,8 +228,9 @@ def main():
         record(row)
 
   # ------------------------------------------------------------------ grouped (experts)
-  grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (8, 64, 256, 512, 32768)),
-             ("moe_down_E128_K768_N2048", 128, 768, 2048, (8, 64, 256, 512))]
+  # 2,208 rows: the 8k-capacity rollout's decode batch (276 sequences x top-8)
+  grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (8, 64, 256, 512, 2208, 32768)),
+             ("moe_down_E128_K768_N2048", 128, 768, 2048, (8, 64, 256, 512, 2208))]
   if args.quick:
     grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (256,))]
   for sname, e, k, n, ms in grouped:
@@ -255,7 +256,9 @@ def main():
       variants = (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
                   + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else [])
                   + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
-                  + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"])
+                  + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"]
+                  + ([f"nvfp4_auto_bm{b}" for b in fp4_mgpu.BM_CHOICES
+                      if b != fp4_mgpu.grouped_bm(m, e)] if 1024 <= m <= 4096 else []))
       for var in variants:
         name = f"{sname}_M{m}_{var}"
         if not want(name):
@@ -284,9 +287,11 @@ def main():
                     x, w, g, out_dtype=jnp.float32))(x, gs, wb), ref)
           else:
             fmt, *opts = var.split("_")
-            cfg = {} if opts == ["auto"] else dict(n_inner=1)
+            cfg = {} if "auto" in opts else dict(n_inner=1)
             for o in opts:
-              if o.startswith("in"):
+              if o.startswith("bm"):  # rows per chunk (default: fp4_mgpu.grouped_bm)
+                cfg["bm"] = int(o[2:])
+              elif o.startswith("in"):
                 cfg["n_inner"] = int(o[2:])
               elif o.startswith("s"):
                 cfg["splits"] = int(o[1:])

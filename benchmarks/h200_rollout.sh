@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -322,6 +322,26 @@ elif [ "$stage" = live ]; then
     --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 128 --repeats 1 \
     --hlo_out $OUT/decode_loop_kernels_live.txt --out $OUT/profile_decode_live.json 2>&1 \
     | grep -v "^I1\|^W1" | tail -60
+elif [ "$stage" = cap_kernels ]; then
+  # (session 13) the grouped FP4 kernel at the capacity rollout's 2,208 rows (168 us a call in
+  # its profile: 2.5x the 512-row call) with its rows-per-chunk choices, the capacity-shaped
+  # decode step again with the new attention splits, then the opt-in bf16 grouped kernel's GPU
+  # tests and its decode-size rows beside tokamax's
+  timeout -k 5 ${BK_TIMEOUT:-130} python3 benchmarks/bench_kernels.py --iters 20 \
+    --only ${KERNEL_ROWS:-M2208_tokamax,M2208_nvfp4,M2208_mxfp4} --out $OUT 2>&1 \
+    | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -14
+  mv $OUT/bench_kernels.json $OUT/bench_kernels_m2208.json 2>/dev/null
+  timeout -k 5 ${PROFILE_TIMEOUT:-190} python3 benchmarks/profile_decode.py --layers 4 \
+    --policy paper --path kernels --batch 276 --prompt_len 512 --new_tokens 256 \
+    --cache_new_tokens 7680 --decode_chunk 128 --repeats 1 \
+    --out $OUT/profile_decode_live.json 2>&1 | grep -v "^I1\|^W1" | grep -v "^  loop" | tail -22
+  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-110} python3 -m pytest -q -m gpu -p no:xdist \
+    -o addopts="" tests/kernels/test_kernels_gpu.py -k "bf16_grouped" \
+    > $OUT/test_bf16_grouped_gpu.txt 2>&1; echo "bf16 grouped tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_bf16_grouped_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
+  timeout -k 5 ${BF_TIMEOUT:-130} python3 benchmarks/bench_kernels.py --iters 20 \
+    --only M8_tokamax,M8_bf16_mgpu,M64_tokamax,M64_bf16_mgpu,M256_tokamax,M256_bf16_mgpu \
+    --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -14
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,

@@ -498,16 +498,23 @@ def live_splits(kt, split_tiles: int, n_splits: int) -> jax.Array:
   return (first[None, :] < kt[:, None]) | (jnp.arange(n_splits) == 0)[None, :]
 
 
+MAX_SPLIT_TILES = 8  # 512 slots: see default_splits
+
+
 def default_splits(b: int, s: int) -> int:
-  """Splits for one full wave of CTAs (one CTA fits an SM: ~200 KB of SMEM): the most with
-  b x splits <= NUM_SMS. A CTA's tile rate, not HBM, bounds this kernel, so splits over many
-  CTAs win, and a wave that is barely started costs a whole one. H200 launch sweeps, kernel us:
-  2026-11-30, B=16 x 8k 59 with 16 splits (256 CTAs), 85 with 9 (144), 100 with 4 (64); session
-  12 (2026-12-01, bench_attention --quick --sweep), B=16 x 8k 51.2 with 8 (128 CTAs), 54.6 with
-  16, 63.0 with 32; B=64 x 1k 28.8 with 2 (128), 33.6 with 4, 42.4 with 8 (the previous rule,
-  two waves, chose 16 and 4)."""
+  """Splits for one full wave of CTAs (one CTA fits an SM: ~200 KB of SMEM), the most with
+  b x splits <= NUM_SMS, and at least enough that no split spans more than MAX_SPLIT_TILES
+  tiles. A CTA's tile rate, not HBM, bounds this kernel, so splits over many CTAs win, and a
+  wave that is barely started costs a whole one; but a rollout's cache is sized for its longest
+  context and the live one is shorter (splits past it exit at once), so long splits leave the
+  live tiles to a few CTAs. H200 sweeps, kernel us (bench_attention): all slots live, B=16 x 8k
+  51.2 with 8 splits (128 CTAs), 54.6 with 16, 63.0 with 32; B=64 x 1k 28.8 with 2, 33.6 with 4
+  (session 12). Cache 8k, L slots live (`--live`, session 13): B=276, L=1536: 380 with 1 split
+  (the one-wave rule), 197 with 8, 196 with 16, 239 with 32; B=64, L=1536: 91 with 2 (rule),
+  57 with 16; B=16, L=2048: 48 with 8 (rule), 28 with 16, 24 with 32; B=64 x 1k, L=768: 28 with
+  2, 32 with 4."""
   tiles = -(-s // TILE)
-  return max(1, min(tiles, NUM_SMS // b))
+  return max(1, min(tiles, max(NUM_SMS // b, -(-tiles // MAX_SPLIT_TILES))))
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,

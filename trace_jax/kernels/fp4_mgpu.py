@@ -546,10 +546,9 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   e = pw.codes.shape[0]
   if m == 0:
     return jnp.zeros((0, pw.n), out_dtype)
-  if bm is None:
-    bm = grouped_bm(m, e)
-  k_steps = pw.k_pad // (64 * pw.kb)
   config = dict(config or {})
+  bm = config.pop("bm", None) or bm or grouped_bm(m, e)
+  k_steps = pw.k_pad // (64 * pw.kb)
   n_inner, splits = grouped_parallelism(min(m, e), pw.n_pad // 256, k_steps,
                                         config.pop("n_inner", None), config.pop("splits", None))
   cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False,
