@@ -9,14 +9,15 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
 # program's compile grew 3.3 s a layer and did not finish in ~370 s at 48 layers).
 set -uo pipefail
 stage=${1:-12l}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+if [ "${stage%_inner}" != "$stage" ]; then stage=${stage%_inner}; inner=1; else inner=0; fi
+[ $inner = 1 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -342,6 +343,18 @@ elif [ "$stage" = cap_kernels ]; then
   timeout -k 5 ${BF_TIMEOUT:-130} python3 benchmarks/bench_kernels.py --iters 20 \
     --only M8_tokamax,M8_bf16_mgpu,M64_tokamax,M64_bf16_mgpu,M256_tokamax,M256_bf16_mgpu \
     --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -14
+elif [ "$stage" = s13_final ]; then
+  # (session 13) after the attention splits, the combine in the kernel's layout and the bf16
+  # grouped kernel as the default up to 256 rows: the Mosaic attention tests against the
+  # reference, BF16 at HF's load with HF in the same run, then the 8k-capacity FP4 row (48 layers)
+  JAX_PLATFORMS=cuda timeout -k 5 ${MOSAIC_TIMEOUT:-60} python3 -m pytest -q -x -m gpu \
+    -p no:xdist -o addopts="" -k mosaic_kernel_vs_reference tests/kernels/test_attention_gpu.py \
+    > $OUT/test_attn_mosaic.txt 2>&1; echo "mosaic tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_attn_mosaic.txt | grep -E "Error|assert|passed|failed" | tail -4
+  POLICIES=bf16 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-160} ROW_TIMEOUT=75 \
+    bash $0 hf_load_inner | tail -9
+  ROWS_TIMEOUT=${CAP_TIMEOUT:-360} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-360} - 10 )) GEN=2048 \
+    bash $0 cap8k_inner | tail -4
 elif [ "$stage" = compile_diag ]; then
   # where XLA's compile time goes (session 9: the 48-layer BF16 generate program did not compile
   # in ~370 s, the FP4 one took 152 s): XLA's pass and phase timers per policy and layer count,

@@ -62,10 +62,11 @@ def test_kernel_supported_names_the_problem():
   assert "group sizes" in bf16_mgpu.kernel_supported(x, w, g[:3])
 
 
-def test_dispatch_chooses_it_when_asked(monkeypatch):
-  """`TRACE_JAX_BF16_GROUPED=kernel` on a GPU sends bf16 expert weights through the kernel
-  (here its jnp model), with the MoE layer's row and output gathers folded in."""
-  monkeypatch.setattr(dispatch, "_BF16_GROUPED", "kernel")
+def test_dispatch_chooses_it_on_gpu(monkeypatch):
+  """On a GPU (the default setting) bf16 expert weights go through the kernel (here its jnp
+  model) up to BF16_KERNEL_ROWS rows, with the MoE layer's row and output gathers folded in;
+  above, and with `TRACE_JAX_BF16_GROUPED=tokamax`, not."""
+  monkeypatch.setattr(dispatch, "_BF16_GROUPED", "auto")
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   calls = []
 
@@ -89,6 +90,13 @@ def test_dispatch_chooses_it_when_asked(monkeypatch):
   again = dispatch.grouped_matmul(x, w, sizes, jnp.float32, rows=rows, out_rows=rows,
                                   tables=tables)
   np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+  assert dispatch._bf16_kernel_weight(w, dispatch.BF16_KERNEL_ROWS)
+  assert not dispatch._bf16_kernel_weight(w, dispatch.BF16_KERNEL_ROWS + 1)
+  monkeypatch.setattr(dispatch, "_BF16_GROUPED", "kernel")
+  assert dispatch._bf16_kernel_weight(w, bf16_mgpu.MAX_ROWS)
+  monkeypatch.setattr(dispatch, "_BF16_GROUPED", "tokamax")
+  assert not dispatch._bf16_kernel_weight(w, 8)
+  assert dispatch.route(ids, E, w)[3] is None
 
 
 def test_lowers_for_cuda():

@@ -12,9 +12,11 @@ few experts spread over the SMs by column tiles and K splits) is what made its o
 3.6x faster. Here the A operand is the bf16 weight tile [64 K, 64 N] read by TMA (128-byte
 swizzle) and given to wgmma transposed from SMEM; nothing is decoded.
 
-Opt-in (`TRACE_JAX_BF16_GROUPED=kernel`, `dispatch.py`) until it is measured on the H200: its
-lowering is tested on CPU (`jax-cuda13-plugin`), its results against the reference only on the
-GPU (tests/kernels/test_kernels_gpu.py).
+The GPU default up to `dispatch.BF16_KERNEL_ROWS` (256) rows since its H200 rows (session 13:
+1.6-1.7x tokamax's kernel time at 8 rows, 1.2x / 1.0x at 64 and 256); `TRACE_JAX_BF16_GROUPED=
+kernel` takes it to MAX_ROWS, `=tokamax` opts out. Its lowering is tested on CPU
+(`jax-cuda13-plugin`), its results against the reference on the GPU
+(tests/kernels/test_kernels_gpu.py, passed on the H200).
 """
 
 from __future__ import annotations

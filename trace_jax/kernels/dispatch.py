@@ -84,9 +84,13 @@ _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
 _SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
-# bf16 expert weights at decode sizes: tokamax's ragged_dot (default), or the Mosaic kernel of
-# `bf16_mgpu.py` (opt-in until measured on the H200)
-_BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "tokamax", ("tokamax", "kernel"))
+# bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
+# the default), up to its MAX_ROWS (kernel), or never (tokamax); tokamax's ragged_dot above
+_BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "kernel"))
+# H200, 30B-A3B experts, kernel us, bf16_mgpu / tokamax (session 13, bench_kernels): gate+up
+# 14.1 / 22.2 at 8 rows, 83.0 / 103.1 at 64, 184.0 / 186.9 at 256; down 7.0 / 11.8 at 8, 45.7 /
+# 46.6 at 64. Not measured above 256 rows.
+BF16_KERNEL_ROWS = 256
 
 
 def on_gpu() -> bool:
@@ -124,11 +128,11 @@ def _tokamax_ragged_dot():
 
 
 def grouped_backend() -> str:
-  """Which bf16 grouped matmul the XLA path uses here: 'tokamax' or 'xla', or with
-  `TRACE_JAX_BF16_GROUPED=kernel` on a GPU 'bf16_mgpu+tokamax' / 'bf16_mgpu+xla' (the kernel
-  up to `bf16_mgpu.MAX_ROWS` rows, the other above)."""
+  """Which bf16 grouped matmul the XLA path uses here: 'tokamax' or 'xla'; on a GPU (unless
+  `TRACE_JAX_BF16_GROUPED=tokamax`) 'bf16_mgpu+tokamax' / 'bf16_mgpu+xla': the kernel up to
+  `_bf16_kernel_rows()` rows, the other above."""
   base = "tokamax" if on_gpu() and _tokamax_ragged_dot() is not None else "xla"
-  return f"bf16_mgpu+{base}" if on_gpu() and _BF16_GROUPED == "kernel" else base
+  return f"bf16_mgpu+{base}" if on_gpu() and _bf16_kernel_rows() else base
 
 
 def _ragged_bf16(x, a, group_sizes) -> jax.Array:
@@ -234,7 +238,8 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     from trace_jax.kernels import fp4_mgpu
     return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
                                    config=config, rows=rows, out_rows=out_rows, tables=tables)
-  if _bf16_kernel_weight(w) and _xla_gpu_ok(x, w, use_kernel):
+  if (_bf16_kernel_weight(w, (x if rows is None else rows).shape[0])
+      and _xla_gpu_ok(x, w, use_kernel)):
     from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
     if bf16_mgpu.kernel_supported(x if rows is None else rows, w, group_sizes) is None:
       bm, arrays = (None, None) if tables is None else (tables[0], tables[1:])
@@ -249,10 +254,16 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   return y if out_rows is None else y[out_rows]
 
 
-def _bf16_kernel_weight(w) -> bool:
-  """Whether bf16 expert weights `w` go to the Mosaic kernel of `bf16_mgpu.py` (opt-in)."""
-  return (_BF16_GROUPED == "kernel" and on_gpu() and isinstance(w, jax.Array)
-          and w.dtype == jnp.bfloat16 and w.ndim == 3)
+def _bf16_kernel_rows() -> int:
+  """The most rows a bf16 grouped matmul sends to `bf16_mgpu` under the setting (0: none)."""
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  return {"auto": BF16_KERNEL_ROWS, "kernel": bf16_mgpu.MAX_ROWS, "tokamax": 0}[_BF16_GROUPED]
+
+
+def _bf16_kernel_weight(w, m: int) -> bool:
+  """Whether bf16 expert weights `w` with `m` rows go to the Mosaic kernel of `bf16_mgpu.py`."""
+  return (on_gpu() and isinstance(w, jax.Array) and w.dtype == jnp.bfloat16 and w.ndim == 3
+          and m <= _bf16_kernel_rows())
 
 
 @_lowered_once("bm", "out_dtype")
@@ -310,9 +321,9 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
       return order, inverse, gs, (bm, ce, row0, slot)
   order, inverse = sort_by_group(group_ids)
   m = group_ids.shape[0]
-  from trace_jax.kernels import bf16_mgpu, fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   if ((isinstance(w, PackedWeight) and w.experts and m <= SMALL_SORT)
-      or (_bf16_kernel_weight(w) and m <= min(SMALL_SORT, bf16_mgpu.MAX_ROWS))):
+      or (_bf16_kernel_weight(w, m) and m <= SMALL_SORT)):
     # the grouped kernels' chunk tables here, from group ends counted beside the sizes (one
     # kernel for both instead of a prefix sum after the count)
     g = jnp.arange(num_groups, dtype=group_ids.dtype)[:, None]
