@@ -262,7 +262,7 @@ elif [ "$stage" = hf_load ]; then
   # tokens, B=1 and 32; HF static cache 267 / 1282 tok/s, eager 17.8 / 453): the engine's rows,
   # and with HF_PEER=true HF's own in the same run (the device image's python has torch)
   timeout ${ROWS_TIMEOUT:-560} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l \
-    --batches=32,1 --policies=${POLICIES:-bf16,paper} --paths=kernels --isolate \
+    --batches=${BATCHES:-32,1} --policies=${POLICIES:-bf16,paper} --paths=kernels --isolate \
     --row_timeout=${ROW_TIMEOUT:-150} --prompt_len=64 --new_tokens=128 --repeats=3 \
     --hf_peer=${HF_PEER:-false} --out=$OUT/bench_rollout_12l_hf_load.json 2>&1 \
     | grep -v "^I1\|^W1\|Autotuning cache miss"
