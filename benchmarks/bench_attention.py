@@ -68,6 +68,7 @@ def plot(res: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  plot_live(res, path.removesuffix(".png") + "_live.png")
   rows = [r for r in res["rows"] if r.get("kind", "decode") == "decode" and "us_call" in r]
   if not rows:
     return
@@ -89,6 +90,37 @@ def plot(res: dict, path: str) -> None:
   fig.suptitle(f"decode attention, 32 q / 4 KV heads x 128, {res.get('device_kind', '')} "
                f"jax {res.get('jax_version', '')} {res.get('date', '')} "
                f"{res.get('git_commit', '')}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_live(res: dict, path: str) -> None:
+  """The `--live` rows as a PNG: per (batch, cache slots, live slots), the Mosaic NVFP4 kernel's
+  device time by split count, the bf16-KV kernel's as a line."""
+  rows = [r for r in res["rows"] if r.get("kind") == "decode_live" and "us_kernel" in r]
+  if not rows:
+    return
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  groups = sorted({(r["batch"], r["context"], r["live"]) for r in rows}, key=lambda g: -g[0])
+  fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
+  for ax, (b, s, live) in zip(axes[0], groups):
+    mine = [r for r in rows if (r["batch"], r["context"], r["live"]) == (b, s, live)]
+    fp4 = [r for r in mine if r["kv"] == "nvfp4"]
+    ax.bar([str(r["config"]["splits"]) for r in fp4], [r["us_kernel"] for r in fp4],
+           color="tab:blue", label="NVFP4 KV (Mosaic)")
+    for r in mine:
+      if r["kv"] == "bf16":
+        ax.axhline(r["us_kernel"], color="tab:red", ls="--", label="bf16 KV (Pallas)")
+    ax.set_title(f"B{b}, cache {s}, {live} live", fontsize=10)
+    ax.set_xlabel("splits")
+    ax.set_ylabel("kernel us (lower is better)")
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle(f"decode attention, cache sized past the live context, {res.get('device_kind', '')}"
+               f" jax {res.get('jax_version', '')} {res.get('date', '')} "
+               f"{res.get('git_commit', '')[:7]}", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

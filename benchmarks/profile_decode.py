@@ -30,7 +30,8 @@ HLO_DUMP = tempfile.mkdtemp(prefix="hlo_dump_")
 if "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={HLO_DUMP}"
                              " --xla_dump_hlo_as_text"
-                             " --xla_dump_hlo_module_re=.*generate_program.*").strip()
+                             " --xla_dump_hlo_module_re=jit_(generate_program|prefill_program"
+                             "|_decode)").strip()
 
 import jax
 import numpy as np
@@ -68,9 +69,13 @@ def _scope(args):
 
 
 def optimized_hlo_dumps(dump_dir=HLO_DUMP) -> list[str]:
-  """The generate program's optimized-HLO dump files, smallest first."""
-  return sorted(glob.glob(os.path.join(dump_dir, "*generate_program*after_optimizations.txt")),
-                key=os.path.getsize)
+  """The rollout programs' optimized-HLO dump files (the whole generate program; with decode
+  windows, the prefill and the window programs), smallest first; the decode loop's program
+  last (the window program where there is one)."""
+  files = [f for pat in ("generate_program", "prefill_program", "_decode")
+           for f in glob.glob(os.path.join(dump_dir, f"*jit_{pat}.*after_optimizations.txt"))]
+  return sorted(set(files), key=lambda f: ("jit__decode." in os.path.basename(f),
+                                           os.path.getsize(f)))
 
 
 _INSTR = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]+)"')
@@ -218,7 +223,7 @@ def main():
       out["profile"] = summarize_trace(d, a.new_tokens, sources=hlo_sources())
       if a.hlo_out:
         dumps = optimized_hlo_dumps()
-        if dumps:  # the largest: the whole generate program
+        if dumps:  # the decode loop's program
           with open(dumps[-1]) as src, open(a.hlo_out, "w") as dst:
             dst.write(bench_util.decode_loop_listing(src.read()))
       p = out["profile"]
