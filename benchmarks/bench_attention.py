@@ -87,9 +87,14 @@ def plot(res: dict, path: str) -> None:
     ax.set_xticklabels([f"B{b}\nS{s // 1024}k" for b, s in groups])
     ax.set_title(title, fontsize=10)
   axes[0].legend(fontsize=8)
-  fig.suptitle(f"decode attention, 32 q / 4 KV heads x 128, {res.get('device_kind', '')} "
-               f"jax {res.get('jax_version', '')} {res.get('date', '')} "
-               f"{res.get('git_commit', '')}", fontsize=10)
+  _save(fig, "decode attention, 32 q / 4 KV heads x 128", res, path)
+
+
+def _save(fig, title: str, res: dict, path: str) -> None:
+  """Title a figure with the run's device, jax version, date and commit; write it; close it."""
+  import matplotlib.pyplot as plt
+  fig.suptitle(f"{title}, {res.get('device_kind', '')} jax {res.get('jax_version', '')} "
+               f"{res.get('date', '')} {res.get('git_commit', '')[:7]}", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -118,12 +123,7 @@ def plot_live(res: dict, path: str) -> None:
     ax.set_xlabel("splits")
     ax.set_ylabel("kernel us (lower is better)")
   axes[0][0].legend(fontsize=8)
-  fig.suptitle(f"decode attention, cache sized past the live context, {res.get('device_kind', '')}"
-               f" jax {res.get('jax_version', '')} {res.get('date', '')} "
-               f"{res.get('git_commit', '')[:7]}", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  _save(fig, "decode attention, cache sized past the live context", res, path)
 
 
 def main():
