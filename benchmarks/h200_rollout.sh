@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -343,6 +343,15 @@ elif [ "$stage" = cap_kernels ]; then
   timeout -k 5 ${BF_TIMEOUT:-130} python3 benchmarks/bench_kernels.py --iters 20 \
     --only M8_tokamax,M8_bf16_mgpu,M64_tokamax,M64_bf16_mgpu,M256_tokamax,M256_bf16_mgpu \
     --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -14
+elif [ "$stage" = cap_profile ]; then
+  # (for session 14) where the 8k-capacity FP4 step goes at full depth: session 13's 48-layer
+  # row took 40.0 ms a step where the 4-layer profile at its batch predicts ~34. LAYERS (48),
+  # BATCH (272); the decode-window program's kernels are named by source (its optimized HLO)
+  timeout -k 5 ${PROFILE_TIMEOUT:-560} python3 benchmarks/profile_decode.py \
+    --layers ${LAYERS:-48} --policy paper --path kernels --batch ${BATCH:-272} \
+    --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 128 --repeats 1 \
+    --hlo_out $OUT/decode_loop_kernels_cap.txt --out $OUT/profile_decode_cap_${LAYERS:-48}l.json \
+    2>&1 | grep -v "^I1\|^W1" | tail -70
 elif [ "$stage" = s13_final ]; then
   # (session 13) after the attention splits, the combine in the kernel's layout and the bf16
   # grouped kernel as the default up to 256 rows: the Mosaic attention tests against the
