@@ -162,8 +162,8 @@ def test_combine_splits_equals_softmax():
     o.append(pj @ vals[j:j + width])
     m.append(mj)
     l.append(pj.sum(1))
-  got = np.asarray(AP.combine_splits(jnp.asarray(np.stack(o)), jnp.asarray(np.stack(m)),
-                                     jnp.asarray(np.stack(l))))
+  got = np.asarray(AP.combine_splits(jnp.asarray(np.stack(o)), jnp.asarray(np.stack(m))[..., None],
+                                     jnp.asarray(np.stack(l))[..., None], axis=0))
   sm = np.where(allowed, s, -1e300)
   p = np.where(allowed, np.exp(sm - sm.max(1, keepdims=True)), 0.0)
   want = (p / np.maximum(p.sum(1, keepdims=True), 1e-300)) @ vals  # row 1: 0

@@ -28,9 +28,8 @@ per KV head; other shapes use `attention_pallas`):
 - V step: V decoded the same way, stored bf16 to SMEM; O^T[64 hd, 16] += V^T (SMEM,
   transposed A) @ P'^T (SMEM, `[64 tokens, 16]`), with P' = p * g_v * 2**8 (the V row factor
   varies along the contraction, so it rides on the probabilities: rounded to bf16 there).
-- per split: unnormalized O^T, running max and sum; the wrapper merges them by
-  `attention_pallas.combine_splits`' rule in the kernel's layout (splits past the live tiles
-  skipped).
+- per split: unnormalized O^T, running max and sum; `attention_pallas.combine_splits` merges
+  them in the kernel's layout (splits past the live tiles masked out).
 
 Mosaic constraints behind this shape (jax 0.11.2, found by lowering for CUDA on CPU): a
 wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided slice does not
@@ -65,6 +64,7 @@ import numpy as np
 
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
+from trace_jax.kernels.attention_pallas import combine_splits
 from trace_jax.quant import e2m1
 
 NUM_SMS = 132  # H200
@@ -559,19 +559,16 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
                                             stages=stages, overlap=overlap,
                                             k_factor=float(2 ** ROW_SHIFT * scale),
                                             v_factor=float(2 ** ROW_SHIFT))
-  # The combine (`combine_splits`' rule) reduces over the splits in the kernel's own layout,
-  # [B, n, 4, 2, 64 physical, 16]: the splits axis is major, so the reduction reads o once in
-  # order; only its result, n times smaller, is transposed to logical head_dim order. (Reducing
-  # after the transposition: a loop reduce fusion of 37 us a layer appeared in the H200 profile
-  # at B = 276 with 16 splits, session 13.) Splits the kernel did not write drop out (selected
-  # away, never multiplied: their memory may hold NaN).
-  live = live_splits(kt, split_tiles, n_splits)[:, :, None, None]  # [B, n, 1, 1]
-  m = jnp.where(live, ml[:, :, :, 0], R.NEG)  # [B, n, 4, 16]
-  l = jnp.where(live, ml[:, :, :, 1], 0.0)
-  w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))
-  den = jnp.sum(w * l, axis=1)[:, :, None, None, :]  # [B, 4, 1, 1, 16]
-  num = jnp.sum(jnp.where(live[..., None, None], o, 0.0) * w[:, :, :, None, None, :], axis=1)
-  out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)  # [B, 4, 2, 64, 16]
+  # The combine reduces over the splits in the kernel's own layout, [B, n, 4, 2, 64 physical,
+  # 16]: the splits axis is major, so the reduction reads o once in order; only its result, n
+  # times smaller, is transposed to logical head_dim order. (Reducing after the transposition:
+  # a loop reduce fusion of 37 us a layer appeared in the H200 profile at B = 276 with 16
+  # splits, session 13.) Splits the kernel did not write drop out (selected away, never
+  # multiplied: their memory may hold NaN).
+  live = live_splits(kt, split_tiles, n_splits)[:, :, None, None, None, None]  # [B, n, 1 x 4]
+  m = jnp.where(live, ml[:, :, :, None, None, 0], R.NEG)  # [B, n, 4, 1, 1, 16]
+  l = jnp.where(live, ml[:, :, :, None, None, 1], 0.0)
+  out = combine_splits(jnp.where(live, o, 0.0), m, l, axis=1)  # [B, 4, 2, 64, 16]
   # [B, 4, 2, 64 physical, 16] -> [B, 4 x g, 128 logical]: the real query heads only
   out = out[..., :g].reshape(b, kvh, 2, *_HALF_AXES, g)
   out = out.transpose(0, 1, 7, 2, *(3 + a for a in _HALF_TO_LOGICAL))

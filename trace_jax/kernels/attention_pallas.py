@@ -104,15 +104,16 @@ def _split_q(q, kvh: int, gp: int, parts: int) -> jax.Array:
   return jnp.stack([qg[..., 0::2], qg[..., 1::2]], axis=2)
 
 
-def combine_splits(o, m, l):
-  """Merge split-K partials: o `[..., n, Gp, D]` unnormalized sums `sum_j exp(s_j - m) v_j`,
-  m `[..., n, Gp]` running maxima, l `[..., n, Gp]` sums `sum_j exp(s_j - m)`. Splits without
-  a valid slot carry l = 0 and m = -1e30 and drop out; rows without any give 0."""
-  mx = jnp.max(m, axis=-2, keepdims=True)
-  w = jnp.exp(m - mx)
-  den = jnp.sum(w * l, axis=-2)
-  num = jnp.sum(w[..., None] * o, axis=-3)
-  return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+def combine_splits(o, m, l, axis: int):
+  """Merge split-K partials along `axis`: o unnormalized sums `sum_j exp(s_j - m) v_j`, m
+  running maxima, l sums `sum_j exp(s_j - m)`; m and l of o's rank, size 1 on the axes of the
+  values themselves (e.g. o `[..., n, Gp, D]`, m `[..., n, Gp, 1]`), so each kernel merges its
+  partials in the layout it writes them. Splits without a valid slot carry l = 0 and
+  m = -1e30 and drop out; rows without any give 0."""
+  w = jnp.exp(m - jnp.max(m, axis=axis, keepdims=True))
+  den = jnp.sum(w * l, axis=axis)
+  num = jnp.sum(w * o, axis=axis)
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
 # --------------------------------------------------------------------------- the kernel
@@ -284,7 +285,8 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
       name=f"decode_attention_{fmt.name if fmt else 'bf16'}",
   )(kv_len, valid8, qk, *k_ops, *v_ops)
   # [B, KVH, n, P, Gp, W] -> merge splits -> [B, KVH, Gp, W, P] (interleave even/odd)
-  out = combine_splits(jnp.moveaxis(o, 3, 2), m[:, :, None], l[:, :, None])  # [B, KVH, P, Gp, W]
+  out = combine_splits(jnp.moveaxis(o, 3, 2), m[:, :, None, ..., None], l[:, :, None, ..., None],
+                       axis=3)  # [B, KVH, P, Gp, W]
   out = jnp.moveaxis(out, 2, -1).reshape(b, kvh, gp, hd)[:, :, :h // kvh]
   return out.reshape(b, h, hd).astype(out_dtype)
 
