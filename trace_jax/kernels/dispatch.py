@@ -238,10 +238,10 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     from trace_jax.kernels import fp4_mgpu
     return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
                                    config=config, rows=rows, out_rows=out_rows, tables=tables)
-  if (_bf16_kernel_weight(w, (x if rows is None else rows).shape[0])
-      and _xla_gpu_ok(x, w, use_kernel)):
+  lhs_rows = x if rows is None else rows  # what the kernel's row count and checks see
+  if _bf16_kernel_weight(w, lhs_rows.shape[0]) and _xla_gpu_ok(x, w, use_kernel):
     from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
-    if bf16_mgpu.kernel_supported(x if rows is None else rows, w, group_sizes) is None:
+    if bf16_mgpu.kernel_supported(lhs_rows, w, group_sizes) is None:
       bm, arrays = (None, None) if tables is None else (tables[0], tables[1:])
       return _bf16_grouped(x, w, group_sizes, rows, out_rows, arrays, bm=bm,
                            out_dtype=_out_dtype(x, out_dtype))
@@ -321,11 +321,11 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
       return order, inverse, gs, (bm, ce, row0, slot)
   order, inverse = sort_by_group(group_ids)
   m = group_ids.shape[0]
-  from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
-  if ((isinstance(w, PackedWeight) and w.experts and m <= SMALL_SORT)
-      or (_bf16_kernel_weight(w, m) and m <= SMALL_SORT)):
+  if m <= SMALL_SORT and ((isinstance(w, PackedWeight) and w.experts)
+                          or _bf16_kernel_weight(w, m)):
     # the grouped kernels' chunk tables here, from group ends counted beside the sizes (one
     # kernel for both instead of a prefix sum after the count)
+    from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
     g = jnp.arange(num_groups, dtype=group_ids.dtype)[:, None]
     sizes = count_by_group(group_ids, num_groups)
     ends = jnp.sum(group_ids[None, :] <= g, axis=1, dtype=jnp.int32)
