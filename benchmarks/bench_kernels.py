@@ -168,27 +168,28 @@ def main():
            ("attn_o_4096x2048", 4096, 2048, (1, 16, 64))]
   if args.quick:
     dense = [("ffn_8192x28672", 8192, 28672, (16,)), ("attn_q_2048x4096", 2048, 4096, (1,))]
-  dense_variants = ("xla_bf16", "xla_bf16_engine", "nvfp4", "mxfp4", "nvfp4_kb8")
+  def dense_variants(k, n, b):
+    """The rows of one dense shape and batch."""
+    big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
+    return (["xla_bf16"]
+            + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
+            + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
+            + (["nvfp4_kb8"] if big and b != 64 else []))  # kb=8, 64-row chunks: over SMEM
+
   for sname, k, n, bs in dense:
-    if not any(want(f"{sname}_B{b}_{v}") for b in bs for v in dense_variants):
+    if not any(want(f"{sname}_B{b}_{v}") for b in bs for v in dense_variants(k, n, b)):
       continue  # no row of this shape asked for: skip its weights (seconds of setup each)
     w = jax.random.normal(nk(), (k, n), jnp.float32) * 0.02
     wb = w.astype(jnp.bfloat16)
     qs = {fmt: quantize(w, fmt, axis=0, validate=False) for fmt in ("nvfp4", "mxfp4")}
     pws = {fmt: kernels.prepare_weight(q) for fmt, q in qs.items()}
-    variants = ["xla_bf16", "xla_bf16_engine", "nvfp4", "mxfp4"]
-    if k * n >= 2**27 and not args.quick:  # the big FFN shape: also kb=8 steps (2 stages)
+    if any("nvfp4_kb8" in dense_variants(k, n, b) for b in bs):
       pws["nvfp4_kb8"] = kernels.prepare_weight(qs["nvfp4"], kb=8)
       qs["nvfp4_kb8"] = qs["nvfp4"]
-      variants.append("nvfp4_kb8")
     for b in bs:
       x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
       base = None
-      for var in variants:
-        if var == "nvfp4_kb8" and b == 64:
-          continue  # kb=8 with 64-row chunks does not fit SMEM
-        if var == "xla_bf16_engine" and b != 1:
-          continue  # the engine's bf16 product differs from `x @ w` at one row only
+      for var in dense_variants(k, n, b):
         name = f"{sname}_B{b}_{var}"
         if not want(name):
           continue
@@ -236,13 +237,22 @@ def main():
              ("moe_down_E128_K768_N2048", 128, 768, 2048, (8, 64, 256, 512, 2208))]
   if args.quick:
     grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (256,))]
-  # every grouped variant name the loop below can make (a superset): a shape or size none of
-  # whose rows is asked for is skipped before its setup
-  grouped_variants = (["xla_bf16", "tokamax_bf16", "bf16_mgpu", "nvfp4_auto", "nvfp4", "nvfp4_s1",
-                       "nvfp4_s2", "mxfp4"] + [f"nvfp4_in{d}" for d in range(2, 9)]
-                      + [f"nvfp4_auto_bm{b}" for b in fp4_mgpu.BM_CHOICES])
+  def grouped_variants(e, n, m):
+    """The rows of one expert shape and row count. nvfp4_auto: the engine's choice
+    (fp4_mgpu.grouped_parallelism); nvfp4[_inD][_sS]: D column tiles per CTA (default 1), S K
+    splits (default: the rule's for that D); nvfp4_auto_bmR: R rows per chunk."""
+    n_tiles = -(-n // 256)
+    inner = sorted({d for d in (2, 4, n_tiles) if n_tiles % d == 0 and d > 1})
+    return (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
+            + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else [])
+            + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
+            + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"]
+            + ([f"nvfp4_auto_bm{b}" for b in fp4_mgpu.BM_CHOICES
+                if b != fp4_mgpu.grouped_bm(m, e)] if 1024 <= m <= 4096 else []))
+
   for sname, e, k, n, ms in grouped:
-    ms = [m for m in ms if any(want(f"{sname}_M{m}_{v}") for v in grouped_variants)]
+    # sizes none of whose rows is asked for are skipped before their setup
+    ms = [m for m in ms if any(want(f"{sname}_M{m}_{v}") for v in grouped_variants(e, n, m))]
     if not ms:
       continue
     w = jax.random.normal(nk(), (e, k, n), jnp.float32) * 0.02
@@ -260,17 +270,7 @@ def main():
       nonempty = int(jnp.sum(gs > 0))
       x = jax.random.normal(nk(), (m, k), jnp.float32).astype(jnp.bfloat16)
       base = tok = None
-      n_tiles = -(-n // 256)
-      inner = sorted({d for d in (2, 4, n_tiles) if n_tiles % d == 0 and d > 1})
-      # nvfp4_auto: the engine's choice (fp4_mgpu.grouped_parallelism); nvfp4[_inD][_sS]:
-      # D column tiles per CTA (default 1), S K splits (default: the rule's for that D)
-      variants = (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
-                  + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else [])
-                  + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
-                  + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"]
-                  + ([f"nvfp4_auto_bm{b}" for b in fp4_mgpu.BM_CHOICES
-                      if b != fp4_mgpu.grouped_bm(m, e)] if 1024 <= m <= 4096 else []))
-      for var in variants:
+      for var in grouped_variants(e, n, m):
         name = f"{sname}_M{m}_{var}"
         if not want(name):
           continue

@@ -20,6 +20,21 @@ if [ "${stage%_inner}" != "$stage" ]; then stage=${stage%_inner}; inner=1; else 
 [ $inner = 1 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94
+# the FP4 decode step at the 8k-capacity shape (prompt 512, cache for 7,680 new tokens, 256
+# generated in windows of 128): LAYERS BATCH POLICY TIMEOUT [more profile_decode.py flags]
+cap_shape_profile() {
+  local layers=$1 batch=$2 policy=$3 limit=$4; shift 4
+  timeout -k 5 $limit python3 benchmarks/profile_decode.py --layers $layers --policy $policy \
+    --path kernels --batch $batch --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 \
+    --decode_chunk 128 --repeats 1 "$@" 2>&1 | grep -v "^I1\|^W1"
+}
+# the bf16 grouped kernel's GPU tests (log under $OUT): TIMEOUT
+bf16_grouped_tests() {
+  JAX_PLATFORMS=cuda timeout -k 5 $1 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+    tests/kernels/test_kernels_gpu.py -k "bf16_grouped" > $OUT/test_bf16_grouped_gpu.txt 2>&1
+  echo "bf16 grouped tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_bf16_grouped_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 [ "$stage" = smoke ] && python3 - <<'PY' 2>&1 | tail -4
 import jax, jax.numpy as jnp, numpy as np
@@ -292,10 +307,7 @@ elif [ "$stage" = bf16_grouped ]; then
   # an H200 on CPU, never run): its GPU tests, its kernel rows beside tokamax's at 8 / 64 / 256 /
   # 512 rows, then the 12-layer BF16 engine at HF's load (B 1 and 32) with it, against the
   # default (tokamax: 758.5 tok/s at B=1 in session 12, HF static 279.9 in the same run)
-  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:xdist \
-    -o addopts="" tests/kernels/test_kernels_gpu.py -k "bf16_grouped" \
-    > $OUT/test_bf16_grouped_gpu.txt 2>&1; echo "bf16 grouped tests rc=$?"
-  grep -v "^I1\|^W1" $OUT/test_bf16_grouped_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
+  bf16_grouped_tests ${KTEST_TIMEOUT:-200}
   timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 \
     --only ${KERNEL_ROWS:-tokamax_bf16,bf16_mgpu} --out $OUT \
     2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -20
@@ -318,11 +330,8 @@ elif [ "$stage" = live ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048,64x1024x768} \
     --budget_s $(( ${BENCH_TIMEOUT:-200} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | tail -30
-  timeout -k 5 ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_decode.py --layers 4 \
-    --policy ${PROFILE_POLICY:-paper} --path kernels --batch ${PROFILE_BATCH:-276} \
-    --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 128 --repeats 1 \
-    --hlo_out $OUT/decode_loop_kernels_live.txt --out $OUT/profile_decode_live.json 2>&1 \
-    | grep -v "^I1\|^W1" | tail -60
+  cap_shape_profile 4 ${PROFILE_BATCH:-276} ${PROFILE_POLICY:-paper} ${PROFILE_TIMEOUT:-240} \
+    --hlo_out $OUT/decode_loop_kernels_live.txt --out $OUT/profile_decode_live.json | tail -60
 elif [ "$stage" = cap_kernels ]; then
   # (session 13) the grouped FP4 kernel at the capacity rollout's 2,208 rows (168 us a call in
   # its profile: 2.5x the 512-row call) with its rows-per-chunk choices, the capacity-shaped
@@ -332,14 +341,9 @@ elif [ "$stage" = cap_kernels ]; then
     --only ${KERNEL_ROWS:-M2208_tokamax,M2208_nvfp4,M2208_mxfp4} --out $OUT 2>&1 \
     | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -14
   mv $OUT/bench_kernels.json $OUT/bench_kernels_m2208.json 2>/dev/null
-  timeout -k 5 ${PROFILE_TIMEOUT:-190} python3 benchmarks/profile_decode.py --layers 4 \
-    --policy paper --path kernels --batch 276 --prompt_len 512 --new_tokens 256 \
-    --cache_new_tokens 7680 --decode_chunk 128 --repeats 1 \
-    --out $OUT/profile_decode_live.json 2>&1 | grep -v "^I1\|^W1" | grep -v "^  loop" | tail -22
-  JAX_PLATFORMS=cuda timeout -k 5 ${KTEST_TIMEOUT:-110} python3 -m pytest -q -m gpu -p no:xdist \
-    -o addopts="" tests/kernels/test_kernels_gpu.py -k "bf16_grouped" \
-    > $OUT/test_bf16_grouped_gpu.txt 2>&1; echo "bf16 grouped tests rc=$?"
-  grep -v "^I1\|^W1" $OUT/test_bf16_grouped_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
+  cap_shape_profile 4 276 paper ${PROFILE_TIMEOUT:-190} --out $OUT/profile_decode_live.json \
+    | grep -v "^  loop" | tail -22
+  bf16_grouped_tests ${KTEST_TIMEOUT:-110}
   timeout -k 5 ${BF_TIMEOUT:-130} python3 benchmarks/bench_kernels.py --iters 20 \
     --only M8_tokamax,M8_bf16_mgpu,M64_tokamax,M64_bf16_mgpu,M256_tokamax,M256_bf16_mgpu \
     --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -14
@@ -347,11 +351,9 @@ elif [ "$stage" = cap_profile ]; then
   # (for session 14) where the 8k-capacity FP4 step goes at full depth: session 13's 48-layer
   # row took 40.0 ms a step where the 4-layer profile at its batch predicts ~34. LAYERS (48),
   # BATCH (272); the decode-window program's kernels are named by source (its optimized HLO)
-  timeout -k 5 ${PROFILE_TIMEOUT:-560} python3 benchmarks/profile_decode.py \
-    --layers ${LAYERS:-48} --policy paper --path kernels --batch ${BATCH:-272} \
-    --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 128 --repeats 1 \
+  cap_shape_profile ${LAYERS:-48} ${BATCH:-272} paper ${PROFILE_TIMEOUT:-560} \
     --hlo_out $OUT/decode_loop_kernels_cap.txt --out $OUT/profile_decode_cap_${LAYERS:-48}l.json \
-    2>&1 | grep -v "^I1\|^W1" | tail -70
+    | tail -70
 elif [ "$stage" = s13_final ]; then
   # (session 13) after the attention splits, the combine in the kernel's layout and the bf16
   # grouped kernel as the default up to 256 rows: the Mosaic attention tests against the
