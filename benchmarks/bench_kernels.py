@@ -63,6 +63,8 @@ def main():
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--hang_s", type=float, default=90)
   ap.add_argument("--only", default="", help="comma list of row-name substrings to run")
+  ap.add_argument("--grouped_rows", default="",
+                  help="comma list of more row counts for both expert shapes (e.g. 3072,4096)")
   ap.add_argument("--dry", action="store_true",
                   help="CPU with jax-cuda13-plugin: only lower every variant for cuda")
   args = ap.parse_args()
@@ -237,6 +239,9 @@ def main():
              ("moe_down_E128_K768_N2048", 128, 768, 2048, (8, 64, 256, 512, 2208))]
   if args.quick:
     grouped = [("moe_gateup_E128_K2048_N1536", 128, 2048, 1536, (256,))]
+  more = tuple(int(m) for m in args.grouped_rows.split(",") if m)
+  grouped = [(sname, e, k, n, ms + tuple(m for m in more if m not in ms))
+             for sname, e, k, n, ms in grouped]
   def grouped_variants(e, n, m):
     """The rows of one expert shape and row count. nvfp4_auto: the engine's choice
     (fp4_mgpu.grouped_parallelism); nvfp4[_inD][_sS]: D column tiles per CTA (default 1), S K

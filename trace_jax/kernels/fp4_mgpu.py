@@ -483,8 +483,13 @@ def _count_le(edges: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def grouped_bm(m: int, e: int) -> int:
-  """The grouped kernel's rows per chunk for m rows over e experts."""
-  return pick_bm(max(1, -(-m // e)) * 2)
+  """The grouped kernel's rows per chunk for m rows over e experts: the chunk that holds a
+  group of the mean size and its start's misalignment (up to 7 rows: chunks start on a
+  multiple of 8). Wider chunks waste MMA columns, narrower ones decode the expert's weights once
+  more per extra chunk. H200, 30B-A3B experts, 2,208 rows (17.3 a group), kernel us for bm
+  16/32/64: gate+up 133.9/88.5/109.5, down 75.1/-/87.4 (benchmarks/results/
+  session14_h200_2026-12-01); the rule before (twice the mean) gave 64 there."""
+  return pick_bm(max(1, -(-m // e)) + 8)
 
 
 def chunk_count(m: int, e: int, bm: int) -> int:
