@@ -483,13 +483,16 @@ def _count_le(edges: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def grouped_bm(m: int, e: int) -> int:
-  """The grouped kernel's rows per chunk for m rows over e experts: the chunk that holds a
-  group of the mean size and its start's misalignment (up to 7 rows: chunks start on a
-  multiple of 8). Wider chunks waste MMA columns, narrower ones decode the expert's weights once
-  more per extra chunk. H200, 30B-A3B experts, 2,208 rows (17.3 a group), kernel us for bm
-  16/32/64: gate+up 133.9/88.5/109.5, down 75.1/-/87.4 (benchmarks/results/
-  session14_h200_2026-12-01); the rule before (twice the mean) gave 64 there."""
-  return pick_bm(max(1, -(-m // e)) + 8)
+  """The grouped kernel's rows per chunk for m rows over e experts: a chunk that holds a group
+  of the mean size, a quarter more (the spread of group sizes) and the start's misalignment
+  (chunks start on a multiple of 8) in one piece. Wider chunks waste MMA columns, narrower ones
+  decode an expert's weights once more per extra chunk. The constants fit these H200 figures
+  (30B-A3B experts, kernel us for bm 16/32/64; benchmarks/results/session14_h200_2026-12-01):
+  gate+up 2,208 rows (17.3 a group) 135.0/89.7/110.2, 3,072 rows 198.1/167.2/112.5, 4,096 rows
+  199.9/164.7/114.6; down 2,208 rows 75.1/-/87.4. With 128 experts it differs from the rule
+  before (twice the mean: 64) only at 2,049-2,688 rows."""
+  mean = max(1, -(-m // e))
+  return pick_bm(mean + mean // 4 + 6)
 
 
 def chunk_count(m: int, e: int, bm: int) -> int:
