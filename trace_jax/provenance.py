@@ -29,4 +29,5 @@ def run_info() -> dict:
   return dict(date=datetime.date.today().isoformat(), device=str(dev),
               device_kind=dev.device_kind,
               platform=platform.platform(), jax_version=jax.__version__,
-              git_commit=git_commit(), command=" ".join([sys.executable] + sys.argv))
+              git_commit=git_commit(), command=" ".join([sys.executable] + sys.argv),
+              xla_flags=os.environ.get("XLA_FLAGS", ""))

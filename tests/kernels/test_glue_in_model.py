@@ -23,7 +23,9 @@ PATCHES = {
 }
 
 
-@pytest.mark.parametrize("names", [("append_kv",), ("quantize_rows",),
+# each kernel alone is slow-marked (CI runs it): "both" covers the two in the default suite
+@pytest.mark.parametrize("names", [pytest.param(("append_kv",), marks=pytest.mark.slow),
+                                   pytest.param(("quantize_rows",), marks=pytest.mark.slow),
                                    ("append_kv", "quantize_rows")],
                          ids=["kv_append", "row_quant", "both"])
 def test_model_with_kernels_is_bitwise_the_xla_path(monkeypatch, names):

@@ -62,7 +62,9 @@ def _two_steps(step, state, batch):
   return state, metrics
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, EP_LAYOUT])
+# one layout per test in the default suite (the rollout test below takes the other); CI runs
+# the slow-marked ones too
+@pytest.mark.parametrize("layout", [LAYOUT, pytest.param(EP_LAYOUT, marks=pytest.mark.slow)])
 def test_sharded_train_step_equals_single_device(layout):
   rewards = (np.arange(16) % 3 == 0).astype(np.float32)
   batch = rl.batch_from_rollout(_rollout(), rewards, GROUP, RL_CFG)

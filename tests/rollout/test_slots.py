@@ -35,7 +35,7 @@ def _reference(eng, r: SlotRequest):
   return np.asarray(ro.completion)[0][m].tolist(), np.asarray(ro.logprobs)[0][m]
 
 
-@pytest.mark.parametrize("preset", ["bf16", "paper"])
+@pytest.mark.parametrize("preset", [pytest.param("bf16", marks=pytest.mark.slow), "paper"])
 def test_staggered_requests_decode_the_engines_tokens(preset):
   eng = _engine(preset)
   stop_prompt = (1, 2, 3)

@@ -209,9 +209,11 @@ class MoE(nn.Module):
     n = b * t
     xf = x.reshape(n, d)
 
-    # Router (kept in float32: tiny, and routing flips are what R3 guards against).
+    # Router (kept in float32: tiny, and routing flips are what R3 guards against). HIGHEST:
+    # XLA's default precision rounds f32 dot operands to TF32 on Hopper GPUs (CPU ignores it).
     w_r = _param(self, "router/kernel", _INIT, (d, e))
-    logits = jnp.dot(xf.astype(jnp.float32), w_r.astype(jnp.float32))  # [N, E]
+    logits = jnp.dot(xf.astype(jnp.float32), w_r.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1)
     if replay_routes is None:
       # top_k's values are the gate weights (its derivative gathers the probabilities' at idx,
@@ -263,7 +265,8 @@ class MoE(nn.Module):
           x, guidance, records).reshape(n, d)
       if c.shared_expert_gate:
         gate = jnp.dot(xf.astype(jnp.float32),
-                       _param(self, "shared_gate", _INIT, (d, 1)).astype(jnp.float32))
+                       _param(self, "shared_gate", _INIT, (d, 1)).astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
         shared = shared * jax.nn.sigmoid(gate).astype(dt)
       out = out + shared
     return out.reshape(b, t, d), idx.reshape(b, t, k), aux_loss, z_loss, dropped
