@@ -313,6 +313,7 @@ def main():
                 cfg["splits"] = int(o[1:])
             k_steps = pws[fmt].k_pad // (64 * pws[fmt].kb)
             row["config"] = cfg
+            row["bm"] = cfg.get("bm") or fp4_mgpu.grouped_bm(m, e)  # rows per chunk it ran
             row["n_inner_splits"] = fp4_mgpu.grouped_parallelism(
                 min(m, e), pws[fmt].n_pad // 256, k_steps, cfg.get("n_inner"), cfg.get("splits"))
             pw, q = pws[fmt], qs[fmt]

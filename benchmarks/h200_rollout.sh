@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | cmdbuf), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -354,16 +354,19 @@ elif [ "$stage" = cap_profile ]; then
   cap_shape_profile ${LAYERS:-48} ${BATCH:-272} paper ${PROFILE_TIMEOUT:-560} \
     --hlo_out $OUT/decode_loop_kernels_cap.txt --out $OUT/profile_decode_cap_${LAYERS:-48}l.json \
     | tail -70
-elif [ "$stage" = cmdbuf ]; then
-  # (for session 15) the GPU between kernels: session 14's 48-layer capacity profile summed ~23
-  # ms of decode kernels against a 30.6 ms step (~37 kernels a layer). The capacity-shaped step
-  # (LAYERS, default 12; B 276) with XLA's default command buffers, then with while loops and
-  # custom calls (the Mosaic kernels) captured too, then (CMDBUF_EXTRA) anything else to try
-  for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" ${CMDBUF_EXTRA:+"$CMDBUF_EXTRA"}; do
-    tag=$(echo "${flags:-default}" | md5sum | cut -c1-6)
-    echo "== XLA_FLAGS: ${flags:-(default)} [$tag]"
-    XLA_FLAGS="$flags" cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
-      --out $OUT/profile_decode_cmdbuf_$tag.json | grep "guidance_on\|decode loop\|device kernel"
+elif [ "$stage" = step_ab ]; then
+  # (for session 15) the capacity-shaped FP4 decode step (LAYERS, default 12; B 276) under each
+  # setting of STEP_AB (';'-separated shell assignments). Session 14's 48-layer capacity profile
+  # summed ~23 ms of decode kernels against a 30.6 ms step (~37 kernels a layer), and the split
+  # combine read 16 splits' partials a row with 1-2 live. Default: as is; XLA's command buffers
+  # also capturing while loops and custom calls (the Mosaic kernels); splits of <= 16 tiles
+  IFS=';' read -ra settings <<< "${STEP_AB:-AB=baseline;XLA_FLAGS='--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1';TRACE_JAX_ATTN_MAX_SPLIT_TILES=16}"
+  for setting in "${settings[@]}"; do
+    tag=$(echo "$setting" | md5sum | cut -c1-6)
+    echo "== $setting [$tag]"
+    ( eval "export $setting"
+      cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
+        --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
   done
 elif [ "$stage" = s13_final ]; then
   # (session 13) after the attention splits, the combine in the kernel's layout and the bf16

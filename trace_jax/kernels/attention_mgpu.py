@@ -57,6 +57,7 @@ Mosaic imports happen inside the functions: the module imports on CPU.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -499,7 +500,9 @@ def live_splits(kt, split_tiles: int, n_splits: int) -> jax.Array:
   return (first[None, :] < kt[:, None]) | (jnp.arange(n_splits) == 0)[None, :]
 
 
-MAX_SPLIT_TILES = 8  # 512 slots: see default_splits
+# 512 slots: see default_splits. TRACE_JAX_ATTN_MAX_SPLIT_TILES: another bound (A/B runs; the
+# combine reads every split's partials, live or not: 16 splits x 32 KB a row at B 264)
+MAX_SPLIT_TILES = int(os.environ.get("TRACE_JAX_ATTN_MAX_SPLIT_TILES", "8"))
 
 
 def default_splits(b: int, s: int) -> int:
