@@ -46,10 +46,11 @@ def test_launcher_one_line_errors(tmp_path):
 @pytest.mark.slow  # ~2-5 min on 2 cores; CI runs it (.ci/run's second command)
 def test_rl_raises_reward_on_tiny_addition(tmp_path):
   """SFT warm start to ~30%, then 100 GRPO steps with FP4 TRACE rollouts: the training reward
-  and the held-out pass rate (the 500 problems the SFT stage scored) both rise."""
+  and the held-out pass rate (on the problems the SFT stage scored, 500) both rise."""
   cfg = _small_config(**{"sft.max_steps": 600, "total_steps": 100,
                          "rollout.prompts_per_step": 32, "rollout.samples_per_prompt": 8,
-                         "eval.every": 100, "eval.size": 500, "checkpoint.every": 100})
+                         "eval.every": 100, "checkpoint.every": 100})
+  cfg.eval.size = n_eval = cfg.sft.eval_size  # the problems the SFT stage scored (the first n)
   rows = loop.run(cfg, str(tmp_path), log=lambda *_: None)
   rewards = np.array([r["reward/mean"] for r in rows])
   a, b = rewards[:15], rewards[-15:]
@@ -65,7 +66,7 @@ def test_rl_raises_reward_on_tiny_addition(tmp_path):
     metrics = [json.loads(line) for line in f]
   p0 = metrics[0]["sft/pass_rate"]
   p1 = [m["eval/pass_rate"] for m in metrics if "eval/pass_rate" in m][-1]
-  se_pass = np.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / 500)  # binomial, unpaired (conservative)
+  se_pass = np.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n_eval)  # binomial, unpaired (conservative)
   print(f"reward first 15 steps {a.mean():.3f} -> last 15 {b.mean():.3f} (se {se:.4f}); "
         f"held-out pass rate {p0:.3f} after SFT -> {p1:.3f} after RL (se {se_pass:.4f})")
   assert p0 >= 0.3
