@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -368,6 +368,16 @@ elif [ "$stage" = step_ab ]; then
       cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
         --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
   done
+elif [ "$stage" = s15 ]; then
+  # (session 15) after step_ab (XLA command buffers 7.20 -> 5.06 ms a step, splits of <= 16
+  # tiles 7.20 -> 6.19 at 12 layers, B 276; both now defaults): the engine's GPU test (same
+  # rollout with and without command buffers), then the 8k-capacity FP4 row (48 layers)
+  JAX_PLATFORMS=cuda timeout -k 5 ${ETEST_TIMEOUT:-150} python3 -m pytest -q -m gpu \
+    -p no:xdist -o addopts="" tests/rollout/test_engine_gpu.py > $OUT/test_engine_gpu.txt 2>&1
+  echo "engine gpu test rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_engine_gpu.txt | grep -E "Error|assert|passed|failed" | tail -6
+  ROWS_TIMEOUT=${CAP_TIMEOUT:-380} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-380} - 10 )) GEN=2048 \
+    bash $0 cap8k_inner | tail -5
 elif [ "$stage" = s13_final ]; then
   # (session 13) after the attention splits, the combine in the kernel's layout and the bf16
   # grouped kernel as the default up to 256 rows: the Mosaic attention tests against the

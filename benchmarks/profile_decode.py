@@ -190,6 +190,8 @@ def main():
                   help="the engine's max_new_tokens (cache and arrays sized for prompt + this; "
                        "0: --new_tokens): a capacity-shaped rollout generates fewer")
   ap.add_argument("--decode_chunk", type=int, default=0, help="the engine's decode windows")
+  ap.add_argument("--no_command_buffers", action="store_true",
+                  help="XLA's default command buffers, not the engine's (GPU_COMMAND_BUFFERS)")
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--guidance_cost", action="store_true",
                   help="also time the same engine with guidance recording off (one more compile)")
@@ -209,7 +211,8 @@ def main():
   for rec in guidance:
     eng = RolloutEngine(cfg, policy, max_new_tokens=cache_new, prompt_bucket=a.prompt_len,
                         record_guidance=rec, use_kernels=a.path == "kernels",
-                        decode_chunk=a.decode_chunk)
+                        decode_chunk=a.decode_chunk,
+                        command_buffers=False if a.no_command_buffers else None)
     eng.sync(params)
     if rec is guidance[-1]:
       # the last engine: free the bf16 master (61 GB at 48 layers), which a capacity-sized

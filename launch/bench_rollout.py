@@ -46,6 +46,9 @@ flags.DEFINE_integer("repeats", 3, "Timed repetitions (median reported).")
 flags.DEFINE_float("bandwidth", 4.27e12, "Device read bandwidth for the floor, bytes/s (H200).")
 flags.DEFINE_boolean("hf_peer", True, "Also time HF transformers generate (eager, static cache).")
 flags.DEFINE_boolean("record_guidance", True, "Record TRACE guidance as RL rollouts do.")
+flags.DEFINE_bool("command_buffers", True, "Compile the rollout programs with XLA command "
+                  "buffers (RolloutEngine(command_buffers=), its GPU default); false: XLA's "
+                  "default capture.")
 flags.DEFINE_integer("decode_chunk", 0, "Decode windows (guidance moved to host memory per "
                      "window, RolloutEngine(decode_chunk=)); 0: one program.")
 flags.DEFINE_boolean("resync", True, "Time a re-sync of new master values (needs the master, "
@@ -111,7 +114,8 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   _log(f"master weights made ({config.num_layers} layers, {FLAGS.init_dtype})")
   engine = RolloutEngine(config, policy, max_new_tokens=FLAGS.new_tokens,
                          prompt_bucket=FLAGS.prompt_len, record_guidance=FLAGS.record_guidance,
-                         use_kernels=path == "kernels", decode_chunk=FLAGS.decode_chunk)
+                         use_kernels=path == "kernels", decode_chunk=FLAGS.decode_chunk,
+                         command_buffers=None if FLAGS.command_buffers else False)
   t = time.perf_counter()
   engine.sync(params)
   jax.block_until_ready(engine.params)
@@ -349,7 +353,7 @@ def main(argv):
               num_layers=config.num_layers,
               prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
               bandwidth_bytes_per_s=FLAGS.bandwidth, record_guidance=FLAGS.record_guidance,
-              decode_chunk=FLAGS.decode_chunk,
+              decode_chunk=FLAGS.decode_chunk, command_buffers=FLAGS.command_buffers,
               note="paths: kernels = Mosaic GPU FP4 kernels (engine default on GPU); xla = "
                    "weights decoded to bf16 in the program, grouped matmul by grouped_backend; "
                    "reference = the jnp reference (CPU)",

@@ -259,6 +259,25 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
     RolloutEngine(CFG, decode_chunk=-1)
 
 
+def test_command_buffer_options_change_nothing():
+  """The engine's XLA command-buffer options (`GPU_COMMAND_BUFFERS`, the default on GPU) are
+  valid XLA options (a misspelt value fails the compile) and change no token, logprob or
+  guidance bit (on CPU XLA ignores them; tests/rollout/test_engine_gpu.py checks the GPU)."""
+  s = SamplingParams(temperature=1.0)
+  out = []
+  for on in (False, True):
+    eng = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
+                        decode_chunk=4, command_buffers=on)
+    assert eng.command_buffers is on
+    eng.sync(_params())
+    out.append(eng.generate(PROMPTS, sampling=s, seed=5))
+  a, b = out
+  jax.tree_util.tree_map(np.testing.assert_array_equal, a.guidance, b.guidance)
+  for f in ("tokens", "logprobs", "routes"):
+    np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
+  assert not RolloutEngine(CFG).command_buffers  # default off on CPU
+
+
 def _rss_bytes() -> int:
   with open("/proc/self/status") as f:
     return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

@@ -59,21 +59,13 @@ import jax.numpy as jnp
 
 from trace_jax.kernels import attention_ref, reference
 from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
+from trace_jax.kernels.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["append_kv", "count_by_group", "decode_attention", "grouped_backend", "grouped_matmul",
            "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows", "route",
            "sort_by_group"]
-
-def _setting(name: str, default: str, choices: tuple[str, ...]) -> str:
-  """An environment setting read at import, one of `choices` (a clear error otherwise)."""
-  value = os.environ.get(name, default)
-  if value not in choices:
-    raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, "
-                     f"got {value!r}")
-  return value
-
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
@@ -279,7 +271,7 @@ def _bf16_grouped(x, w, group_sizes, rows, out_rows, tables, *, bm, out_dtype):
 # one [M, M] compare-and-sum; group sizes one [G, M] compare-and-sum. Above it XLA's sort, a
 # scatter and a scatter-add, whose cost does not grow as M^2. A decode step has M = batch x
 # top-k (512 at B=64, top-8). `TRACE_JAX_SMALL_SORT` sets it (0: always sort).
-SMALL_SORT = int(os.environ.get("TRACE_JAX_SMALL_SORT", "4096"))
+SMALL_SORT = int_setting("TRACE_JAX_SMALL_SORT", 4096, minimum=0)
 
 
 def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
