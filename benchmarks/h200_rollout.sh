@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -271,6 +271,7 @@ elif [ "$stage" = cap8k ]; then
     --num_layers=${LAYERS:-48} --batches=capacity --policies=${POLICIES:-paper} --paths=kernels \
     --isolate --row_timeout=${ROW_TIMEOUT:-575} --prompt_len=512 --new_tokens=${NEW:-7680} \
     --decode_chunk=256 --repeats=1 --hf_peer=false --noresync --generate_tokens=${GEN:-0} \
+    --host_reserve_gib=${HOST_RESERVE:-12} \
     --out=$OUT/bench_rollout_cap8k_${LAYERS:-48}l.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = hf_load ]; then
   # issue 8's HF bar at HF's own load (BENCHMARKS.md: 12 layers, 64-token prompt, 128 new
@@ -378,6 +379,23 @@ elif [ "$stage" = s15 ]; then
   grep -v "^I1\|^W1" $OUT/test_engine_gpu.txt | grep -E "Error|assert|passed|failed" | tail -6
   ROWS_TIMEOUT=${CAP_TIMEOUT:-380} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-380} - 10 )) GEN=2048 \
     bash $0 cap8k_inner | tail -5
+elif [ "$stage" = s15c ]; then
+  # (session 15) s15's FP4 row was refused: compiling took 15 GiB of host memory against the
+  # 12 GiB reserved (276 planned on 119.2 GiB free, 268 fit on 104.2): both 8k-capacity rows,
+  # FP4 with 20 GiB reserved, then BF16
+  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-340} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-340} - 10 )) \
+    GEN=2048 bash $0 cap8k_inner | tail -4
+  mv $OUT/bench_rollout_cap8k_${LAYERS:-48}l.json $OUT/bench_rollout_cap8k_${LAYERS:-48}l_fp4.json
+  POLICIES=bf16 ROWS_TIMEOUT=${BF16_TIMEOUT:-200} ROW_TIMEOUT=$(( ${BF16_TIMEOUT:-200} - 10 )) \
+    GEN=2048 bash $0 cap8k_inner | tail -4
+elif [ "$stage" = s15b ]; then
+  # (session 15) the BF16 side with command buffers: the 8k-capacity BF16 row (48 layers, the
+  # FP4 row's peer for the whole-rollout ratio), then HF's load (12 layers, B 32 and 1) with HF
+  # in the same run (session 13: 762.7 tok/s at B 1 against HF static 294.3, 2.59x)
+  POLICIES=bf16 ROWS_TIMEOUT=${CAP_TIMEOUT:-260} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-260} - 10 )) \
+    GEN=2048 bash $0 cap8k_inner | tail -4
+  POLICIES=bf16 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-220} ROW_TIMEOUT=90 \
+    bash $0 hf_load_inner | tail -9
 elif [ "$stage" = s13_final ]; then
   # (session 13) after the attention splits, the combine in the kernel's layout and the bf16
   # grouped kernel as the default up to 256 rows: the Mosaic attention tests against the
