@@ -280,7 +280,8 @@ elif [ "$stage" = hf_load ]; then
   timeout ${ROWS_TIMEOUT:-560} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b_12l \
     --batches=${BATCHES:-32,1} --policies=${POLICIES:-bf16,paper} --paths=kernels --isolate \
     --row_timeout=${ROW_TIMEOUT:-150} --prompt_len=64 --new_tokens=128 --repeats=3 \
-    --hf_peer=${HF_PEER:-false} --out=$OUT/bench_rollout_12l_hf_load.json 2>&1 \
+    --hf_peer=${HF_PEER:-false} --out=$OUT/bench_rollout_12l_hf_load${HF_TAG:-}.json \
+    ${HF_ARGS:-} 2>&1 \
     | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = small_batch ]; then
   # batch-1 decode (session 11: FP4 1.07 ms vs BF16 0.70 ms a step at 4 layers, 0.58 / 0.55 after
@@ -389,13 +390,14 @@ elif [ "$stage" = s15c ]; then
   POLICIES=bf16 ROWS_TIMEOUT=${BF16_TIMEOUT:-200} ROW_TIMEOUT=$(( ${BF16_TIMEOUT:-200} - 10 )) \
     GEN=2048 bash $0 cap8k_inner | tail -4
 elif [ "$stage" = s15b ]; then
-  # (session 15) the BF16 side with command buffers: the 8k-capacity BF16 row (48 layers, the
-  # FP4 row's peer for the whole-rollout ratio), then HF's load (12 layers, B 32 and 1) with HF
-  # in the same run (session 13: 762.7 tok/s at B 1 against HF static 294.3, 2.59x)
-  POLICIES=bf16 ROWS_TIMEOUT=${CAP_TIMEOUT:-260} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-260} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
-  POLICIES=bf16 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-220} ROW_TIMEOUT=90 \
+  # (session 15) the BF16 engine at HF's load (12 layers, B 32 and 1) with command buffers and
+  # HF in the same run (session 13: 762.7 tok/s at B 1 against HF static 294.3, 2.59x), then
+  # B 1 without them (the 8k-capacity BF16 row's prefill + first step read 20.0 s with them,
+  # 0.9 s in session 12 without)
+  POLICIES=bf16 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-230} ROW_TIMEOUT=90 \
     bash $0 hf_load_inner | tail -9
+  POLICIES=bf16 BATCHES=1 HF_TAG=_nocmdbuf HF_ARGS=--nocommand_buffers ROWS_TIMEOUT=100 \
+    ROW_TIMEOUT=90 bash $0 hf_load_inner | tail -3
 elif [ "$stage" = s13_final ]; then
   # (session 13) after the attention splits, the combine in the kernel's layout and the bf16
   # grouped kernel as the default up to 256 rows: the Mosaic attention tests against the
