@@ -271,7 +271,7 @@ elif [ "$stage" = cap8k ]; then
     --num_layers=${LAYERS:-48} --batches=capacity --policies=${POLICIES:-paper} --paths=kernels \
     --isolate --row_timeout=${ROW_TIMEOUT:-575} --prompt_len=512 --new_tokens=${NEW:-7680} \
     --decode_chunk=256 --repeats=1 --hf_peer=false --noresync --generate_tokens=${GEN:-0} \
-    --host_reserve_gib=${HOST_RESERVE:-12} \
+    --host_reserve_gib=${HOST_RESERVE:-20} \
     --out=$OUT/bench_rollout_cap8k_${LAYERS:-48}l.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = hf_load ]; then
   # issue 8's HF bar at HF's own load (BENCHMARKS.md: 12 layers, 64-token prompt, 128 new

@@ -54,9 +54,10 @@ flags.DEFINE_integer("decode_chunk", 0, "Decode windows (guidance moved to host 
 flags.DEFINE_boolean("resync", True, "Time a re-sync of new master values (needs the master, "
                      "the old and the new rollout copy at once: 48 BF16 layers do not fit).")
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
-flags.DEFINE_float("host_reserve_gib", 12.0, "A capacity row's planning leaves this much of the "
+flags.DEFINE_float("host_reserve_gib", 20.0, "A capacity row's planning leaves this much of the "
                    "host memory available then to what the process takes before the rollout "
-                   "(48 FP4 layers: free host memory fell 10.6 GiB from planning to the end).")
+                   "(48 FP4 layers: free host memory fell 10.6 GiB from planning to the timed "
+                   "rollout in session 12, 15.0 GiB in session 15, where 12 GiB was too little).")
 flags.DEFINE_boolean("isolate", False, "Run each row in a subprocess (GPU: honest peak memory).")
 flags.DEFINE_integer("row_timeout", 600, "Seconds per isolated row.")
 flags.DEFINE_string("row", "", "Internal: run one row 'policy:path:batch' and print it.")
@@ -207,6 +208,10 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "guidance_bytes_per_token": guidance_per_token,
       "floor_bytes_per_step": floor_b, "floor_step_ms": 1e3 * floor_b / FLAGS.bandwidth,
       "floor_over_measured": (floor_b / FLAGS.bandwidth) / step_s,
+      # the same share over the whole timed rollout (prefill included): no subtraction of the
+      # one-token call, whose time need not be the whole rollout's prefill (session 15's BF16
+      # 8k-capacity row: 20.0 s for prefill + one step, a step below the floor left after it)
+      "rollout_floor_over_measured": (floor_b / FLAGS.bandwidth) * gen_tokens / t_full,
       "peak_device_bytes": peak, "planned_capacity": planned,
       "capacity_limits": limits, "host_reserve_gib": FLAGS.host_reserve_gib if planned else None,
   }
@@ -360,7 +365,11 @@ def main(argv):
               units=dict(tokens_per_s="generated tokens/s (wall)", decode_step_ms="ms (wall)",
                          weight_bytes="bytes", kv_bytes="bytes at full context",
                          floor_step_ms="ms at the given bandwidth",
-                         floor_over_measured="fraction of the bytes-moved floor reached",
+                         floor_over_measured="fraction of the bytes-moved floor reached "
+                                             "by the decode step (whole rollout - one-token "
+                                             "rollout)",
+                         rollout_floor_over_measured="the floor's steps over the whole timed "
+                                                     "rollout (prefill included)",
                          sync_s="s, first weight sync (compile included)",
                          first_call_s="s, compile + prefill + one decode step",
                          resync_s="s, a later sync of new master values (compiled)"))

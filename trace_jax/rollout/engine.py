@@ -761,15 +761,16 @@ def _start_host_copies(tree) -> None:
       x.copy_to_host_async()
 
 
-def _place_window(guidance, window_records, start: int) -> None:
-  """Copy one window's host records into the final arrays from time index `start` (the
-  window's first decode step after the prompt), cut at their end."""
+def _place_window(guidance, window_records, start: int, ran: int) -> None:
+  """Copy the `ran` steps one window ran of its host records into the final arrays from time
+  index `start` (the window's first decode step after the prompt), cut at their end. (The
+  steps after those hold zeros, as the final arrays do: their pages stay uncommitted.)"""
   copies = []
   for layer, sites in window_records.items():
     for site, g in sites.items():
       for dst, src in zip(jax.tree_util.tree_leaves(guidance[layer][site]),
                           jax.tree_util.tree_leaves(g), strict=True):
-        length = min(src.shape[1], dst.shape[1] - start)
+        length = min(src.shape[1], dst.shape[1] - start, ran)
         copies.append((dst, (slice(None), slice(start, start + length)), src[:, :length]))
   _copy_blocks(copies)
 
@@ -1005,12 +1006,12 @@ class RolloutEngine:
     p = int(tokens.shape[1])
     windows, count, pending, guidance = [], -(-steps // chunk), None, None
 
-    def land(bufs):  # a finished window: its records into the final arrays, then dropped
+    def land(bufs, ran):  # a finished window: its records into the final arrays, then dropped
       nonlocal guidance, pre_records
       records = _to_host(bufs["records"])
       if guidance is None:
         guidance, pre_records = _host_guidance(pre_records, records, n, steps), None
-      _place_window(guidance, records, p + len(windows) * chunk)
+      _place_window(guidance, records, p + len(windows) * chunk, ran)
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
     for i in range(count):
@@ -1019,11 +1020,12 @@ class RolloutEngine:
       if i == 0:
         pre_records = _to_host(pre_records)
       if pending is not None:  # the previous window's copy overlaps this window's decoding
-        land(pending)
-      pending = bufs
-      if bool(_to_host(jnp.all(carry["done"]))):
+        land(*pending)
+      done, s = _to_host((jnp.all(carry["done"]), carry["s"]))
+      pending = bufs, int(s) - i * chunk  # the steps this window ran (it stops when all are done)
+      if bool(done):
         break
-    land(pending)
+    land(*pending)
     del pending
     return _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
                      _join_windows(windows, count, steps), n, steps, guidance=guidance)
