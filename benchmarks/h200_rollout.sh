@@ -266,12 +266,13 @@ elif [ "$stage" = cap8k ]; then
   # POLICIES (paper), NEW (7680 new tokens), GEN (tokens the timed rollout generates, 0: NEW;
   # the engine, cache and host arrays stay sized for NEW). Session 9 planned FP4 329 sequences vs
   # BF16 80 at 48 layers. Session 10's call (297 planned: less host memory free) spent 571 s
-  # before its timed rollout, which the warm-up's rollout, still held, then refused (fixed)
+  # before its timed rollout, which the warm-up's rollout, still held, then refused (fixed).
+  # CAP_ARGS: more bench_rollout flags (e.g. --nocommand_buffers)
   timeout ${ROWS_TIMEOUT:-585} python3 launch/bench_rollout.py --preset=qwen3_30b_a3b \
     --num_layers=${LAYERS:-48} --batches=capacity --policies=${POLICIES:-paper} --paths=kernels \
     --isolate --row_timeout=${ROW_TIMEOUT:-575} --prompt_len=512 --new_tokens=${NEW:-7680} \
     --decode_chunk=256 --repeats=1 --hf_peer=false --noresync --generate_tokens=${GEN:-0} \
-    --host_reserve_gib=${HOST_RESERVE:-20} \
+    --host_reserve_gib=${HOST_RESERVE:-20} ${CAP_ARGS:-} \
     --out=$OUT/bench_rollout_cap8k_${LAYERS:-48}l.json 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss"
 elif [ "$stage" = hf_load ]; then
   # issue 8's HF bar at HF's own load (BENCHMARKS.md: 12 layers, 64-token prompt, 128 new
