@@ -49,7 +49,10 @@ def get_config():
       # > 0: decode in windows of this many steps and move each window's TRACE guidance to host
       # memory (long rollouts: on the 30B-A3B shape at 8k tokens guidance outweighs the FP4 KV
       # cache); 0: one program per rollout
-      decode_chunk=0))
+      decode_chunk=0,
+      # XLA command buffers (CUDA graphs over the whole decode window) where they were measured:
+      # one GPU (RolloutEngine(command_buffers=)); False: XLA's default
+      command_buffers=True))
 
   c.rl = ml_collections.ConfigDict(dict(
       alignment="trace",  # "none" | "qat" | "trace"

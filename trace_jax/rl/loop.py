@@ -49,6 +49,7 @@ class Setup:
   prompt_len: int
   max_new_tokens: int
   decode_chunk: int = 0  # rollout decode windows; guidance goes to host memory per window
+  command_buffers: bool = True  # False: the rollout keeps XLA's default command buffers
 
 
 def _plain(d) -> dict:
@@ -97,7 +98,8 @@ def build(config) -> Setup:
   rollout_config = model_config.replace(dtype=r.dtype)
   sampling = SamplingParams(float(r.temperature), int(r.top_k), float(r.top_p))
   return Setup(task, tokenizer, model_config, rollout_config, policy, rl_cfg, sampling,
-               prompt_len, max_new, int(r.get("decode_chunk", 0)))
+               prompt_len, max_new, int(r.get("decode_chunk", 0)),
+               bool(r.get("command_buffers", True)))
 
 
 def resolve_workdir(workdir: str) -> str:
@@ -197,7 +199,8 @@ def make_engine(setup: Setup, record_codes: bool = False, mesh=None) -> RolloutE
   """The rollout engine for `setup`: prompts padded to one bucket, so one program per batch."""
   return RolloutEngine(setup.rollout_config, setup.policy, max_new_tokens=setup.max_new_tokens,
                        prompt_bucket=setup.prompt_len, record_codes=record_codes, mesh=mesh,
-                       decode_chunk=setup.decode_chunk)
+                       decode_chunk=setup.decode_chunk,
+                       command_buffers=None if setup.command_buffers else False)
 
 
 def make_mesh(config):

@@ -862,10 +862,11 @@ class RolloutEngine:
     if use_kernels is None:
       use_kernels = kernels.on_gpu() and mesh is None
     self.use_kernels = use_kernels
-    # command_buffers: compile the rollout programs with `GPU_COMMAND_BUFFERS` (default: on a
-    # GPU). Other XLA flags come from XLA_FLAGS as usual.
+    # command_buffers: compile the rollout programs with `GPU_COMMAND_BUFFERS` (default: on one
+    # GPU, where it was measured; a mesh's programs, with their collectives, keep XLA's
+    # default). Other XLA flags come from XLA_FLAGS as usual.
     if command_buffers is None:
-      command_buffers = self._platform() == "gpu"
+      command_buffers = self._platform() == "gpu" and mesh is None
     self.command_buffers = bool(command_buffers)
     self.params = None
     self._computed = None  # per master leaf: the rollout weight made from it, None if shared
