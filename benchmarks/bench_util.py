@@ -12,6 +12,19 @@ READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENC
 L2_BYTES = 60e6  # H200 L2: timed inputs rotate through copies larger than this
 
 
+def labelled_json(items):
+  """[(label, parsed JSON)] from `label=path` command-line arguments, in their order."""
+  import json
+  out = []
+  for item in items:
+    label, _, path = item.partition("=")
+    if not path:
+      raise ValueError(f"expected label=path, got {item!r}")
+    with open(path) as f:
+      out.append((label, json.load(f)))
+  return out
+
+
 def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
   """End the process (exit code 3) when the variant in `state` ("name", started at "t"; "t"
   None between variants) runs past `hang_s`, after recording it in `rows` and saving: a hung

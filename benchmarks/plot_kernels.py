@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
+
+import bench_util  # (a sibling module: see its docstring)
 
 
 def load_panels(label_paths, only=""):
   """{panel name: [(bar label, kernel us)]} in first-seen order; a panel is a row name less its
   variant (`<shape>_M<rows>` or `<shape>_B<batch>`)."""
   panels = collections.OrderedDict()
-  for item in label_paths:
-    label, _, path = item.partition("=")
-    if not path:
-      raise ValueError(f"expected label=path, got {item!r}")
-    with open(path) as f:
-      rows = json.load(f).get("rows", [])
+  for label, d in bench_util.labelled_json(label_paths):
+    rows = d.get("rows", [])
     for r in rows:
       us, var = r.get("us_kernel"), r.get("variant", "")
       if r.get("error") or not us or (only and only not in r["name"]) or math.isnan(us):

@@ -12,19 +12,15 @@ table it draws.
 from __future__ import annotations
 
 import argparse
-import json
+
+import bench_util  # (a sibling module: see its docstring)
 
 
 def load_rows(label_paths):
   """[(label, {(policy, batch, prompt_len): row})] from `label=path` strings, in first-seen
   label order; files with the same label (e.g. one per prompt length) are merged."""
   out: dict = {}
-  for item in label_paths:
-    label, _, path = item.partition("=")
-    if not path:
-      raise ValueError(f"expected label=path, got {item!r}")
-    with open(path) as f:
-      d = json.load(f)
+  for label, d in bench_util.labelled_json(label_paths):
     rows = out.setdefault(label, {})
     for r in d.get("results", []):
       if r.get("error") or not r.get("tokens_per_s"):
