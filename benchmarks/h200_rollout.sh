@@ -358,12 +358,13 @@ elif [ "$stage" = cap_profile ]; then
     --hlo_out $OUT/decode_loop_kernels_cap.txt --out $OUT/profile_decode_cap_${LAYERS:-48}l.json \
     | tail -70
 elif [ "$stage" = step_ab ]; then
-  # (for session 15) the capacity-shaped FP4 decode step (LAYERS, default 12; B 276) under each
-  # setting of STEP_AB (';'-separated shell assignments). Session 14's 48-layer capacity profile
-  # summed ~23 ms of decode kernels against a 30.6 ms step (~37 kernels a layer), and the split
-  # combine read 16 splits' partials a row with 1-2 live. Default: as is; XLA's command buffers
-  # also capturing while loops and custom calls (the Mosaic kernels); splits of <= 16 tiles
-  IFS=';' read -ra settings <<< "${STEP_AB:-AB=baseline;XLA_FLAGS='--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1';TRACE_JAX_ATTN_MAX_SPLIT_TILES=16}"
+  # the capacity-shaped FP4 decode step (LAYERS, default 12; B 276) under each setting of
+  # STEP_AB (';'-separated shell assignments). Session 15 (defaults since): XLA command buffers
+  # over while loops and custom calls 7.20 -> 5.06 ms, splits of <= 16 tiles 7.20 -> 6.19 ms.
+  # Default (for session 16): as is; cuBLAS for XLA's dots (the fused q/k/v projection ran as a
+  # Triton gemm fusion of 23 us a layer at B 264, ~8 us of bytes and FLOPs); splits of <= 32
+  # tiles (4 splits of the 8k cache)
+  IFS=';' read -ra settings <<< "${STEP_AB:-AB=baseline;XLA_FLAGS=--xla_gpu_enable_triton_gemm=false;TRACE_JAX_ATTN_MAX_SPLIT_TILES=32}"
   for setting in "${settings[@]}"; do
     tag=$(echo "$setting" | md5sum | cut -c1-6)
     echo "== $setting [$tag]"
