@@ -714,6 +714,7 @@ def _copy_blocks(copies) -> None:
     import concurrent.futures
     _copy_pool = concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1),
                                                        thread_name_prefix="guidance_copy")
+
   def run(block):
     dst, index, src, lo, hi = block
     dst[index][lo:hi] = src[lo:hi]  # dst[index] is a view: the copy lands in dst
