@@ -230,10 +230,14 @@ def test_sync_shares_unchanged_master_arrays():
 def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
   """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
   host memory per window. Same tokens, logprobs, routes and guidance bits as the one-program
-  engine, also when every row stops early (a window left out) and with GRPO samples."""
+  engine, also when every row stops early (a window left out) and with GRPO samples. The
+  chunked engine compiles with the GPU's command-buffer options (`GPU_COMMAND_BUFFERS`): they
+  are valid XLA options (a misspelt value fails the compile; CPU ignores them, and
+  tests/rollout/test_engine_gpu.py checks them on the GPU)."""
   one = _engine("paper")
+  assert not one.command_buffers  # the default off a GPU
   chunked = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
-                          decode_chunk=4)
+                          decode_chunk=4, command_buffers=True)
   chunked.sync(_params())
   s = SamplingParams(temperature=1.0)
   for kw in (dict(n=2), dict(n=2, max_new_tokens=[3, 2])):
@@ -257,25 +261,6 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
   assert windowed > 1.5 * whole
   with pytest.raises(ValueError, match="decode_chunk"):
     RolloutEngine(CFG, decode_chunk=-1)
-
-
-def test_command_buffer_options_change_nothing():
-  """The engine's XLA command-buffer options (`GPU_COMMAND_BUFFERS`, the default on GPU) are
-  valid XLA options (a misspelt value fails the compile) and change no token, logprob or
-  guidance bit (on CPU XLA ignores them; tests/rollout/test_engine_gpu.py checks the GPU)."""
-  s = SamplingParams(temperature=1.0)
-  out = []
-  for on in (False, True):
-    eng = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
-                        decode_chunk=4, command_buffers=on)
-    assert eng.command_buffers is on
-    eng.sync(_params())
-    out.append(eng.generate(PROMPTS, sampling=s, seed=5))
-  a, b = out
-  jax.tree_util.tree_map(np.testing.assert_array_equal, a.guidance, b.guidance)
-  for f in ("tokens", "logprobs", "routes"):
-    np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
-  assert not RolloutEngine(CFG).command_buffers  # default off on CPU
 
 
 def _rss_bytes() -> int:
