@@ -230,14 +230,10 @@ def test_sync_shares_unchanged_master_arrays():
 def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
   """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
   host memory per window. Same tokens, logprobs, routes and guidance bits as the one-program
-  engine, also when every row stops early (a window left out) and with GRPO samples. The
-  chunked engine compiles with the GPU's command-buffer options (`GPU_COMMAND_BUFFERS`): they
-  are valid XLA options (a misspelt value fails the compile; CPU ignores them, and
-  tests/rollout/test_engine_gpu.py checks them on the GPU)."""
+  engine, also when every row stops early (a window left out) and with GRPO samples."""
   one = _engine("paper")
-  assert not one.command_buffers  # the default off a GPU
   chunked = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
-                          decode_chunk=4, command_buffers=True)
+                          decode_chunk=4)
   chunked.sync(_params())
   s = SamplingParams(temperature=1.0)
   for kw in (dict(n=2), dict(n=2, max_new_tokens=[3, 2])):
@@ -261,6 +257,19 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
   assert windowed > 1.5 * whole
   with pytest.raises(ValueError, match="decode_chunk"):
     RolloutEngine(CFG, decode_chunk=-1)
+
+
+def test_command_buffer_options_are_valid_xla_options():
+  """The engine's GPU command-buffer options (`GPU_COMMAND_BUFFERS`) are options XLA accepts (it
+  refuses a misspelt value; CPU ignores them). Off by default away from a GPU. The rollout they
+  give on the GPU: tests/rollout/test_engine_gpu.py."""
+  from trace_jax.rollout.engine import GPU_COMMAND_BUFFERS
+  assert int(jax.jit(lambda x: x + 1, compiler_options=GPU_COMMAND_BUFFERS)(1)) == 2
+  bad = {**GPU_COMMAND_BUFFERS, "xla_gpu_enable_command_buffer": "FUSION,WHILE_LOOPS"}
+  with pytest.raises(Exception, match="not a valid enum value"):
+    jax.jit(lambda x: x + 2, compiler_options=bad)(1)
+  assert not RolloutEngine(CFG).command_buffers
+  assert RolloutEngine(CFG, command_buffers=True).command_buffers
 
 
 def _rss_bytes() -> int:
