@@ -700,6 +700,11 @@ def _copy_blocks(copies) -> None:
   """Run `dst[index] = src` for each (dst, index, src) in `copies`, cut into row blocks of
   about `_COPY_BLOCK_BYTES`, on a pool of host threads (one per CPU, at most 16)."""
   global _copy_pool
+
+  def run(block):
+    dst, index, src, lo, hi = block
+    dst[index][lo:hi] = src[lo:hi]  # dst[index] is a view: the copy lands in dst
+
   blocks = []
   for dst, index, src in copies:
     rows = src.shape[0]
@@ -707,17 +712,13 @@ def _copy_blocks(copies) -> None:
     for r in range(0, rows, step):
       blocks.append((dst, index, src, r, min(r + step, rows)))
   if len(blocks) <= 1:
-    for dst, index, src, lo, hi in blocks:
-      dst[index][lo:hi] = src[lo:hi]
+    for block in blocks:
+      run(block)
     return
   if _copy_pool is None:
     import concurrent.futures
     _copy_pool = concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1),
                                                        thread_name_prefix="guidance_copy")
-
-  def run(block):
-    dst, index, src, lo, hi = block
-    dst[index][lo:hi] = src[lo:hi]  # dst[index] is a view: the copy lands in dst
   for _ in _copy_pool.map(run, blocks):
     pass
 
