@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -371,6 +371,21 @@ elif [ "$stage" = step_ab ]; then
     ( eval "export $setting"
       cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
         --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
+  done
+elif [ "$stage" = s16a ]; then
+  # (session 16) step_ab's default (as is; cuBLAS for XLA's dots; splits of <= 32 tiles), then
+  # the 12-layer BF16 step at HF's B 1 load (1.09 ms against 0.47 of bytes; HF's 3x bar wants
+  # ~1.0) profiled kernel by kernel (no command buffers: with them the profiler sees graphs),
+  # as is and with cuBLAS for XLA's dots
+  PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-130} bash $0 step_ab_inner
+  for setting in "AB=baseline" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"; do
+    tag=$(echo "$setting" | md5sum | cut -c1-6)
+    echo "== B1 bf16 $setting [$tag]"
+    ( eval "export $setting"
+      timeout -k 5 ${B1_TIMEOUT:-90} python3 benchmarks/profile_decode.py --layers 12 \
+        --policy bf16 --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
+        --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_$tag.json 2>&1 \
+        | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -30 )
   done
 elif [ "$stage" = s15 ]; then
   # (session 15) after step_ab (XLA command buffers 7.20 -> 5.06 ms a step, splits of <= 16
