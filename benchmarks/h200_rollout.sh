@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -387,6 +387,22 @@ elif [ "$stage" = s16a ]; then
         --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_$tag.json 2>&1 \
         | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -30 )
   done
+elif [ "$stage" = s16b ]; then
+  # (session 16) row-chunk routing (one token's top-8 needs no ordering kernels): its GPU test
+  # (both grouped kernels against the reference), the 12-layer engine at HF's B 1 load with HF
+  # in the same run (session 15: BF16 808.8 tok/s, 1.09 ms a step, HF static 291.5), and the
+  # BF16 B 1 step profiled again (s16a: 398 kernels a step, 1.253 ms of kernels)
+  JAX_PLATFORMS=cuda timeout -k 5 ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu \
+    -p no:xdist -o addopts="" tests/kernels/test_kernels_gpu.py -k row_chunk \
+    > $OUT/test_row_chunks_gpu.txt 2>&1
+  echo "row chunk gpu tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_row_chunks_gpu.txt | grep -E "Error|assert|passed|failed" | tail -6
+  POLICIES=bf16,paper BATCHES=1 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-250} ROW_TIMEOUT=90 \
+    bash $0 hf_load_inner | tail -6
+  timeout -k 5 ${B1_TIMEOUT:-90} python3 benchmarks/profile_decode.py --layers 12 \
+    --policy bf16 --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
+    --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_row_chunks.json 2>&1 \
+    | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -24
 elif [ "$stage" = s15 ]; then
   # (session 15) after step_ab (XLA command buffers 7.20 -> 5.06 ms a step, splits of <= 16
   # tiles 7.20 -> 6.19 at 12 layers, B 276; both now defaults): the engine's GPU test (same

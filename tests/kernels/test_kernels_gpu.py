@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from trace_jax import kernels
 from trace_jax.kernels import reference
-from trace_jax.quant import quantize
+from trace_jax.quant import dequantize, quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -154,3 +154,30 @@ def test_bf16_grouped_ragged():
     got = _bf16_kernel(x, w, g)
     assert relerr(got, reference.grouped_matmul_ref(x, w, g, jnp.float32)) < TOL, gs
     assert np.all(np.asarray(got)[sum(gs):] == 0)
+
+
+@pytest.mark.parametrize("tokens,k,n", [(1, 2048, 1536), (1, 768, 2048), (2, 2048, 1536)])
+def test_row_chunk_routing_through_both_kernels(monkeypatch, tokens, k, n):
+  """`route` on the GPU for one token's top-8 (and, with the limit raised, two tokens, whose
+  experts may repeat): row chunks in token order; the FP4 and bf16 grouped kernels with those
+  tables equal the reference on the rows in token order (the reference sorts nothing: one
+  product per (token, slot) row)."""
+  from trace_jax.kernels import dispatch  # noqa: PLC0415
+  e, top = 128, 8
+  q = quantize(rand_w((e, k, n), 21) * 0.02, "nvfp4", axis=1, second_level=(0,))
+  pw = jax.jit(kernels.prepare_weight)(q)
+  wb = (rand_w((e, k, n), 22) * 0.02).astype(jnp.bfloat16)
+  logits = jax.random.normal(jax.random.key(tokens), (tokens, e))
+  if tokens == 2:
+    logits = logits.at[1].set(logits[0])  # the same experts twice: each chunk reads its own
+  ids = jax.lax.top_k(logits, top)[1].reshape(-1).astype(jnp.int32)
+  x = jax.random.normal(jax.random.key(3), (tokens, k), jnp.float32).astype(jnp.bfloat16)
+  xr = np.asarray(x, np.float32)[np.arange(tokens * top) // top]
+  monkeypatch.setattr(dispatch, "ROW_CHUNK_ROWS", tokens * top)
+  for w, dense in ((pw, dequantize(q, jnp.float32)[ids]), (wb, wb[ids])):
+    order, inverse, gs, tables = dispatch.route(ids, e, w)
+    assert tables[4:] == (dispatch.ROW_CHUNKS,)
+    got = kernels.grouped_matmul(x, w, gs, jnp.float32, rows=order // top, out_rows=inverse,
+                                 tables=tables)
+    want = np.einsum("mk,mkn->mn", xr, np.asarray(dense, np.float32))
+    assert relerr(got, want) < TOL, type(w).__name__

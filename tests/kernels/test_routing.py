@@ -119,3 +119,56 @@ def test_kernel_on_gpu_equals_xla_tables(m, e, skew):
   want = jax.jit(_xla_tables, static_argnums=(1, 2, 3))(ids, e, bm, c)
   for a, b in zip(got, want, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("tokens,top", [(1, 8), (3, 2)], ids=["one_token_top8", "dup_ids"])
+def test_row_chunks_need_no_order(monkeypatch, tokens, top):
+  """`dispatch.row_chunks` (`route` on the GPU up to ROW_CHUNK_ROWS rows): identity order, a
+  chunk per row. The FP4 and bf16 grouped wrappers (emulated kernels) give with them what they
+  give with the sorted tables, bit for bit, also where rows share an expert; the paths that
+  need sorted rows (the reference here) sort them first; `route` picks them only up to the
+  limit and only on the GPU."""
+  from trace_jax.kernels import bf16_mgpu, dispatch  # noqa: PLC0415
+  from trace_jax.quant import quantize  # noqa: PLC0415
+  e, k, n = 12, 256, 256
+  m = tokens * top
+  rng = np.random.default_rng(m)
+  ids = jnp.asarray(rng.permutation(e)[:m] if top == 8 else [5, 2, 5, 9, 2, 5], jnp.int32)
+  w = jax.random.normal(jax.random.key(1), (e, k, n), jnp.float32)
+  x = jax.random.normal(jax.random.key(2), (tokens, k), jnp.float32).astype(jnp.bfloat16)
+  pw = kernels.prepare_weight(quantize(w, "nvfp4", axis=1, second_level=(0,)), kb=4)
+  wb = (w * 0.05).astype(jnp.bfloat16)
+  sorted_route = kernels.route(ids, e, pw)  # CPU: sorted rows and their tables
+  by_rows = dispatch.row_chunks(ids, e)
+  np.testing.assert_array_equal(np.asarray(by_rows[0]), np.arange(m))
+  np.testing.assert_array_equal(np.asarray(by_rows[2]), np.asarray(sorted_route[2]))
+  assert by_rows[3][4] == dispatch.ROW_CHUNKS
+
+  def fp4(r):
+    order, inverse, gs, tables = r
+    return np.asarray(fp4_mgpu.grouped_matmul(
+        x, pw, gs, out_dtype=jnp.float32, kernel_fn=fp4_mgpu.emulate_chunked_matmul,
+        rows=order // top, out_rows=inverse, tables=tables))
+
+  def bf16(r):
+    order, inverse, gs, tables = r
+    return np.asarray(bf16_mgpu.grouped_matmul(
+        x, wb, gs, out_dtype=jnp.float32, kernel_fn=bf16_mgpu.emulate_chunked_matmul,
+        rows=order // top, out_rows=inverse, tables=tables))
+
+  np.testing.assert_array_equal(fp4(by_rows), fp4(sorted_route))
+  np.testing.assert_array_equal(bf16(by_rows), bf16(sorted_route))
+  # the reference path (CPU) with row-chunk tables sorts the rows itself
+  token = np.arange(m) // top
+  want = np.stack([np.asarray(x, np.float32)[token[i]] @ np.asarray(wb, np.float32)[ids[i]]
+                   for i in range(m)])
+  got = dispatch.grouped_matmul(x, wb, by_rows[2], jnp.float32, rows=by_rows[0] // top,
+                                out_rows=by_rows[1], tables=by_rows[3])
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  # route: row chunks on the GPU up to the limit (here the bf16 weight's kernel), sorted above
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "_BF16_GROUPED", "auto")
+  assert dispatch.route(ids, e, wb)[3][4:] == (dispatch.ROW_CHUNKS,)
+  assert dispatch.route(ids, e, pw)[3][4:] == (dispatch.ROW_CHUNKS,)
+  monkeypatch.setattr(dispatch, "ROW_CHUNK_ROWS", m - 1)
+  assert dispatch.route(ids, e, pw)[3][4:] == ()

@@ -162,13 +162,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   e, k, n = w.shape
   if m == 0:
     return jnp.zeros((0, n), out_dtype)
-  bm = F.grouped_bm(m, e)
+  bm = tables[0] if tables is not None and tables[4:] else F.grouped_bm(m, e)  # row chunks
   over = dict(config_override or {})
   n_inner, splits = parallelism(m, e, k, n, over.pop("n_inner", None), over.pop("splits", None))
   cfg = dict(config(bm, k // (64 * KB), out_dtype, n_inner, splits), **over)
   part_dtype = jnp.float32 if cfg["splits"] > 1 else out_dtype
   if tables is not None and tables[0] == bm:
-    _, ce, row0, slot = tables
+    ce, row0, slot = tables[1:4]
   else:
     ce, row0, slot = F.chunk_tables(group_sizes, m, bm)
   n_rows = -(-(m + bm) // 8) * 8  # chunks read bm rows from their first row on; TMA: rows % 8

@@ -42,7 +42,10 @@ Decode routing tables: `sort_by_group` and `count_by_group` order and count (tok
 by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
 XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel's chunk tables;
 `TRACE_JAX_ROUTING=kernel` computes all of them in one Pallas kernel (`routing.py`, opt-in; 18x
-slower than the XLA kernels it replaces on the H200).
+slower than the XLA kernels it replaces on the H200). Up to `ROW_CHUNK_ROWS` rows on the GPU
+(one token's top-k: a batch-1 decode step) `route` orders nothing: every row is a chunk of its
+own in the caller's order, its expert the row's id, so the tables are the ids and two constants
+(`row_chunks`).
 
 Pallas kernels for the rollout's glue on the GPU (`append_kv`, `quantize_rows`; opt out with
 `TRACE_JAX_KV_APPEND=xla`, `TRACE_JAX_ROW_QUANT=xla`): None off the GPU and for operands they do
@@ -56,6 +59,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.kernels import attention_ref, reference
 from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
@@ -225,7 +229,8 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   routed to several experts); out_rows: return `result[out_rows]` (e.g. back to token order).
   Both are plain gathers on the reference and XLA paths; the kernel path folds them into the
   gathers that lay out its operand and read its output. tables: the FP4 kernel's chunk tables
-  from `route` (None: built from group_sizes)."""
+  from `route` (None: built from group_sizes); `row_chunks` tables come with rows in the
+  caller's order, which paths other than the grouped kernels sort here first."""
   if _kernel_ok(x, w, use_kernel) and w.experts:
     from trace_jax.kernels import fp4_mgpu
     return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
@@ -234,9 +239,13 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   if _bf16_kernel_weight(w, lhs_rows.shape[0]) and _xla_gpu_ok(x, w, use_kernel):
     from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
     if bf16_mgpu.kernel_supported(lhs_rows, w, group_sizes) is None:
-      bm, arrays = (None, None) if tables is None else (tables[0], tables[1:])
+      bm, arrays = (None, None) if tables is None else (tables[0], tables[1:4])
       return _bf16_grouped(x, w, group_sizes, rows, out_rows, arrays, bm=bm,
-                           out_dtype=_out_dtype(x, out_dtype))
+                           by_rows=_by_rows(tables), out_dtype=_out_dtype(x, out_dtype))
+  if _by_rows(tables):  # rows in the caller's order: sorted by expert for the paths below
+    order, inverse = sort_by_group(tables[1])
+    rows = order if rows is None else rows[order]
+    out_rows = inverse if out_rows is None else inverse[out_rows]
   if rows is not None:
     x = x[rows]
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
@@ -258,12 +267,13 @@ def _bf16_kernel_weight(w, m: int) -> bool:
           and m <= _bf16_kernel_rows())
 
 
-@_lowered_once("bm", "out_dtype")
-def _bf16_grouped(x, w, group_sizes, rows, out_rows, tables, *, bm, out_dtype):
+@_lowered_once("bm", "by_rows", "out_dtype")
+def _bf16_grouped(x, w, group_sizes, rows, out_rows, tables, *, bm, by_rows, out_dtype):
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415
+  if tables is not None:
+    tables = (bm, *tables) + ((ROW_CHUNKS,) if by_rows else ())
   return bf16_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=out_dtype, rows=rows,
-                                  out_rows=out_rows,
-                                  tables=None if tables is None else (bm, *tables))
+                                  out_rows=out_rows, tables=tables)
 
 
 # Rows (e.g. (token, slot) pairs of a MoE layer) up to this many are ordered and counted by
@@ -292,6 +302,34 @@ def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   return order, inverse
 
 
+# Rows (one token's top-k) up to this many are routed as chunks of one row each, in the caller's
+# order (`row_chunks`): no ordering or counting kernels. Every chunk reads its row's expert, so
+# rows that share an expert read it once each: 8 = one token of top-8, whose experts differ.
+# `TRACE_JAX_ROW_CHUNK_ROWS` sets it (0: never).
+ROW_CHUNK_ROWS = int_setting("TRACE_JAX_ROW_CHUNK_ROWS", 8, minimum=0)
+ROW_CHUNKS = "row_chunks"  # the 5th element of tables whose rows are in the caller's order
+
+
+def row_chunks(group_ids: jax.Array, num_groups: int):
+  """`route` without ordering: (order, inverse, group_sizes, tables) with order = inverse =
+  identity and tables (bm, chunk_expert = the ids, chunk_row, slot, ROW_CHUNKS): row i is chunk
+  i, a window of bm rows from row 8 * (i // 8) (the activation tile's TMA tiling) whose row
+  i % 8 is gathered. Right for any ids; only the grouped kernels need no order, so
+  `grouped_matmul` sorts such rows itself before any other path."""
+  from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  m = group_ids.shape[0]
+  bm = fp4_mgpu.grouped_bm(m, num_groups)
+  i = np.arange(m, dtype=np.int32)
+  identity = jnp.asarray(i)
+  tables = (bm, group_ids.astype(jnp.int32), jnp.asarray(i // 8 * 8),
+            jnp.asarray(i * bm + i % 8), ROW_CHUNKS)
+  return identity, identity, count_by_group(group_ids, num_groups), tables
+
+
+def _by_rows(tables) -> bool:
+  return tables is not None and len(tables) > 4 and tables[4] == ROW_CHUNKS
+
+
 def route(group_ids: jax.Array, num_groups: int, w=None):
   """A MoE layer's routing tables: (order, inverse, group_sizes, tables), as `sort_by_group`
   and `count_by_group` give them; tables: the FP4 grouped kernel's chunk tables
@@ -311,8 +349,10 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
           group_ids, num_groups=num_groups, bm=bm,
           n_chunks=fp4_mgpu.chunk_count(m, num_groups, bm))
       return order, inverse, gs, (bm, ce, row0, slot)
-  order, inverse = sort_by_group(group_ids)
   m = group_ids.shape[0]
+  if m <= ROW_CHUNK_ROWS and on_gpu() and _kernel_takes_tables(w, group_ids, num_groups):
+    return row_chunks(group_ids, num_groups)
+  order, inverse = sort_by_group(group_ids)
   if m <= SMALL_SORT and ((isinstance(w, PackedWeight) and w.experts)
                           or _bf16_kernel_weight(w, m)):
     # the grouped kernels' chunk tables here, from group ends counted beside the sizes (one
@@ -324,6 +364,18 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
     bm = fp4_mgpu.grouped_bm(m, num_groups)
     return order, inverse, sizes, (bm, *fp4_mgpu.chunk_tables(sizes, m, bm, ends=ends))
   return order, inverse, count_by_group(group_ids, num_groups), None
+
+
+def _kernel_takes_tables(w, group_ids, num_groups: int) -> bool:
+  """Whether a grouped matmul of these rows with `w` runs a grouped kernel on the GPU (the FP4
+  one for packed experts, `bf16_mgpu` for bf16 experts it takes)."""
+  if isinstance(w, PackedWeight):
+    return w.experts
+  if not _bf16_kernel_weight(w, group_ids.shape[0]):
+    return False
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  sizes = jax.ShapeDtypeStruct((num_groups,), jnp.int32)
+  return bf16_mgpu.kernel_supported(group_ids, w, sizes) is None
 
 
 def count_by_group(group_ids: jax.Array, num_groups: int) -> jax.Array:

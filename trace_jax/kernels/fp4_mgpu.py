@@ -549,13 +549,16 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   sum(group_sizes) give zeros. kernel_fn: as in `matmul`. rows [M]: the sorted rows are
   `x[rows]` (fused into the one gather that lays out the kernel's operand); out_rows: return
   `result[out_rows]` (fused into the output gather). tables: (bm, chunk_expert, chunk_row,
-  slot) made for these rows (`dispatch.route`), used when bm is this call's."""
+  slot) made for these rows (`dispatch.route`), used when bm is this call's; row-chunk tables
+  (`dispatch.row_chunks`: a 5th element; rows in any order) always, with their bm."""
   m = x.shape[0] if rows is None else rows.shape[0]
   e = pw.codes.shape[0]
   if m == 0:
     return jnp.zeros((0, pw.n), out_dtype)
   config = dict(config or {})
   bm = config.pop("bm", None) or bm or grouped_bm(m, e)
+  if tables is not None and tables[4:]:
+    bm = tables[0]  # row chunks (`dispatch.row_chunks`): their windows are made for their bm
   k_steps = pw.k_pad // (64 * pw.kb)
   n_inner, splits = grouped_parallelism(min(m, e), pw.n_pad // 256, k_steps,
                                         config.pop("n_inner", None), config.pop("splits", None))
@@ -563,7 +566,7 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
                             n_inner=n_inner, splits=splits), **config)
   part_dtype = jnp.float32 if cfg["splits"] > 1 else out_dtype
   if tables is not None and tables[0] == bm:
-    _, ce, row0, slot = tables
+    ce, row0, slot = tables[1:4]
   else:
     ce, row0, slot = chunk_tables(group_sizes, m, bm)
   # chunks read bm rows from their first row on: pad so the last chunk stays in bounds
