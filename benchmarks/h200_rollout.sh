@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -403,6 +403,21 @@ elif [ "$stage" = s16b ]; then
     --policy bf16 --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
     --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_row_chunks.json 2>&1 \
     | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -24
+elif [ "$stage" = s16c ]; then
+  # (session 16) s16b's BF16 B 1 row: first call 18.6 s, then one-token calls of 10.96 s and
+  # 0.039 s (FP4: 0.024, 0.010): what runs in the slow second call (JAX's compile log, three
+  # one-token calls); then the FP4 B 1 step (1.21 ms against BF16's 0.85) profiled kernel by kernel
+  JAX_LOG_COMPILES=1 timeout -k 5 ${LOG_TIMEOUT:-150} python3 launch/bench_rollout.py \
+    --preset=qwen3_30b_a3b_12l --batches=1 --policies=bf16 --paths=kernels --prompt_len=64 \
+    --new_tokens=128 --repeats=2 --one_token_repeats=3 --hf_peer=false \
+    --out=$OUT/bench_b1_bf16_compile_log.json > $OUT/b1_bf16_compile_log.txt 2>&1
+  echo "compile-log row rc=$?"
+  grep -E "Finished XLA compilation|Finished tracing|\] [a-z]|prefill \+ one|median|tok/s" \
+    $OUT/b1_bf16_compile_log.txt | sed -E 's/with global shapes.*//' | cut -c1-160 | tail -45
+  timeout -k 5 ${B1_TIMEOUT:-100} python3 benchmarks/profile_decode.py --layers 12 \
+    --policy paper --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
+    --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_fp4.json 2>&1 \
+    | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -34
 elif [ "$stage" = s15 ]; then
   # (session 15) after step_ab (XLA command buffers 7.20 -> 5.06 ms a step, splits of <= 16
   # tiles 7.20 -> 6.19 at 12 layers, B 276; both now defaults): the engine's GPU test (same
