@@ -332,7 +332,8 @@ def test_prefill_in_row_passes_writes_each_pass_in_place():
   each pass with a cache of the prompt's slots: cache, records, routes and next-token logits of
   each row are bit for bit those of a one-pass prefill of the pass that wrote it (a batch's
   float sums may depend on its size, so the reference is the same pass, alone) at the prompt's
-  real tokens; GRPO samples repeat them."""
+  real tokens; GRPO samples repeat them. The planner's capacity with passes. (Rollouts through
+  an engine with passes: the slow test after it.)"""
   eng = _engine("paper")
   p, steps, n = 16, 6, 2
   prompts = PROMPTS + [[4, 4, 2]]
@@ -366,14 +367,9 @@ def test_prefill_in_row_passes_writes_each_pass_in_place():
     np.testing.assert_array_equal(np.asarray(carry["logits"])[drows],
                                   np.asarray(ref_carry["logits"])[dlocal])
   np.testing.assert_array_equal(np.asarray(prompt_len), np.repeat(mask.sum(1), n))
-  # Through the engine: greedy rollouts agree with one pass (to float rounding in the sums)
   passes = RolloutEngine(CFG, eng.policy, max_new_tokens=6, prefill_tokens=2 * p)
   passes.sync(_params())
   assert passes._pass_rows(p) == 2 and eng._pass_rows(p) >= 3
-  g = SamplingParams(temperature=0.0)
-  a, b = eng.generate(prompts, n=2, sampling=g), passes.generate(prompts, n=2, sampling=g)
-  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
   with pytest.raises(ValueError, match="prefill_tokens"):
     RolloutEngine(CFG, prefill_tokens=0)
   # The planner holds a pass's cache (2 prompts x 16 slots) beside the weights once a batch
@@ -393,6 +389,20 @@ def test_prefill_in_row_passes_writes_each_pass_in_place():
   big.sync(_params())
   assert big.capacity(16 + 6, 16) == plan_capacity(CFG, eng.policy, 16 + 6, big.weight_bytes,
                                                    big.device_bytes, prefill_pass=(2, 16))
+
+
+@pytest.mark.slow  # two more engine programs compiled (~20 s on 2 cores)
+def test_engine_prefill_in_row_passes_gives_the_one_pass_rollout():
+  """Through the engine: greedy rollouts with prefill passes of 2 prompts (3 prompts: passes at
+  rows 0-1 and 1-2) agree with one pass (to float rounding in the sums)."""
+  eng = _engine("paper")
+  prompts = PROMPTS + [[4, 4, 2]]
+  passes = RolloutEngine(CFG, eng.policy, max_new_tokens=6, prefill_tokens=2 * 16)
+  passes.sync(_params())
+  g = SamplingParams(temperature=0.0)
+  a, b = eng.generate(prompts, n=2, sampling=g), passes.generate(prompts, n=2, sampling=g)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
 
 
 def test_chunked_engine_plans_host_memory():
