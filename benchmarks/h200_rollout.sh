@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -418,6 +418,21 @@ elif [ "$stage" = s16c ]; then
     --policy paper --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
     --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_fp4.json 2>&1 \
     | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -34
+elif [ "$stage" = s16d ]; then
+  # (session 16) tokamax imported before programs compile (s16c: importing it inside the first
+  # rollout's trace created JAX user contexts, so the BF16 program compiled again at the second
+  # call, 12.5 s): the GPU test (one compile over three rollouts in a fresh process), the
+  # 12-layer engine at HF's B 1 load with HF in the same run, then the 8k-capacity BF16 row
+  # (48 layers; session 15: one-token call 20.0 s, whole rollout 44.6 s)
+  JAX_PLATFORMS=cuda timeout -k 5 ${TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu \
+    -p no:xdist -o addopts="" tests/rollout/test_engine_gpu.py -k compiles_its_program_once \
+    > $OUT/test_compile_once_gpu.txt 2>&1
+  echo "compile-once gpu test rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_compile_once_gpu.txt | grep -E "Error|assert|passed|failed" | tail -6
+  POLICIES=bf16,paper BATCHES=1 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-200} ROW_TIMEOUT=80 \
+    bash $0 hf_load_inner | tail -6
+  POLICIES=bf16 ROWS_TIMEOUT=${BF16_TIMEOUT:-210} ROW_TIMEOUT=$(( ${BF16_TIMEOUT:-210} - 10 )) \
+    GEN=2048 bash $0 cap8k_inner | tail -4
 elif [ "$stage" = s15 ]; then
   # (session 15) after step_ab (XLA command buffers 7.20 -> 5.06 ms a step, splits of <= 16
   # tiles 7.20 -> 6.19 at 12 layers, B 276; both now defaults): the engine's GPU test (same

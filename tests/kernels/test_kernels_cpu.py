@@ -468,3 +468,24 @@ def test_grouped_wrapper_rows_and_out_rows_emulated():
   ref = jax.jit(lambda x, g, o, i: kernels.grouped_matmul(x, q, g, jnp.float32, rows=o // top,
                                                           out_rows=i))(x, gs, order, inverse)
   np.testing.assert_array_equal(np.asarray(ref), np.asarray(want))
+
+
+def test_gpu_libraries_are_imported_before_programs_compile(monkeypatch):
+  """Why `import_gpu_libraries` exists: a JAX user context created after a program compiled (as
+  importing tokamax creates them) makes the program's next call compile again. Off the GPU it
+  imports nothing; on the GPU it loads tokamax (a stand-in that counts here). (Last in this
+  file: the new context is part of every later jit's cache key in this process.)"""
+  f = jax.jit(lambda x: x * 2)
+  f(1.0)
+  f(2.0)
+  assert f._cache_size() == 1
+  jax.make_user_context(None)
+  f(3.0)
+  assert f._cache_size() == 2
+  calls = []
+  monkeypatch.setattr(dispatch, "_tokamax_ragged_dot", lambda: calls.append(1))
+  dispatch.import_gpu_libraries()
+  assert calls == []
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  dispatch.import_gpu_libraries()
+  assert calls == [1]

@@ -43,3 +43,37 @@ def test_command_buffers_give_the_same_rollout():
   for f in ("tokens", "completion_mask", "logprobs", "routes"):
     np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
   jax.tree_util.tree_map(np.testing.assert_array_equal, a.guidance, b.guidance)
+
+
+_SECOND_CALL = """
+import sys
+import jax
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.rollout import RolloutEngine, SamplingParams
+from trace_jax.rollout import engine as E
+cfg = M.tiny(num_layers=2).replace(dtype="bfloat16")
+eng = RolloutEngine(cfg, tq.make_policy("bf16"), max_new_tokens=4)
+eng.sync(M.init_params(M.tiny(num_layers=2), jax.random.key(0)))
+for seed in (1, 2, 3):
+  eng.generate([[3, 4, 5]], sampling=SamplingParams(temperature=1.0), seed=seed)
+print("SIZES", [p._cache_size() for p in E._PROGRAMS.values()], "tokamax" in sys.modules)
+"""
+
+
+def test_bf16_engine_compiles_its_program_once():
+  """In a fresh process (tokamax not yet imported), a BF16 engine whose grouped matmuls go to
+  tokamax compiles its program once over three rollouts: importing tokamax creates JAX user
+  contexts, which change every jit's cache key; imported inside the first rollout's trace it
+  made the second rollout compile again (`kernels.import_gpu_libraries`)."""
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
+      "PYTHONPATH")])))
+  r = subprocess.run([sys.executable, "-c", _SECOND_CALL], capture_output=True, text=True,
+                     timeout=240, env=env, cwd=root)
+  assert r.returncode == 0, r.stderr[-3000:]
+  line = [x for x in r.stdout.splitlines() if x.startswith("SIZES")][-1]
+  assert line.startswith("SIZES [1]"), line

@@ -26,12 +26,14 @@ chunk tables) build the MoE routing tables.
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
 from trace_jax.kernels.dispatch import (append_kv, count_by_group, decode_attention,
-                                        grouped_backend, grouped_matmul, matmul, on_gpu,
+                                        grouped_backend, grouped_matmul, import_gpu_libraries,
+                                        matmul, on_gpu,
                                         prefill_attention, quantize_rows, route,
                                         sort_by_group)
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
 __all__ = ["PackedWeight", "append_kv", "attention", "count_by_group", "decode_attention",
-           "decode_attention_ref", "decode_packed", "grouped_backend", "grouped_matmul", "matmul",
+           "decode_attention_ref", "decode_packed", "grouped_backend", "grouped_matmul",
+           "import_gpu_libraries", "matmul",
            "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
            "prepare_weight", "quantize_rows", "route", "sort_by_group"]

@@ -123,6 +123,18 @@ def _tokamax_ragged_dot():
   return tokamax.ragged_dot
 
 
+def import_gpu_libraries() -> None:
+  """On the GPU, import the optional libraries the kernels call (tokamax) now, before programs
+  are compiled. Importing tokamax creates JAX user contexts (`jax.make_user_context`, for its
+  config options), which are part of every jit's cache key: a program compiled before the
+  import compiles again at its next call. Imported inside the first rollout's trace, it made the
+  BF16 engine's second call trace and compile its program again (H200, 12 layers, B 1: a 12.5 s
+  call where the third took 0.01 s; session 16). `RolloutEngine` and `make_train_step` call
+  this before they compile anything."""
+  if on_gpu():
+    _tokamax_ragged_dot()
+
+
 def grouped_backend() -> str:
   """Which bf16 grouped matmul the XLA path uses here: 'tokamax' or 'xla'; on a GPU (unless
   `TRACE_JAX_BF16_GROUPED=tokamax`) 'bf16_mgpu+tokamax' / 'bf16_mgpu+xla': the kernel up to

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.rl import objectives as obj
@@ -259,6 +260,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, config: M.ModelConfig,
 def make_train_step(config: M.ModelConfig, policy: tq.QuantPolicy, cfg: RLConfig,
                     optimizer: optax.GradientTransformation, record_codes: bool = False):
   """A jitted `(state, batch) -> (state, metrics)` that donates the old state."""
+  kernels.import_gpu_libraries()  # before the step compiles (its docstring says why)
   ctx = trainer_context(policy, cfg, record_codes)
   fn = functools.partial(train_step, config=config, ctx=ctx, cfg=cfg, optimizer=optimizer)
   return jax.jit(fn, donate_argnums=(0,))

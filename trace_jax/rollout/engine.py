@@ -826,6 +826,7 @@ class RolloutEngine:
                host_bytes: int | None = None, use_kernels: bool | None = None,
                mesh: jax.sharding.Mesh | None = None, decode_chunk: int = 0,
                prefill_tokens: int = 65536, command_buffers: bool | None = None):
+    kernels.import_gpu_libraries()  # before any program compiles (its docstring says why)
     self.config = config
     self.policy = policy or tq.make_policy("bf16")
     self.max_new_tokens = int(max_new_tokens)
