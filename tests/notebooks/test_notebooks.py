@@ -10,7 +10,12 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+# fp4_formats (~25 s on 2 cores, its content the quant tests' own) runs in the slow tier
+SLOW = {"fp4_formats.ipynb"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW
+                                  else p for p in NOTEBOOKS], ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch, tmp_path):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.delenv("XLA_FLAGS", raising=False)
