@@ -38,9 +38,12 @@ def main():
   runs = load_rows(a.files)
   keys = sorted({k for _, rows in runs for k in rows}, key=lambda k: (k[2] or 0, k[0], k[1]))
   print(f"{'policy':8} {'B':>3} {'prompt':>6} " + " ".join(f"{lab:>16}" for lab, _ in runs))
+  def cell(row):  # HF peer rows (hf_static, hf_eager) have no floor
+    floor = row.get("floor_over_measured")
+    return f"{row['tokens_per_s']:8.0f} " + (f"({floor:.2f})" if floor is not None else "(  - )")
+
   for k in keys:
-    cells = [f"{rows[k]['tokens_per_s']:8.0f} ({rows[k]['floor_over_measured']:.2f})"
-             if k in rows else " " * 16 for _, rows in runs]
+    cells = [cell(rows[k]) if k in rows else " " * 16 for _, rows in runs]
     print(f"{k[0]:8} {k[1]:>3} {k[2]:>6} " + " ".join(f"{c:>16}" for c in cells))
 
   import matplotlib
@@ -53,7 +56,7 @@ def main():
                             (axes[1], "floor_over_measured", "share of the bytes-moved floor")):
     for i, (label, rows) in enumerate(runs):
       xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(keys))]
-      ys = [rows[k][field] if k in rows else 0.0 for k in keys]
+      ys = [(rows[k].get(field) or 0.0) if k in rows else 0.0 for k in keys]
       bars = ax.bar(xs, ys, width, label=label)
       for bar, y in zip(bars, ys):
         if y:
