@@ -35,6 +35,21 @@ bf16_grouped_tests() {
   echo "bf16 grouped tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_bf16_grouped_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
 }
+# GPU tests of one file matching -k (log under $OUT): FILE KEYWORD NAME TIMEOUT
+gpu_tests() {
+  JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+    $1 -k "$2" > $OUT/test_$3.txt 2>&1
+  echo "$3 gpu tests rc=$?"
+  grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed" | tail -6
+}
+# the 12-layer decode step at HF's B 1 load (prompt 64, 128 new) profiled kernel by kernel
+# without command buffers (with them the profiler sees graphs): POLICY NAME TIMEOUT LINES
+b1_profile() {
+  timeout -k 5 $3 python3 benchmarks/profile_decode.py --layers 12 --policy $1 --path kernels \
+    --batch 1 --prompt_len 64 --new_tokens 128 --no_command_buffers --repeats 2 \
+    --out $OUT/profile_decode_b1_$2.json 2>&1 \
+    | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -$4
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 [ "$stage" = smoke ] && python3 - <<'PY' 2>&1 | tail -4
 import jax, jax.numpy as jnp, numpy as np
@@ -381,28 +396,17 @@ elif [ "$stage" = s16a ]; then
   for setting in "AB=baseline" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"; do
     tag=$(echo "$setting" | md5sum | cut -c1-6)
     echo "== B1 bf16 $setting [$tag]"
-    ( eval "export $setting"
-      timeout -k 5 ${B1_TIMEOUT:-90} python3 benchmarks/profile_decode.py --layers 12 \
-        --policy bf16 --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
-        --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_$tag.json 2>&1 \
-        | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -30 )
+    ( eval "export $setting"; b1_profile bf16 $tag ${B1_TIMEOUT:-90} 30 )
   done
 elif [ "$stage" = s16b ]; then
   # (session 16) row-chunk routing (one token's top-8 needs no ordering kernels): its GPU test
   # (both grouped kernels against the reference), the 12-layer engine at HF's B 1 load with HF
   # in the same run (session 15: BF16 808.8 tok/s, 1.09 ms a step, HF static 291.5), and the
   # BF16 B 1 step profiled again (s16a: 398 kernels a step, 1.253 ms of kernels)
-  JAX_PLATFORMS=cuda timeout -k 5 ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu \
-    -p no:xdist -o addopts="" tests/kernels/test_kernels_gpu.py -k row_chunk \
-    > $OUT/test_row_chunks_gpu.txt 2>&1
-  echo "row chunk gpu tests rc=$?"
-  grep -v "^I1\|^W1" $OUT/test_row_chunks_gpu.txt | grep -E "Error|assert|passed|failed" | tail -6
+  gpu_tests tests/kernels/test_kernels_gpu.py row_chunk row_chunks_gpu ${TEST_TIMEOUT:-150}
   POLICIES=bf16,paper BATCHES=1 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-250} ROW_TIMEOUT=90 \
     bash $0 hf_load_inner | tail -6
-  timeout -k 5 ${B1_TIMEOUT:-90} python3 benchmarks/profile_decode.py --layers 12 \
-    --policy bf16 --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
-    --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_row_chunks.json 2>&1 \
-    | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -24
+  b1_profile bf16 row_chunks ${B1_TIMEOUT:-90} 24
 elif [ "$stage" = s16c ]; then
   # (session 16) s16b's BF16 B 1 row: first call 18.6 s, then one-token calls of 10.96 s and
   # 0.039 s (FP4: 0.024, 0.010): what runs in the slow second call (JAX's compile log, three
@@ -414,21 +418,15 @@ elif [ "$stage" = s16c ]; then
   echo "compile-log row rc=$?"
   grep -E "Finished XLA compilation|Finished tracing|\] [a-z]|prefill \+ one|median|tok/s" \
     $OUT/b1_bf16_compile_log.txt | sed -E 's/with global shapes.*//' | cut -c1-160 | tail -45
-  timeout -k 5 ${B1_TIMEOUT:-100} python3 benchmarks/profile_decode.py --layers 12 \
-    --policy paper --path kernels --batch 1 --prompt_len 64 --new_tokens 128 \
-    --no_command_buffers --repeats 2 --out $OUT/profile_decode_b1_fp4.json 2>&1 \
-    | grep -v "^I1\|^W1" | grep "guidance_on\|decode loop\|device kernel\|^ " | head -34
+  b1_profile paper fp4 ${B1_TIMEOUT:-100} 34
 elif [ "$stage" = s16d ]; then
   # (session 16) tokamax imported before programs compile (s16c: importing it inside the first
   # rollout's trace created JAX user contexts, so the BF16 program compiled again at the second
   # call, 12.5 s): the GPU test (one compile over three rollouts in a fresh process), the
   # 12-layer engine at HF's B 1 load with HF in the same run, then the 8k-capacity BF16 row
   # (48 layers; session 15: one-token call 20.0 s, whole rollout 44.6 s)
-  JAX_PLATFORMS=cuda timeout -k 5 ${TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu \
-    -p no:xdist -o addopts="" tests/rollout/test_engine_gpu.py -k compiles_its_program_once \
-    > $OUT/test_compile_once_gpu.txt 2>&1
-  echo "compile-once gpu test rc=$?"
-  grep -v "^I1\|^W1" $OUT/test_compile_once_gpu.txt | grep -E "Error|assert|passed|failed" | tail -6
+  gpu_tests tests/rollout/test_engine_gpu.py compiles_its_program_once compile_once_gpu \
+    ${TEST_TIMEOUT:-120}
   POLICIES=bf16,paper BATCHES=1 HF_PEER=true ROWS_TIMEOUT=${HF_TIMEOUT:-200} ROW_TIMEOUT=80 \
     bash $0 hf_load_inner | tail -6
   POLICIES=bf16 ROWS_TIMEOUT=${BF16_TIMEOUT:-210} ROW_TIMEOUT=$(( ${BF16_TIMEOUT:-210} - 10 )) \
