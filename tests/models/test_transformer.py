@@ -259,6 +259,7 @@ def test_shared_experts_wiring():
   assert float(jnp.max(jnp.abs(with_shared - a))) > 1e-3
 
 
+@pytest.mark.slow  # the benchmarks' init, a jit per leaf shape (~17 s on 2 cores)
 def test_random_params_match_init_params_shapes_and_distributions():
   """The benchmarks' leaf-by-leaf init: init_params' tree, shapes and dtype; norm scales 1;
   weights normal with std 0.02 (checked on the large leaves); the forward runs on them."""

@@ -92,7 +92,7 @@ def test_routing_replay_makes_trainer_experts_equal_rollout():
 
 
 def test_train_step_deterministic_and_microbatching_equivalent():
-  policy, ro, rewards = _rollout(0.5)
+  policy, ro, rewards = _rollout(1.0)  # (the rollout the alignment tests compiled)
   outs = []
   for m in (1, 1, 2):
     cfg = rl.RLConfig(alignment="trace", micro_batches=m, learning_rate=1e-2, warmup_steps=0)
@@ -109,7 +109,7 @@ def test_train_step_deterministic_and_microbatching_equivalent():
 
 
 def test_gradients_match_finite_differences_in_bf16_mode():
-  policy, ro, rewards = _rollout(0.5)
+  policy, ro, rewards = _rollout(1.0)
   cfg = rl.RLConfig(alignment="none")
   batch = rl.batch_from_rollout(ro, rewards, GROUP, cfg)
   ctx = rl.trainer_context(policy, cfg)

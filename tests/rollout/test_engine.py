@@ -174,6 +174,7 @@ def test_fp4_kv_lets_more_sequences_fit():
   assert n_fp4 >= 3 * n_bf16 > 0
 
 
+@pytest.mark.slow  # an engine compile (~22 s on 2 cores); the layout's decode: test_kernels_cpu
 def test_kernel_layout_weights_give_the_same_rollout():
   """Rollout weights in the GPU kernels' layout (`PackedWeight`) decode to the same values: on
   CPU the dispatch runs the reference on them, so tokens and logprobs must match the QArrays'."""
