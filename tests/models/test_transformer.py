@@ -164,6 +164,7 @@ def test_rollout_weights_are_real_qarrays():
   assert experts["gate_up_proj"].nbytes / bf16_bytes == pytest.approx(4.25 / 16, rel=0.01)
 
 
+@pytest.mark.slow  # ~20 s on 2 cores; the engine's FP4-KV decode test checks the same per bit
 def test_trace_guidance_reproduces_decode_codes_in_parallel_forward():
   tokens, mask = _batch()
   policy = tq.make_policy("paper", "nvfp4")
