@@ -28,19 +28,12 @@ cap_shape_profile() {
     --path kernels --batch $batch --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 \
     --decode_chunk 128 --repeats 1 "$@" 2>&1 | grep -v "^I1\|^W1"
 }
-# the bf16 grouped kernel's GPU tests (log under $OUT): TIMEOUT
-bf16_grouped_tests() {
-  JAX_PLATFORMS=cuda timeout -k 5 $1 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
-    tests/kernels/test_kernels_gpu.py -k "bf16_grouped" > $OUT/test_bf16_grouped_gpu.txt 2>&1
-  echo "bf16 grouped tests rc=$?"
-  grep -v "^I1\|^W1" $OUT/test_bf16_grouped_gpu.txt | grep -E "Error|assert|passed|failed" | tail -8
-}
 # GPU tests of one file matching -k (log under $OUT): FILE KEYWORD NAME TIMEOUT
 gpu_tests() {
   JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
     $1 -k "$2" > $OUT/test_$3.txt 2>&1
   echo "$3 gpu tests rc=$?"
-  grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed" | tail -6
+  grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed" | tail -8
 }
 # the 12-layer decode step at HF's B 1 load (prompt 64, 128 new) profiled kernel by kernel
 # without command buffers (with them the profiler sees graphs): POLICY NAME TIMEOUT LINES
@@ -325,7 +318,7 @@ elif [ "$stage" = bf16_grouped ]; then
   # an H200 on CPU, never run): its GPU tests, its kernel rows beside tokamax's at 8 / 64 / 256 /
   # 512 rows, then the 12-layer BF16 engine at HF's load (B 1 and 32) with it, against the
   # default (tokamax: 758.5 tok/s at B=1 in session 12, HF static 279.9 in the same run)
-  bf16_grouped_tests ${KTEST_TIMEOUT:-200}
+  gpu_tests tests/kernels/test_kernels_gpu.py bf16_grouped bf16_grouped_gpu ${KTEST_TIMEOUT:-200}
   timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 \
     --only ${KERNEL_ROWS:-tokamax_bf16,bf16_mgpu} --out $OUT \
     2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -20
@@ -361,7 +354,7 @@ elif [ "$stage" = cap_kernels ]; then
   mv $OUT/bench_kernels.json $OUT/bench_kernels_m2208.json 2>/dev/null
   cap_shape_profile 4 276 paper ${PROFILE_TIMEOUT:-190} --out $OUT/profile_decode_live.json \
     | grep -v "^  loop" | tail -22
-  bf16_grouped_tests ${KTEST_TIMEOUT:-110}
+  gpu_tests tests/kernels/test_kernels_gpu.py bf16_grouped bf16_grouped_gpu ${KTEST_TIMEOUT:-110}
   timeout -k 5 ${BF_TIMEOUT:-130} python3 benchmarks/bench_kernels.py --iters 20 \
     --only M8_tokamax,M8_bf16_mgpu,M64_tokamax,M64_bf16_mgpu,M256_tokamax,M256_bf16_mgpu \
     --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tail -14
