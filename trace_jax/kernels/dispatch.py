@@ -362,11 +362,11 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
           n_chunks=fp4_mgpu.chunk_count(m, num_groups, bm))
       return order, inverse, gs, (bm, ce, row0, slot)
   m = group_ids.shape[0]
-  if m <= ROW_CHUNK_ROWS and on_gpu() and _kernel_takes_tables(w, group_ids, num_groups):
+  takes_tables = _kernel_takes_tables(w, group_ids, num_groups)
+  if takes_tables and m <= ROW_CHUNK_ROWS and on_gpu():
     return row_chunks(group_ids, num_groups)
   order, inverse = sort_by_group(group_ids)
-  if m <= SMALL_SORT and ((isinstance(w, PackedWeight) and w.experts)
-                          or _bf16_kernel_weight(w, m)):
+  if takes_tables and m <= SMALL_SORT:
     # the grouped kernels' chunk tables here, from group ends counted beside the sizes (one
     # kernel for both instead of a prefix sum after the count)
     from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
@@ -379,8 +379,9 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
 
 
 def _kernel_takes_tables(w, group_ids, num_groups: int) -> bool:
-  """Whether a grouped matmul of these rows with `w` runs a grouped kernel on the GPU (the FP4
-  one for packed experts, `bf16_mgpu` for bf16 experts it takes)."""
+  """Whether a grouped matmul of these rows with `w` runs a grouped kernel that takes chunk
+  tables: the FP4 one for packed experts (also off the GPU, where tests drive its wrapper),
+  `bf16_mgpu` on the GPU for bf16 experts it takes."""
   if isinstance(w, PackedWeight):
     return w.experts
   if not _bf16_kernel_weight(w, group_ids.shape[0]):
