@@ -69,6 +69,7 @@ def test_bf16_engine_compiles_its_program_once():
   import os  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
+  pytest.importorskip("tokamax")  # without it nothing is imported late: the test would be moot
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
       "PYTHONPATH")])))
@@ -76,4 +77,4 @@ def test_bf16_engine_compiles_its_program_once():
                      timeout=240, env=env, cwd=root)
   assert r.returncode == 0, r.stderr[-3000:]
   line = [x for x in r.stdout.splitlines() if x.startswith("SIZES")][-1]
-  assert line.startswith("SIZES [1]"), line
+  assert line == "SIZES [1] True", line  # one program, compiled once; tokamax was in use
