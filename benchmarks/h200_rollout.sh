@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -380,6 +380,18 @@ elif [ "$stage" = step_ab ]; then
       cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
         --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
   done
+elif [ "$stage" = s17a ]; then
+  # (session 17) the grouped FP4 kernel's column tiles per CTA (n_inner) in the capacity-shaped
+  # FP4 step (12 layers, B 276, 2,208 expert rows a layer): "all" makes one CTA per 32-row chunk,
+  # so a batch whose routing needs more than 132 chunks runs a second, nearly empty wave (the
+  # kernel took ~1.5-2x its isolated time in the loop, sessions 13-16). Then decode attention at
+  # B 1 over short caches, bf16 / NVFP4 Pallas / NVFP4 Mosaic (FP4 at B 1 was slower than BF16)
+  STEP_AB="AB=baseline;TRACE_JAX_GROUPED_N_INNER=1;TRACE_JAX_GROUPED_N_INNER=2;TRACE_JAX_GROUPED_N_INNER=3" \
+    PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-125} bash $0 step_ab_inner
+  timeout -k 5 ${BENCH_TIMEOUT:-110} python3 benchmarks/bench_attention.py --what decode \
+    --formats bf16,nvfp4,nvfp4_mosaic --batches 1,16 --contexts 256,1024 \
+    --budget_s $(( ${BENCH_TIMEOUT:-110} - 25 )) --out $OUT/bench_attention_short.json 2>&1 \
+    | grep -v "^I1\|^W1" | tail -16
 elif [ "$stage" = s16a ]; then
   # (session 16) step_ab's default (as is; cuBLAS for XLA's dots; splits of <= 32 tiles), then
   # the 12-layer BF16 step at HF's B 1 load (1.09 ms against 0.47 of bytes; HF's 3x bar wants
