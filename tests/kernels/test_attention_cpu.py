@@ -288,6 +288,30 @@ def test_dispatch_cpu_uses_the_reference():
                                 np.asarray(jax.jit(R.decode_attention_ref)(q, k, v, valid)))
 
 
+def test_dispatch_on_gpu_sends_short_caches_to_pallas(monkeypatch):
+  """On the GPU (faked), an NVFP4 cache the Mosaic kernel takes goes to it only above
+  `SHORT_CACHE_SLOTS` batch x slots, to the Pallas kernel at or below; "mosaic" always takes it.
+  (The kernels are replaced by markers: this checks the choice, the GPU tests the kernels.)"""
+  from trace_jax.kernels import attention_mgpu, dispatch  # noqa: PLC0415
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "_ATTENTION_KERNEL", True)
+  monkeypatch.setattr(dispatch, "_ATTENTION_MOSAIC", True)
+  monkeypatch.setattr(attention_mgpu, "decode_attention", lambda *a, **kw: "mosaic")
+  monkeypatch.setattr(dispatch, "_pallas_decode", lambda *a, **kw: "pallas")
+  k = make_kv("nvfp4", (2, 16, 4, 128), 21)
+  q = jnp.zeros((2, 32, 128), jnp.bfloat16)
+  valid = jnp.ones((2, 16), bool)
+  assert attention_mgpu.kernel_supported(q, k, k) is None
+  for limit, want in ((32, "pallas"), (31, "mosaic"), (0, "mosaic")):  # 2 x 16 slots
+    monkeypatch.setattr(dispatch, "SHORT_CACHE_SLOTS", limit)
+    assert kernels.decode_attention(q, k, k, valid) == want, limit
+    assert kernels.decode_attention(q, k, k, valid, use_kernel=True) == want, limit
+    assert kernels.decode_attention(q, k, k, valid, use_kernel="mosaic") == "mosaic"
+  # operands the Mosaic kernel does not take (2 KV heads) go to Pallas whatever the length
+  k2 = make_kv("nvfp4", (2, 16, 2, 128), 22)
+  assert kernels.decode_attention(jnp.zeros((2, 8, 128), jnp.bfloat16), k2, k2, valid) == "pallas"
+
+
 def test_bad_inputs_are_named():
   k = make_kv(None, (2, 9, 2, 32), 0)
   q = jnp.zeros((2, 4, 32), jnp.bfloat16)

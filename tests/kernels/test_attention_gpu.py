@@ -84,16 +84,19 @@ def test_kernel_configs_ragged(config):
   assert relerr(got, want) < TOL
 
 
-@pytest.mark.parametrize("heads,want", [((4, 2, 64), "triton"),
-                                        ((8, 4, 128), "decode_attention_mosaic")])
-def test_model_decode_step_uses_the_kernel(monkeypatch, heads, want):
+@pytest.mark.parametrize("heads,short,want", [((4, 2, 64), 4096, "triton"),
+                                              ((8, 4, 128), 0, "decode_attention_mosaic"),
+                                              ((8, 4, 128), 4096, "triton")])
+def test_model_decode_step_uses_the_kernel(monkeypatch, heads, short, want):
   """A decode step of a bf16 model with an NVFP4 cache goes through a kernel on the GPU (the
   default there; set explicitly so the test holds under any environment): the Pallas kernel at
-  head_dim 64, the Mosaic kernel at 4 KV heads x 128; it agrees with the same token through
-  the general attention path."""
+  head_dim 64, at 4 KV heads x 128 the Mosaic kernel, or the Pallas one where the cache counts
+  as short (`SHORT_CACHE_SLOTS`: 2 x 40 slots here); it agrees with the same token through the
+  general attention path."""
   from trace_jax.kernels import dispatch
   monkeypatch.setattr(dispatch, "_ATTENTION_KERNEL", True)
   monkeypatch.setattr(dispatch, "_ATTENTION_MOSAIC", True)
+  monkeypatch.setattr(dispatch, "SHORT_CACHE_SLOTS", short)
   jax.clear_caches()  # the flags are read at trace time
   h, kvh, hd = heads
   cfg = M.tiny(num_layers=2, num_heads=h, num_kv_heads=kvh, head_dim=hd, dtype="bfloat16")

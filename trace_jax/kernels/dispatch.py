@@ -23,11 +23,14 @@ Everything else (CPU, float32 activations, FP4 activations) runs the reference i
 Decode attention: on GPU the Mosaic GPU NVFP4 kernel of `attention_mgpu.py` where it applies
 (NVFP4 K/V, 4 KV heads x head_dim 128, cache length a multiple of 8; on the H200 198 us per
 call at B=64 x 8k against 281 us for the Pallas kernel on a bf16 cache, and 365 us for the
-Pallas kernel on the same NVFP4 cache in its earlier launch configuration, 2026-11-30), else
-the Pallas kernel of `attention_pallas.py` for the operands `attention_pallas.kernel_supported`
-accepts (it reads an FP4 cache in place; the reference dequantizes the whole cache to bf16
-every step: on the H200 that was 31 us per layer and call at 384 slots, B=64), the reference
-`attention_ref` elsewhere.
+Pallas kernel on the same NVFP4 cache in its earlier launch configuration, 2026-11-30) and the
+cache is not short; else the Pallas kernel of `attention_pallas.py` for the operands
+`attention_pallas.kernel_supported` accepts (it reads an FP4 cache in place; the reference
+dequantizes the whole cache to bf16 every step: on the H200 that was 31 us per layer and call at
+384 slots, B=64), the reference `attention_ref` elsewhere. Short: batch x cache slots <=
+`SHORT_CACHE_SLOTS` (4096), where the Mosaic kernel's fixed cost per call loses. H200 us per
+call, Pallas / Mosaic on NVFP4 (bf16 KV beside): B 1 x 256 slots 5.6 / 8.1 (4.8), B 1 x 1024
+8.5 / 12.6 (6.2), B 16 x 256 9.4 / 10.7 (7.3), B 16 x 1024 20.0 / 17.4 (16.9) (session 17).
 The environment variable `TRACE_JAX_DECODE_ATTENTION` (read at import) picks otherwise:
 `=kernel` the Pallas kernel for every format, `=reference` the reference on GPU too.
 
@@ -78,6 +81,9 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
+# decode attention over at most this many cache slots (batch x slots) takes the Pallas kernel
+# where the Mosaic one also applies (see the module docstring); 0: the Mosaic kernel always
+SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
 _SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
@@ -443,15 +449,17 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
                      use_kernel: bool | str | None = None, config=None) -> jax.Array:
   """Attention of one query token per sequence over a KV cache (`[B, H, hd]`), see
   `attention_ref.decode_attention_ref`; k/v bf16 arrays or FP4/FP8 `QArray`s. use_kernel:
-  None (the default choice), False (reference), True (a kernel), "mosaic" (the Mosaic NVFP4
-  kernel where it applies)."""
+  None (the default choice), False (reference), True (a kernel: Mosaic NVFP4 where it applies
+  and the cache is not short, else Pallas), "mosaic" (the Mosaic NVFP4 kernel where it
+  applies)."""
   from trace_jax.kernels import attention_mgpu, attention_pallas
   if use_kernel is None:
     use_kernel = (_ATTENTION_KERNEL and on_gpu()
                   and attention_pallas.kernel_supported(q, k, v) is None)
   if not use_kernel:
     return attention_ref.decode_attention_ref(q, k, v, valid, scale, out_dtype)
-  if (use_kernel == "mosaic" or (use_kernel is True and _ATTENTION_MOSAIC)) and (
+  short = q.shape[0] * k.shape[1] <= SHORT_CACHE_SLOTS
+  if (use_kernel == "mosaic" or (use_kernel is True and _ATTENTION_MOSAIC and not short)) and (
       attention_mgpu.kernel_supported(q, k, v) is None):
     return attention_mgpu.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
                                            **(config or {}))
