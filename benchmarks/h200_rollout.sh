@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -380,6 +380,16 @@ elif [ "$stage" = step_ab ]; then
       cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
         --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
   done
+elif [ "$stage" = s17b ]; then
+  # (session 17) the batch-1 step's small products each way (the router's float32 dot ran as two
+  # kernels of 3.2 us a layer, the bf16 q/k/v and o projections at about half of their bytes'
+  # time), the model-level GPU test of the decode attention choice (short caches now go to the
+  # Pallas kernel), and the FP4 B 1 step profiled with it (s16c: Mosaic attention 89 us a step)
+  timeout -k 5 ${DOTS_TIMEOUT:-150} python3 benchmarks/bench_small_dots.py --rows 1,8 \
+    --out $OUT/bench_small_dots.json 2>&1 | grep -v "^I1\|^W1" | tail -24
+  gpu_tests tests/kernels/test_attention_gpu.py model_decode_step attn_dispatch_gpu \
+    ${TEST_TIMEOUT:-100}
+  b1_profile paper fp4_short_attn ${B1_TIMEOUT:-110} 34
 elif [ "$stage" = s17a ]; then
   # (session 17) the grouped FP4 kernel's column tiles per CTA (n_inner) in the capacity-shaped
   # FP4 step (12 layers, B 276, 2,208 expert rows a layer): "all" makes one CTA per 32-row chunk,

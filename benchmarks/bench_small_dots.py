@@ -1,0 +1,142 @@
+"""The small products of a batch-1 decode step on the GPU, each way it can be written: check,
+time, one JSON file + a table.
+
+  PYTHONPATH=. python benchmarks/bench_small_dots.py --out bench_small_dots.json [--rows 1,8]
+
+Why: in the 12-layer 30B-A3B decode step at batch 1 (H200, session 16 profiles) the MoE router's
+float32 dot ran as two kernels of 3.2 us a layer (XLA:GPU rewrites a one-row dot as a multiply
+and a reduction), and the bf16 attention projections ran at about half of their weight bytes'
+time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
+- `router_*`: float32 x [R, 2048] @ w [2048, 128] at HIGHEST precision: `dot` (as the model
+  wrote it), `pad2` (a zero second row when R = 1, as `dispatch.xla_matmul` does for bf16),
+  `mulsum` (multiply and sum over K: one reduction kernel).
+- `qkv_*` / `o_*`: bf16 x [R, K] @ w [K, N] with float32 accumulation, bf16 out, at the
+  30B-A3B q/k/v (2048 x 5120) and o (4096 x 2048) shapes: `xla` (`dispatch.xla_matmul`: the
+  zero second row at R = 1), `xla_nopad` (the one-row dot as written), `mgpu` (the bf16 grouped
+  Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group).
+- `route_tail`: softmax, top-8 and the weights' normalization of router logits [R, 128], as the
+  model does them (for its kernel count).
+
+Each is checked against a float64 numpy product (max |got - ref| / max |ref|) and timed with
+CUPTI device time (`profiler.measure`, all kernels of the call, median over iterations), the
+weights rotated over copies larger than the L2. GB/s on the weight bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import bench_util
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="bench_small_dots.json")
+  ap.add_argument("--rows", default="1,8")
+  ap.add_argument("--iters", type=int, default=20)
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import profiler
+
+  from trace_jax import provenance
+  from trace_jax.kernels import bf16_mgpu, dispatch
+
+  t0 = time.time()
+  res = dict(benchmark="bench_small_dots", date=datetime.datetime.utcnow().isoformat() + "Z",
+             device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+             git_commit=provenance.git_commit(),
+             command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+             units=dict(us="microseconds of CUPTI device time a call (all its kernels), median",
+                        GBps="weight bytes / us"),
+             read_ceiling_TBps=bench_util.READ_CEILING_TBPS, rows=[])
+
+  def timed(fn, x, copies):
+    multi = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+    compiled = multi.lower(x, copies).compile()
+    _, tim = profiler.measure(compiled, aggregate=False, iterations=args.iters)(x, copies)
+    n = len(copies)
+    per_iter = [sum(ms for _, ms in it) * 1e3 / n for it in tim]
+    names = sorted({name for it in tim for name, _ in it})
+    return statistics.median(per_iter), len(tim[0]) / n, names
+
+  def row(name, fn, x, w, ref, wbytes):
+    n = int(min(16, max(1, np.ceil(2.5 * bench_util.L2_BYTES / wbytes))))
+    copies = [jnp.copy(w) for _ in range(n)]
+    got = np.asarray(jax.jit(fn)(x, w), np.float64)
+    err = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+    try:
+      us, kernels, names = timed(fn, x, copies)
+      r = dict(name=name, us=us, kernels_per_call=kernels, kernel_names=names[:6],
+               GBps=wbytes / us / 1e3, relerr_max=err)
+    except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
+      r = dict(name=name, error=f"{type(e).__name__}: {e}"[:300], relerr_max=err)
+    res["rows"].append(r)
+    print(f"{name:24s} {r.get('us', float('nan')):8.2f} us  "
+          f"{r.get('kernels_per_call', 0):4.1f} kernels  {r.get('GBps', 0):7.0f} GB/s  "
+          f"relerr {err:.1e}", flush=True)
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1, default=str)
+
+  rng = np.random.default_rng(0)
+  hp = jax.lax.Precision.HIGHEST
+
+  def pad2(x):
+    return jnp.concatenate([x, jnp.zeros_like(x)]) if x.shape[0] == 1 else x
+
+  for r in [int(v) for v in args.rows.split(",")]:
+    # the router, float32
+    xr = rng.standard_normal((r, 2048)).astype(np.float32)
+    wr = (rng.standard_normal((2048, 128)) * 0.02).astype(np.float32)
+    ref = xr.astype(np.float64) @ wr.astype(np.float64)
+    variants = {
+        "dot": lambda x, w: jnp.dot(x, w, precision=hp),
+        "pad2": lambda x, w: jnp.dot(pad2(x), w, precision=hp)[:x.shape[0]],
+        "mulsum": lambda x, w: jnp.sum(x[:, :, None] * w[None], axis=1),
+    }
+    for tag, fn in variants.items():
+      row(f"router_{tag}_r{r}", fn, jnp.asarray(xr), jnp.asarray(wr), ref, wr.nbytes)
+    # the tail of routing
+    logits = jnp.asarray(ref, jnp.float32)
+
+    def tail(x, w):
+      del w
+      p = jax.nn.softmax(x, axis=-1)
+      v, i = jax.lax.top_k(p, 8)
+      return (v / jnp.sum(v, axis=-1, keepdims=True)) + i.astype(jnp.float32) * 0
+
+    pr = jax.nn.softmax(ref, axis=-1)
+    top = np.sort(np.asarray(pr))[:, ::-1][:, :8]
+    row(f"route_tail_r{r}", tail, logits, jnp.zeros((8,), jnp.float32),
+        top / top.sum(-1, keepdims=True), 1024)
+    # dense bf16 projections
+    for shape_tag, (k, n) in (("qkv", (2048, 5120)), ("o", (4096, 2048))):
+      xb = jnp.asarray(rng.standard_normal((r, k)), jnp.bfloat16)
+      wb = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16)
+      ref = np.asarray(xb, np.float64) @ np.asarray(wb, np.float64)
+      dv = {
+          "xla": lambda x, w: dispatch.xla_matmul(x, (w, None), jnp.bfloat16),
+          "xla_nopad": lambda x, w: jnp.einsum("rk,kn->rn", x, w,
+                                               preferred_element_type=jnp.float32
+                                               ).astype(jnp.bfloat16),
+          "mgpu": lambda x, w: bf16_mgpu.grouped_matmul(
+              x, w[None], jnp.asarray([x.shape[0]], jnp.int32), out_dtype=jnp.bfloat16),
+      }
+      for tag, fn in dv.items():
+        row(f"{shape_tag}_{tag}_r{r}", fn, xb, wb, ref, wb.size * 2)
+  res["total_s"] = time.time() - t0
+  with open(args.out, "w") as f:
+    json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()
