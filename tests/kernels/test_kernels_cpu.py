@@ -116,6 +116,34 @@ def test_xla_path_vs_numpy(fmt):
   assert relerr(dispatch.xla_matmul(x, dense, jnp.float32), xn @ wd[3]) < 1e-6
 
 
+def test_one_row_products_are_two_row_products_where_xla_gpu_needs_it(monkeypatch):
+  """A single row goes through `_two_row_dot` (a zero second row) in the bf16 XLA path always,
+  and in `float32_dot` (the router) on the GPU only (faked here): the lowered program then has
+  the concatenate and a 2-row dot; several rows and the CPU keep the plain dot. Values agree
+  with float64 numpy either way."""
+  k, n = 64, 24
+  w = jax.random.normal(jax.random.key(7), (k, n), jnp.float32)
+  wn = np.asarray(w, np.float64)
+
+  def fresh(x, w):  # a new function each time: the choice is made at trace time
+    return dispatch.float32_dot(x, w)
+
+  for rows, on_gpu in ((1, False), (1, True), (3, True)):
+    monkeypatch.setattr(dispatch, "on_gpu", lambda on_gpu=on_gpu: on_gpu)
+    x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.float32)
+    text = jax.jit(functools.partial(fresh)).lower(x, w).as_text()
+    padded = rows == 1 and on_gpu
+    assert ("stablehlo.concatenate" in text) == padded, (rows, on_gpu)
+    assert (f"tensor<2x{k}xf32>" in text) == padded
+    got = np.asarray(jax.jit(functools.partial(fresh))(x, w), np.float64)
+    assert got.shape == (rows, n)
+    assert relerr(got, np.asarray(x, np.float64) @ wn) < 1e-6
+  xb = jnp.ones((1, 1, k), jnp.bfloat16)  # [B, T, K] with one row: padded on any backend
+  assert "stablehlo.concatenate" in jax.jit(
+      lambda x, w: dispatch.xla_matmul(x, (w.astype(jnp.bfloat16), None), jnp.float32)
+  ).lower(xb, w).as_text()
+
+
 # ------------------------------------------------------------------ layout
 
 @pytest.mark.parametrize("fmt,kb", KB.items())

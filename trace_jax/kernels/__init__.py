@@ -21,19 +21,21 @@ Rollout glue as Pallas kernels on the GPU by default (`TRACE_JAX_KV_APPEND=xla`,
 and on the H200): `append_kv` writes a decode step's NVFP4 K/V rows into the cache (`kv_append.py`),
 `quantize_rows` quantizes an activation site (`row_quant.py`); each returns None where the XLA
 path applies. `sort_by_group` / `count_by_group` (or `route`, with the FP4 grouped kernel's
-chunk tables) build the MoE routing tables.
+chunk tables) build the MoE routing tables; `float32_dot` computes the router's logits
+(a batch-1 row as a two-row product on the GPU, as the bf16 XLA path does).
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
 from trace_jax.kernels.dispatch import (append_kv, count_by_group, decode_attention,
-                                        grouped_backend, grouped_matmul, import_gpu_libraries,
+                                        float32_dot, grouped_backend, grouped_matmul,
+                                        import_gpu_libraries,
                                         matmul, on_gpu,
                                         prefill_attention, quantize_rows, route,
                                         sort_by_group)
 from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
 
 __all__ = ["PackedWeight", "append_kv", "attention", "count_by_group", "decode_attention",
-           "decode_attention_ref", "decode_packed", "grouped_backend", "grouped_matmul",
+           "decode_attention_ref", "decode_packed", "float32_dot", "grouped_backend", "grouped_matmul",
            "import_gpu_libraries", "matmul",
            "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
            "prepare_weight", "quantize_rows", "route", "sort_by_group"]

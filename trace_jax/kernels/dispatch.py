@@ -13,8 +13,9 @@ reference up to float32 rounding (`(q*s)*g` instead of `q*(s*g)`) and the accumu
 Grouped matmuls use tokamax's Mosaic GPU `ragged_dot` when tokamax is installed (an optional GPU
 dependency), XLA's `ragged_dot` otherwise; `TRACE_JAX_GROUPED=xla` forces XLA's.
 
-A one-row bf16 product (batch-1 decode) gets a zero second row (`TRACE_JAX_SINGLE_ROW=xla`:
-not), so that XLA:GPU keeps it a matrix product (see `xla_matmul`).
+A one-row bf16 product (batch-1 decode), and the router's one-row float32 product
+(`float32_dot`), get a zero second row (`TRACE_JAX_SINGLE_ROW=xla`: not), so that XLA:GPU keeps
+them matrix products (see `_two_row_dot`).
 
 Everything else (CPU, float32 activations, FP4 activations) runs the reference in
 `reference.py`. `use_kernel=False` forces the reference on CPU and the XLA path on GPU;
@@ -70,8 +71,8 @@ from trace_jax.kernels.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["append_kv", "count_by_group", "decode_attention", "grouped_backend", "grouped_matmul",
-           "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows", "route",
+__all__ = ["append_kv", "count_by_group", "decode_attention", "float32_dot", "grouped_backend",
+           "grouped_matmul", "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows", "route",
            "sort_by_group"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
@@ -179,20 +180,42 @@ def _bf16_parts(w):
   return a, None if g is None else jnp.squeeze(w.global_scale, w.axis).astype(jnp.float32)
 
 
+def _one_row(x) -> bool:
+  """Whether `x [..., K]` is a single row that `_two_row_dot` should take."""
+  return x.size == x.shape[-1] and _SINGLE_ROW == "pad"
+
+
+def _two_row_dot(x, a, **dot_kwargs) -> jax.Array:
+  """A single row `x [..., K]` times `a [K, N]` as a two-row product whose second row is zero.
+
+  Why: XLA:GPU rewrites a one-row dot with a weight under 10M elements (every 30B-A3B attention
+  projection, the MoE router) as multiply + reduce; with [K, N] weights it writes the float32
+  product transposed, then reads it back. H200, batch-1 decode: bf16 o_proj 26.2 -> 5.8 us,
+  q/k/v 9.7 -> 6.8 us; the float32 router 4.1 -> 2.8 us alone (two kernels, 6.4 us a layer, in
+  the decode loop) (benchmarks/results/session17_h200_2026-12-01)."""
+  x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+  return jnp.dot(x2, a, **dot_kwargs)[:1].reshape(*x.shape[:-1], -1)
+
+
 def xla_matmul(x, parts, out_dtype) -> jax.Array:
   """The XLA path's dense matmul: bf16 `x @ a` with float32 accumulation, times the factor."""
   a, factor = parts
   x = x.astype(jnp.bfloat16)
-  if x.size == x.shape[-1] and _SINGLE_ROW == "pad":
-    # XLA:GPU rewrites a one-row dot with a weight under 10M elements (every 30B-A3B attention
-    # projection) as multiply + reduce; with [K, N] weights it writes the float32 product
-    # transposed, then reads it back: 21-30 us for 4 us of weight bytes (H200, batch-1 decode).
-    # A second (zero) row keeps it a matrix product.
-    x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-    y = jnp.dot(x2, a, preferred_element_type=jnp.float32)[:1].reshape(*x.shape[:-1], -1)
+  if _one_row(x):
+    y = _two_row_dot(x, a, preferred_element_type=jnp.float32)
   else:
     y = jnp.einsum("...k,kn->...n", x, a, preferred_element_type=jnp.float32)
   return (y if factor is None else y * factor).astype(out_dtype)
+
+
+def float32_dot(x, w) -> jax.Array:
+  """float32 `x [..., K] @ w [K, N]` at HIGHEST precision (XLA's default rounds float32 dot
+  operands to TF32 on Hopper GPUs): the MoE router's logits. On the GPU a single row goes
+  through `_two_row_dot`; elsewhere, and for more rows, the plain dot."""
+  x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+  if on_gpu() and _one_row(x):
+    return _two_row_dot(x, w, precision=jax.lax.Precision.HIGHEST)
+  return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
 def xla_grouped_matmul(x, parts, group_sizes, out_dtype) -> jax.Array:

@@ -212,8 +212,7 @@ class MoE(nn.Module):
     # Router (kept in float32: tiny, and routing flips are what R3 guards against). HIGHEST:
     # XLA's default precision rounds f32 dot operands to TF32 on Hopper GPUs (CPU ignores it).
     w_r = _param(self, "router/kernel", _INIT, (d, e))
-    logits = jnp.dot(xf.astype(jnp.float32), w_r.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)  # [N, E]
+    logits = kernels.float32_dot(xf, w_r)  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1)
     if replay_routes is None:
       # top_k's values are the gate weights (its derivative gathers the probabilities' at idx,
@@ -264,9 +263,7 @@ class MoE(nn.Module):
       shared = SwiGLU(c.shared_ffn_size, c, ctx, self.guided, "shared", name="shared")(
           x, guidance, records).reshape(n, d)
       if c.shared_expert_gate:
-        gate = jnp.dot(xf.astype(jnp.float32),
-                       _param(self, "shared_gate", _INIT, (d, 1)).astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)
+        gate = kernels.float32_dot(xf, _param(self, "shared_gate", _INIT, (d, 1)))
         shared = shared * jax.nn.sigmoid(gate).astype(dt)
       out = out + shared
     return out.reshape(b, t, d), idx.reshape(b, t, k), aux_loss, z_loss, dropped
