@@ -2,17 +2,20 @@
 time, one JSON file + a table.
 
   PYTHONPATH=. python benchmarks/bench_small_dots.py --out bench_small_dots.json [--rows 1,8]
+  python benchmarks/bench_small_dots.py --plot bench_small_dots.json   # its PNG (also made by a run)
 
 Why: in the 12-layer 30B-A3B decode step at batch 1 (H200, session 16 profiles) the MoE router's
 float32 dot ran as two kernels of 3.2 us a layer (XLA:GPU rewrites a one-row dot as a multiply
 and a reduction), and the bf16 attention projections ran at about half of their weight bytes'
 time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
 - `router_*`: float32 x [R, 2048] @ w [2048, 128] at HIGHEST precision: `dot` (as the model
-  wrote it), `pad2` (a zero second row when R = 1, as `dispatch.xla_matmul` does for bf16),
-  `mulsum` (multiply and sum over K: one reduction kernel).
+  wrote it), `pad2` (a zero second row when R = 1, as `dispatch._two_row_dot` does), `bcast2`
+  (the row broadcast to two: no concatenate kernel if XLA fuses the broadcast into the
+  product), `mulsum` (multiply and sum over K: one reduction kernel).
 - `qkv_*` / `o_*`: bf16 x [R, K] @ w [K, N] with float32 accumulation, bf16 out, at the
   30B-A3B q/k/v (2048 x 5120) and o (4096 x 2048) shapes: `xla` (`dispatch.xla_matmul`: the
-  zero second row at R = 1), `xla_nopad` (the one-row dot as written), `mgpu` (the bf16 grouped
+  zero second row at R = 1), `xla_nopad` (the one-row dot as written), `xla_bcast2` (the row
+  broadcast to two), `mgpu` (the bf16 grouped
   Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group).
 - `route_tail`: softmax, top-8 and the weights' normalization of router logits [R, 128], as the
   model does them (for its kernel count).
@@ -37,12 +40,47 @@ import numpy as np
 import bench_util
 
 
+def plot(json_path: str) -> str:
+  """Bars of us a call per variant, one panel per product and row count; PNG beside the JSON."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(json_path) as f:
+    res = json.load(f)
+  groups: dict = {}
+  for r in res["rows"]:
+    if "us" not in r:
+      continue
+    name, rows = r["name"].rsplit("_r", 1)
+    prod = "route_tail" if name == "route_tail" else name.split("_")[0]
+    tag = name[len(prod) + 1:] or prod
+    groups.setdefault((prod, int(rows)), []).append((tag, r["us"]))
+  order = sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+  fig, axes = plt.subplots(2, -(-len(order) // 2), figsize=(1.4 * len(order), 6), squeeze=False)
+  for ax, ((prod, rows), vals) in zip(axes.ravel(), order):
+    ax.bar([t for t, _ in vals], [u for _, u in vals], color="tab:blue")
+    ax.set_title(f"{prod}, {rows} row(s)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8, rotation=30)
+  for ax in axes[:, 0]:
+    ax.set_ylabel("us a call (CUPTI, all kernels)")
+  fig.suptitle(f"{res.get('device')} jax {res.get('jax_version')} {res.get('git_commit')} "
+               f"{res.get('date', '')[:10]}", fontsize=9)
+  fig.tight_layout()
+  out = json_path.rsplit(".", 1)[0] + ".png"
+  fig.savefig(out, dpi=110)
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
+  ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
   ap.add_argument("--out", default="bench_small_dots.json")
   ap.add_argument("--rows", default="1,8")
   ap.add_argument("--iters", type=int, default=20)
   args = ap.parse_args()
+  if args.plot:
+    print(plot(args.plot))
+    return
 
   import jax
   import jax.numpy as jnp
@@ -52,7 +90,7 @@ def main():
   from trace_jax.kernels import bf16_mgpu, dispatch
 
   t0 = time.time()
-  res = dict(benchmark="bench_small_dots", date=datetime.datetime.utcnow().isoformat() + "Z",
+  res = dict(benchmark="bench_small_dots", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
              device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
              git_commit=provenance.git_commit(),
              command=" ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -93,6 +131,9 @@ def main():
   def pad2(x):
     return jnp.concatenate([x, jnp.zeros_like(x)]) if x.shape[0] == 1 else x
 
+  def bcast2(x):  # the row twice: a broadcast may fuse into the product's operand (no kernel)
+    return jnp.broadcast_to(x, (2, x.shape[1])) if x.shape[0] == 1 else x
+
   for r in [int(v) for v in args.rows.split(",")]:
     # the router, float32
     xr = rng.standard_normal((r, 2048)).astype(np.float32)
@@ -101,6 +142,7 @@ def main():
     variants = {
         "dot": lambda x, w: jnp.dot(x, w, precision=hp),
         "pad2": lambda x, w: jnp.dot(pad2(x), w, precision=hp)[:x.shape[0]],
+        "bcast2": lambda x, w: jnp.dot(bcast2(x), w, precision=hp)[:x.shape[0]],
         "mulsum": lambda x, w: jnp.sum(x[:, :, None] * w[None], axis=1),
     }
     for tag, fn in variants.items():
@@ -108,9 +150,8 @@ def main():
     # the tail of routing
     logits = jnp.asarray(ref, jnp.float32)
 
-    def tail(x, w):
-      del w
-      p = jax.nn.softmax(x, axis=-1)
+    def tail(x, w):  # w (a zero) is read so that XLA does not merge the timed copies' calls
+      p = jax.nn.softmax(x + w[0], axis=-1)
       v, i = jax.lax.top_k(p, 8)
       return (v / jnp.sum(v, axis=-1, keepdims=True)) + i.astype(jnp.float32) * 0
 
@@ -128,6 +169,8 @@ def main():
           "xla_nopad": lambda x, w: jnp.einsum("rk,kn->rn", x, w,
                                                preferred_element_type=jnp.float32
                                                ).astype(jnp.bfloat16),
+          "xla_bcast2": lambda x, w: jnp.dot(bcast2(x), w, preferred_element_type=jnp.float32
+                                             )[:x.shape[0]].astype(jnp.bfloat16),
           "mgpu": lambda x, w: bf16_mgpu.grouped_matmul(
               x, w[None], jnp.asarray([x.shape[0]], jnp.int32), out_dtype=jnp.bfloat16),
       }
@@ -136,6 +179,10 @@ def main():
   res["total_s"] = time.time() - t0
   with open(args.out, "w") as f:
     json.dump(res, f, indent=1, default=str)
+  try:
+    print(plot(args.out))
+  except ImportError:  # no matplotlib on the device image: draw it later with --plot
+    pass
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -380,6 +380,16 @@ elif [ "$stage" = step_ab ]; then
       cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
         --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
   done
+elif [ "$stage" = s17d ]; then
+  # (session 17) the one-row products' zero second row costs a concatenate kernel (~1.4 us, three
+  # a layer at B 1): the row broadcast to two instead (TRACE_JAX_SINGLE_ROW=bcast), alone
+  # (bench_small_dots) and in the BF16 and FP4 engines at HF's B 1 load (s17c: 902.2 / 825.6
+  # tok/s), then the BF16 B 1 step profiled with it (s17c: 1.095 ms, 303 kernels)
+  timeout -k 5 ${DOTS_TIMEOUT:-120} python3 benchmarks/bench_small_dots.py --rows 1 \
+    --out $OUT/bench_small_dots_bcast.json 2>&1 | grep -v "^I1\|^W1" | tail -16
+  TRACE_JAX_SINGLE_ROW=bcast POLICIES=bf16,paper BATCHES=1 HF_TAG=_bcast \
+    ROWS_TIMEOUT=${ROWS_TIMEOUT:-170} ROW_TIMEOUT=80 bash $0 hf_load_inner | tail -4
+  TRACE_JAX_SINGLE_ROW=bcast b1_profile bf16 bcast ${B1_TIMEOUT:-90} 26
 elif [ "$stage" = s17c ]; then
   # (session 17) after s17b (the router's one-row dot as a two-row product; NVFP4 decode
   # attention over short caches through the Pallas kernel): the 12-layer engine at HF's B 1 load

@@ -14,8 +14,8 @@ Grouped matmuls use tokamax's Mosaic GPU `ragged_dot` when tokamax is installed 
 dependency), XLA's `ragged_dot` otherwise; `TRACE_JAX_GROUPED=xla` forces XLA's.
 
 A one-row bf16 product (batch-1 decode), and the router's one-row float32 product
-(`float32_dot`), get a zero second row (`TRACE_JAX_SINGLE_ROW=xla`: not), so that XLA:GPU keeps
-them matrix products (see `_two_row_dot`).
+(`float32_dot`), get a zero second row (`TRACE_JAX_SINGLE_ROW=xla`: not; `=bcast`: the row
+twice), so that XLA:GPU keeps them matrix products (see `_two_row_dot`).
 
 Everything else (CPU, float32 activations, FP4 activations) runs the reference in
 `reference.py`. `use_kernel=False` forces the reference on CPU and the XLA path on GPU;
@@ -85,7 +85,7 @@ _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
 # decode attention over at most this many cache slots (batch x slots) takes the Pallas kernel
 # where the Mosaic one also applies (see the module docstring); 0: the Mosaic kernel always
 SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
-_SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
+_SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "bcast", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
 # the default), up to its MAX_ROWS (kernel), or never (tokamax); tokamax's ragged_dot above
@@ -182,7 +182,7 @@ def _bf16_parts(w):
 
 def _one_row(x) -> bool:
   """Whether `x [..., K]` is a single row that `_two_row_dot` should take."""
-  return x.size == x.shape[-1] and _SINGLE_ROW == "pad"
+  return x.size == x.shape[-1] and _SINGLE_ROW != "xla"
 
 
 def _two_row_dot(x, a, **dot_kwargs) -> jax.Array:
@@ -193,7 +193,11 @@ def _two_row_dot(x, a, **dot_kwargs) -> jax.Array:
   product transposed, then reads it back. H200, batch-1 decode: bf16 o_proj 26.2 -> 5.8 us,
   q/k/v 9.7 -> 6.8 us; the float32 router 4.1 -> 2.8 us alone (two kernels, 6.4 us a layer, in
   the decode loop) (benchmarks/results/session17_h200_2026-12-01)."""
-  x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+  row = x.reshape(1, -1)
+  if _SINGLE_ROW == "bcast":  # the row twice (a broadcast XLA may fold into the product)
+    x2 = jnp.broadcast_to(row, (2, row.shape[1]))
+  else:
+    x2 = jnp.concatenate([row, jnp.zeros_like(row)])
   return jnp.dot(x2, a, **dot_kwargs)[:1].reshape(*x.shape[:-1], -1)
 
 
