@@ -384,7 +384,8 @@ elif [ "$stage" = s17d ]; then
   # (session 17) the one-row products' zero second row costs a concatenate kernel (~1.4 us, three
   # a layer at B 1): the row broadcast to two instead (TRACE_JAX_SINGLE_ROW=bcast), alone
   # (bench_small_dots) and in the BF16 and FP4 engines at HF's B 1 load (s17c: 902.2 / 825.6
-  # tok/s), then the BF16 B 1 step profiled with it (s17c: 1.095 ms, 303 kernels)
+  # tok/s), then the BF16 B 1 step profiled with it (s17c: 1.095 ms, 303 kernels). Ran at
+  # 8a89fa3; the setting was dropped after it (1.100 ms: XLA moved the work into other kernels)
   timeout -k 5 ${DOTS_TIMEOUT:-120} python3 benchmarks/bench_small_dots.py --rows 1 \
     --out $OUT/bench_small_dots_bcast.json 2>&1 | grep -v "^I1\|^W1" | tail -16
   TRACE_JAX_SINGLE_ROW=bcast POLICIES=bf16,paper BATCHES=1 HF_TAG=_bcast \

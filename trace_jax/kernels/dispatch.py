@@ -14,8 +14,8 @@ Grouped matmuls use tokamax's Mosaic GPU `ragged_dot` when tokamax is installed 
 dependency), XLA's `ragged_dot` otherwise; `TRACE_JAX_GROUPED=xla` forces XLA's.
 
 A one-row bf16 product (batch-1 decode), and the router's one-row float32 product
-(`float32_dot`), get a zero second row (`TRACE_JAX_SINGLE_ROW=xla`: not; `=bcast`: the row
-twice), so that XLA:GPU keeps them matrix products (see `_two_row_dot`).
+(`float32_dot`), get a zero second row (`TRACE_JAX_SINGLE_ROW=xla`: not), so that XLA:GPU keeps
+them matrix products (see `_two_row_dot`).
 
 Everything else (CPU, float32 activations, FP4 activations) runs the reference in
 `reference.py`. `use_kernel=False` forces the reference on CPU and the XLA path on GPU;
@@ -85,7 +85,7 @@ _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
 # decode attention over at most this many cache slots (batch x slots) takes the Pallas kernel
 # where the Mosaic one also applies (see the module docstring); 0: the Mosaic kernel always
 SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
-_SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "bcast", "xla"))
+_SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
 # the default), up to its MAX_ROWS (kernel), or never (tokamax); tokamax's ragged_dot above
@@ -192,12 +192,11 @@ def _two_row_dot(x, a, **dot_kwargs) -> jax.Array:
   projection, the MoE router) as multiply + reduce; with [K, N] weights it writes the float32
   product transposed, then reads it back. H200, batch-1 decode: bf16 o_proj 26.2 -> 5.8 us,
   q/k/v 9.7 -> 6.8 us; the float32 router 4.1 -> 2.8 us alone (two kernels, 6.4 us a layer, in
-  the decode loop) (benchmarks/results/session17_h200_2026-12-01)."""
+  the decode loop). The zero row costs a concatenate kernel (~1.4 us); the row broadcast to two
+  instead left no such kernel but XLA moved the work into others: the BF16 batch-1 step's
+  kernels 1.095 -> 1.100 ms (benchmarks/results/session17_h200_2026-12-01)."""
   row = x.reshape(1, -1)
-  if _SINGLE_ROW == "bcast":  # the row twice (a broadcast XLA may fold into the product)
-    x2 = jnp.broadcast_to(row, (2, row.shape[1]))
-  else:
-    x2 = jnp.concatenate([row, jnp.zeros_like(row)])
+  x2 = jnp.concatenate([row, jnp.zeros_like(row)])
   return jnp.dot(x2, a, **dot_kwargs)[:1].reshape(*x.shape[:-1], -1)
 
 
