@@ -2,7 +2,7 @@
 time, one JSON file + a table.
 
   PYTHONPATH=. python benchmarks/bench_small_dots.py --out bench_small_dots.json [--rows 1,8]
-  python benchmarks/bench_small_dots.py --plot bench_small_dots.json   # its PNG (also made by a run)
+  python benchmarks/bench_small_dots.py --plot bench_small_dots.json   # the PNG of a saved run
 
 Why: in the 12-layer 30B-A3B decode step at batch 1 (H200, session 16 profiles) the MoE router's
 float32 dot ran as two kernels of 3.2 us a layer (XLA:GPU rewrites a one-row dot as a multiply
@@ -90,7 +90,8 @@ def main():
   from trace_jax.kernels import bf16_mgpu, dispatch
 
   t0 = time.time()
-  res = dict(benchmark="bench_small_dots", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+  now = datetime.datetime.now(datetime.timezone.utc)
+  res = dict(benchmark="bench_small_dots", date=now.isoformat(),
              device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
              git_commit=provenance.git_commit(),
              command=" ".join([os.path.basename(sys.executable)] + sys.argv),

@@ -72,8 +72,8 @@ from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["append_kv", "count_by_group", "decode_attention", "float32_dot", "grouped_backend",
-           "grouped_matmul", "matmul", "on_gpu", "prefill_attention", "prepare_weight", "quantize_rows", "route",
-           "sort_by_group"]
+           "grouped_matmul", "matmul", "on_gpu", "prefill_attention", "prepare_weight",
+           "quantize_rows", "route", "sort_by_group"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"

@@ -209,8 +209,8 @@ class MoE(nn.Module):
     n = b * t
     xf = x.reshape(n, d)
 
-    # Router (kept in float32: tiny, and routing flips are what R3 guards against). HIGHEST:
-    # XLA's default precision rounds f32 dot operands to TF32 on Hopper GPUs (CPU ignores it).
+    # Router in float32 at HIGHEST precision (`float32_dot`): tiny, and routing flips are what R3
+    # guards against.
     w_r = _param(self, "router/kernel", _INIT, (d, e))
     logits = kernels.float32_dot(xf, w_r)  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1)
