@@ -162,7 +162,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   e, k, n = w.shape
   if m == 0:
     return jnp.zeros((0, n), out_dtype)
-  bm = tables[0] if tables is not None and tables[4:] else F.grouped_bm(m, e)  # row chunks
+  bm = tables[0] if F.by_rows(tables) else F.grouped_bm(m, e)  # row chunks: their own bm
   over = dict(config_override or {})
   n_inner, splits = parallelism(m, e, k, n, over.pop("n_inner", None), over.pop("splits", None))
   cfg = dict(config(bm, k // (64 * KB), out_dtype, n_inner, splits), **over)

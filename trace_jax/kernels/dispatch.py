@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.kernels import attention_ref, reference
+from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS, by_rows as _by_rows
 from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
 from trace_jax.kernels.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
@@ -351,7 +352,6 @@ def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 # rows that share an expert read it once each: 8 = one token of top-8, whose experts differ.
 # `TRACE_JAX_ROW_CHUNK_ROWS` sets it (0: never).
 ROW_CHUNK_ROWS = int_setting("TRACE_JAX_ROW_CHUNK_ROWS", 8, minimum=0)
-ROW_CHUNKS = "row_chunks"  # the 5th element of tables whose rows are in the caller's order
 
 
 def row_chunks(group_ids: jax.Array, num_groups: int):
@@ -368,10 +368,6 @@ def row_chunks(group_ids: jax.Array, num_groups: int):
   tables = (bm, group_ids.astype(jnp.int32), jnp.asarray(i // 8 * 8),
             jnp.asarray(i * bm + i % 8), ROW_CHUNKS)
   return identity, identity, count_by_group(group_ids, num_groups), tables
-
-
-def _by_rows(tables) -> bool:
-  return tables is not None and len(tables) > 4 and tables[4] == ROW_CHUNKS
 
 
 def route(group_ids: jax.Array, num_groups: int, w=None):

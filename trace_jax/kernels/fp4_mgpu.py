@@ -50,6 +50,13 @@ from trace_jax.kernels import layout as L
 # wgmma N sides this kernel is built for (tokens per chunk)
 BM_CHOICES = (16, 32, 64)
 MAX_DECODE_ROWS = 64
+ROW_CHUNKS = "row_chunks"  # the 5th element of chunk tables whose rows are in the caller's order
+
+
+def by_rows(tables) -> bool:
+  """Whether chunk tables are row chunks (`dispatch.row_chunks`: one chunk per row, rows in the
+  caller's order, windows made for the tables' own bm)."""
+  return tables is not None and len(tables) > 4 and tables[4] == ROW_CHUNKS
 
 
 def _patch_register_pool():
@@ -557,8 +564,8 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
     return jnp.zeros((0, pw.n), out_dtype)
   config = dict(config or {})
   bm = config.pop("bm", None) or bm or grouped_bm(m, e)
-  if tables is not None and tables[4:]:
-    bm = tables[0]  # row chunks (`dispatch.row_chunks`): their windows are made for their bm
+  if by_rows(tables):
+    bm = tables[0]  # row chunks: their windows are made for their bm
   k_steps = pw.k_pad // (64 * pw.kb)
   n_inner, splits = grouped_parallelism(min(m, e), pw.n_pad // 256, k_steps,
                                         config.pop("n_inner", None), config.pop("splits", None))
