@@ -49,22 +49,16 @@ def test_kernel_equals_xla_tables(m, e, skew):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@jax.jit
-def _expert_nvfp4(w):
-  """Stacked expert weights as NVFP4 (one compile: op by op, eager quantize took ~10 s here)."""
-  from trace_jax.quant import quantize  # noqa: PLC0415
-  return quantize(w, "nvfp4", axis=1, second_level=(0,))
-
-
 def test_route_feeds_the_grouped_kernel_its_tables(monkeypatch):
   """`dispatch.route` with the kernel on (the GPU's branch, the kernel in interpret mode here):
   the same order, inverse and group sizes as without it, and tables that the FP4 grouped
   wrapper (emulated kernel) takes in place of its own with the same result, bit for bit; off
   the GPU `route` is `sort_by_group` + `count_by_group` and no tables."""
   from trace_jax.kernels import dispatch  # noqa: PLC0415
+  from trace_jax.quant import quantize  # noqa: PLC0415
   e, k, n, tokens, top = 6, 96, 256, 20, 2
   w = jax.random.normal(jax.random.key(1), (e, k, n), jnp.float32)
-  pw = kernels.prepare_weight(_expert_nvfp4(w), kb=4)
+  pw = kernels.prepare_weight(quantize(w, "nvfp4", axis=1, second_level=(0,)), kb=4)
   idx = _ids(tokens * top, e, 5, skew=True)
   x = jax.random.normal(jax.random.key(2), (tokens, k), jnp.float32).astype(jnp.bfloat16)
   off = kernels.route(idx, e, pw)
@@ -139,12 +133,13 @@ def test_row_chunks_need_no_order(monkeypatch):
   (the reference here) sort them first; `route` picks them only up to the limit and only on
   the GPU."""
   from trace_jax.kernels import bf16_mgpu, dispatch  # noqa: PLC0415
+  from trace_jax.quant import quantize  # noqa: PLC0415
   e, k, n, tokens, top = 12, 256, 256, 2, 4
   m = tokens * top
   ids = jnp.asarray([5, 2, 9, 11, 9, 5, 0, 2], jnp.int32)
   w = jax.random.normal(jax.random.key(1), (e, k, n), jnp.float32)
   x = jax.random.normal(jax.random.key(2), (tokens, k), jnp.float32).astype(jnp.bfloat16)
-  pw = kernels.prepare_weight(_expert_nvfp4(w), kb=4)
+  pw = kernels.prepare_weight(quantize(w, "nvfp4", axis=1, second_level=(0,)), kb=4)
   wb = (w * 0.05).astype(jnp.bfloat16)
   sorted_route = kernels.route(ids, e, pw)  # CPU: sorted rows and their tables
   by_rows = dispatch.row_chunks(ids, e)

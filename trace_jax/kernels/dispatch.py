@@ -65,8 +65,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.kernels import attention_ref, reference
-from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS, by_rows as _by_rows
+# fp4_mgpu imports no Pallas at module level (its kernels import Mosaic when they trace)
+from trace_jax.kernels import attention_ref, fp4_mgpu, reference
+from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
 from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
 from trace_jax.kernels.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
@@ -256,7 +257,6 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
     return xla_matmul(x, parts, _out_dtype(x, out_dtype))
   if not _kernel_ok(x, w, use_kernel) or w.experts:
     return reference.matmul_ref(x, w, out_dtype)
-  from trace_jax.kernels import fp4_mgpu
   out_dtype = _out_dtype(x, out_dtype)
   rows = x.size // x.shape[-1]
   if rows <= fp4_mgpu.MAX_DECODE_ROWS:
@@ -277,7 +277,6 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   from `route` (None: built from group_sizes); `row_chunks` tables come with rows in the
   caller's order, which paths other than the grouped kernels sort here first."""
   if _kernel_ok(x, w, use_kernel) and w.experts:
-    from trace_jax.kernels import fp4_mgpu
     return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
                                    config=config, rows=rows, out_rows=out_rows, tables=tables)
   lhs_rows = x if rows is None else rows  # what the kernel's row count and checks see
@@ -286,8 +285,8 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     if bf16_mgpu.kernel_supported(lhs_rows, w, group_sizes) is None:
       bm, arrays = (None, None) if tables is None else (tables[0], tables[1:4])
       return _bf16_grouped(x, w, group_sizes, rows, out_rows, arrays, bm=bm,
-                           by_rows=_by_rows(tables), out_dtype=_out_dtype(x, out_dtype))
-  if _by_rows(tables):  # rows in the caller's order: sorted by expert for the paths below
+                           by_rows=fp4_mgpu.by_rows(tables), out_dtype=_out_dtype(x, out_dtype))
+  if fp4_mgpu.by_rows(tables):  # rows in the caller's order: sorted by expert for the rest
     order, inverse = sort_by_group(tables[1])
     rows = order if rows is None else rows[order]
     out_rows = inverse if out_rows is None else inverse[out_rows]
@@ -360,7 +359,6 @@ def row_chunks(group_ids: jax.Array, num_groups: int):
   i, a window of bm rows from row 8 * (i // 8) (the activation tile's TMA tiling) whose row
   i % 8 is gathered. Right for any ids; only the grouped kernels need no order, so
   `grouped_matmul` sorts such rows itself before any other path."""
-  from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   m = group_ids.shape[0]
   bm = fp4_mgpu.grouped_bm(m, num_groups)
   i = np.arange(m, dtype=np.int32)
@@ -381,7 +379,7 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   (`routing.py`) instead of about seven small XLA kernels a layer (18x slower on the H200,
   session 11: off by default)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
-    from trace_jax.kernels import fp4_mgpu, routing  # noqa: PLC0415 - Pallas imports stay lazy
+    from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
       m = group_ids.shape[0]
       bm = fp4_mgpu.grouped_bm(m, w.codes.shape[0])
@@ -397,7 +395,6 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   if takes_tables and m <= SMALL_SORT:
     # the grouped kernels' chunk tables here, from group ends counted beside the sizes (one
     # kernel for both instead of a prefix sum after the count)
-    from trace_jax.kernels import fp4_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
     g = jnp.arange(num_groups, dtype=group_ids.dtype)[:, None]
     sizes = count_by_group(group_ids, num_groups)
     ends = jnp.sum(group_ids[None, :] <= g, axis=1, dtype=jnp.int32)
