@@ -173,10 +173,18 @@ def main():
   def dense_variants(k, n, b):
     """The rows of one dense shape and batch."""
     big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
+    # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it;
+    # "_rel": a step's products left in flight into the next step (`release=1`)
+    tiles, steps = -(-n // 256), -(-k // 256)
+    splits = fp4_mgpu.default_config(16, 4, jnp.bfloat16, k_steps=steps, n_ctas=tiles,
+                                     split=True)["splits"]
+    sk = fp4_mgpu.stream_k_plan(tiles, steps, splits) > 0
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
-            + (["nvfp4_kb8"] if big and b != 64 else []))  # kb=8, 64-row chunks: over SMEM
+            + (["nvfp4_nosk"] if sk else []) + (["nvfp4_rel"] if big else [])
+            + (["nvfp4_kb8", "nvfp4_kb8_rel"] + (["nvfp4_kb8_nosk"] if sk else [])
+               if big and b != 64 else []))  # kb=8, 64-row chunks: over SMEM
 
   for sname, k, n, bs in dense:
     if not any(want(f"{sname}_B{b}_{v}") for b in bs for v in dense_variants(k, n, b)):
@@ -188,6 +196,10 @@ def main():
     if any("nvfp4_kb8" in dense_variants(k, n, b) for b in bs):
       pws["nvfp4_kb8"] = kernels.prepare_weight(qs["nvfp4"], kb=8)
       qs["nvfp4_kb8"] = qs["nvfp4"]
+    for var in ("nvfp4", "nvfp4_kb8"):
+      for tag in ("_nosk", "_rel"):
+        if var in pws:
+          pws[var + tag], qs[var + tag] = pws[var], qs[var]
     for b in bs:
       x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
       base = None
@@ -211,11 +223,13 @@ def main():
             pw, q = pws[var], qs[var]
             wbytes = pw.nbytes
             row["bytes_qarray"] = q.nbytes
-            fn = lambda x, w: kernels.matmul(x, w, use_kernel=force)
+            cfg = (dict(stream_k=0) if var.endswith("_nosk") else
+                   dict(release=1) if var.endswith("_rel") else None)
+            fn = lambda x, w, cfg=cfg: kernels.matmul(x, w, use_kernel=force, config=cfg)
             wt = pw
             if not args.dry:
               ref = reference.matmul_ref(x, q, jnp.float32)
-              got32 = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32))(x, pw)
+              got32 = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32, config=cfg))(x, pw)
               row["relerr_f32"] = relerr(got32, ref)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, pw), ref)
           row["bytes_weights"] = wbytes

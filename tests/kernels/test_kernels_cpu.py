@@ -279,6 +279,48 @@ def test_dense_wrapper_emulated(fmt, leads):
     assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
 
 
+@functools.partial(jax.jit, static_argnames=("steps",))
+def _stream_k_emulated(x, pw, steps):
+  return fp4_mgpu.matmul(x, pw, out_dtype=jnp.float32, config=dict(stream_k=steps),
+                         kernel_fn=fp4_mgpu.emulate_chunked_matmul)
+
+
+@pytest.mark.parametrize("steps", [2, 4, 5])
+def test_dense_stream_k_emulated(steps):
+  """Stream-K: 3 column tiles x 3 K steps over CTAs of 2 (a CTA ends one tile and starts the
+  next; the last CTA holds one unit), 4 (a whole tile and the next one's first step) and 5 (more
+  than a tile) units; the wrapper adds only the written slots (the model leaves NaN in the
+  others) and applies the column factor after."""
+  q = quantize(rand_w((520, 700), 16), "nvfp4", axis=0)
+  pw = kernels.prepare_weight(q, kb=4)
+  assert (pw.n_pad // 256, pw.k_pad // 256) == (3, 3)
+  for b in (1, 20):  # chunks of 16 and 32 rows
+    x = jax.random.normal(jax.random.key(b), (b, 520), jnp.float32).astype(jnp.bfloat16)
+    got = _stream_k_emulated(x, pw, steps)
+    assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
+
+
+def test_stream_k_slots_and_plan():
+  """Every (tile, K step) unit is in exactly one slot; the CTA that holds a unit (unit //
+  steps) is the slot's (the tile's first CTA + slot); a slot's steps are consecutive. The plan
+  takes stream-K where it shortens the busiest SM's run of steps: the 8192 x 28672 GEMV (112
+  tiles x 32 steps: 28 a CTA), not the 30B-A3B q/k/v (20 x 8, 4 splits) or o_proj (8 x 16,
+  16 splits) calls, whose splits already fill the SMs as evenly."""
+  for tiles, k_steps, steps in [(3, 3, 2), (3, 3, 4), (3, 3, 5), (112, 32, 28), (7, 5, 3)]:
+    held = fp4_mgpu.stream_k_slots(tiles, k_steps, steps)
+    assert np.all(held.sum(axis=0) == 1)
+    for p, t, k in zip(*np.nonzero(held)):
+      assert (t * k_steps + k) // steps == (t * k_steps) // steps + p
+    for p in range(held.shape[0]):
+      for t in range(tiles):
+        ks = np.nonzero(held[p, t])[0]
+        assert len(ks) == 0 or ks[-1] - ks[0] == len(ks) - 1
+  assert fp4_mgpu.stream_k_plan(112, 32, 1) == 28
+  assert fp4_mgpu.stream_k_plan(20, 8, 4) == 0
+  assert fp4_mgpu.stream_k_plan(8, 16, 16) == 0
+  assert fp4_mgpu.stream_k_plan(200, 32, 1) == 49  # 2 waves of 32 steps against 49
+
+
 def test_grouped_n_inner_and_stages(monkeypatch):
   """n_inner: the setting, cut to the largest divisor of the column tiles; chained pipelines
   get a stage count that divides the steps per tile (enumerated against a brute-force rule)."""
@@ -396,6 +438,9 @@ def test_lowers_for_cuda():
     for b in (1, 64):  # bm 16 (K split: float32 partial sums) and 64
       jax.jit(lambda x, p: fp4_mgpu.matmul(x, p)).trace(
           sds((b, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
+      for steps in (2, 3):  # stream-K: 2 tiles x 4 steps, the last CTA's length dynamic at 3
+        jax.jit(lambda x, p: fp4_mgpu.matmul(x, p, config=dict(stream_k=steps))).trace(
+            sds((b, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
     pe = layout.PackedWeight(sds((8, n // 64, k // 4, 32), jnp.uint32),
                              sds((8, n // 64, k // 32, 32), jnp.uint32),
                              sds((8, n), jnp.float32), fmt, (8, k, n), 4)

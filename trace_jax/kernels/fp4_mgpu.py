@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from trace_jax.kernels import layout as L
+from trace_jax.kernels.settings import choice_setting
 
 # wgmma N sides this kernel is built for (tokens per chunk)
 BM_CHOICES = (16, 32, 64)
@@ -248,11 +249,46 @@ def gather_rows(out, slot, out_rows, n: int, out_dtype):
   return y[0] if splits == 1 else jnp.sum(y, axis=0).astype(out_dtype)
 
 
+def _step_products(fmt: str, kb: int, release: int):
+  """The compute warpgroup's work in one pipeline step: its kb 64x64 tiles of W^T decoded in
+  registers (codes and the step's scale bytes from SMEM), each multiplied into the accumulator
+  with the activation tile (SMEM, transposed). release 1: the step's products stay in flight
+  into the next step (whose decode they overlap; its buffers are released a step late)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  decoders = [_make_tile_decoder(fmt, kb, j) for j in range(kb)]
+  wlay = plgpu.Layout.WG_STRIDED((16, 32), vec_size=4)
+  slay = plgpu.Layout.WG_STRIDED((2 * kb, 32), vec_size=kb // 2)
+
+  def products(x_smem, w_smem, s_smem, acc_ref):
+    wg = lax.axis_index("wg")
+    sc = plgpu.load(s_smem.at[wg], layout=slay)
+    for j in range(kb):
+      words = plgpu.load(w_smem.at[wg, pl.ds(j * 16, 16)], layout=wlay)
+      plgpu.wgmma(acc_ref, decoders[j](words, sc), x_smem.at[:, pl.ds(j * 64, 64)].T)
+    plgpu.wgmma_wait(kb if release else 0)  # one group per wgmma
+
+  return products
+
+
+def _in_specs(bm: int, kb: int, wgs: int, unit, release: int):
+  """The pipeline's blocks at step i: activation (bm rows x 64*kb K, 128 B swizzle), codes and
+  scale words of `wgs` column blocks of 64; unit(i) = (column tile of wgs*64, K step)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  return [
+      plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, unit(i)[1]), transforms=(
+          plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)), delay_release=release),
+      plgpu.BlockSpec((wgs, kb * 16, 32), lambda i: (*unit(i), 0), delay_release=release),
+      plgpu.BlockSpec((wgs, kb * 2, 32), lambda i: (*unit(i), 0), delay_release=release),
+  ]
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
-                                             "n_inner", "out_dtype"))
+                                             "n_inner", "stream_k", "release", "out_dtype"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
-                       n_inner: int = 1, out_dtype=jnp.bfloat16):
+                       n_inner: int = 1, stream_k: int = 0, release: int = 0,
+                       out_dtype=jnp.bfloat16):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
@@ -263,7 +299,16 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   set-up, the first loads' latency) is paid once per n_inner tiles, which matters when K is
   short (the 30B-A3B down projection: 3 steps of 256 K per tile).
   Returns out_dtype [splits, C, bm, N_pad]: out[s, c, i, n] = row i of chunk c times column n
-  over K part s (already times the column factor)."""
+  over K part s (already times the column factor).
+  stream_k: a dense call's (one chunk) stream-K schedule instead (`stream_k_plan`): CTA j
+  computes the `stream_k` consecutive (column tile, K step) units from j * stream_k on, in
+  column-tile-major order, so every CTA has the same work however many tiles there are; a CTA
+  that ends a tile stores its partial sum there and starts the next from zero. Returns float32
+  [slots, 1, bm, N_pad]: slot p of a tile holds the partial sum of the p-th CTA that touched it
+  (unwritten slots are garbage: `stream_k_slots` says which are written), NOT times the column
+  factor (the caller applies it after adding the slots).
+  release: 1 keeps a step's products in flight into the next step (`_step_products`; not with
+  n_inner > 1: Mosaic chains no such pipelines)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   _patch_register_pool()
@@ -273,13 +318,16 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   n_chunks = chunk_expert.shape[0]
   assert xc.shape[1] == k_pad, (xc.shape, k_pad)
   assert nt % (wgs * n_inner) == 0 and k_pad % (64 * kb * splits) == 0 and bm in BM_CHOICES
+  if stream_k:
+    return _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, fmt=fmt, kb=kb, bm=bm,
+                            wgs=wgs, stages=stages, steps=stream_k, release=release)
   k_iters = k_pad // (64 * kb) // splits
   if n_inner > 1 and k_iters % stages:
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
                      f"tile to be a multiple of stages={stages}")
-  decoders = [_make_tile_decoder(fmt, kb, j) for j in range(kb)]
-  wlay = plgpu.Layout.WG_STRIDED((16, 32), vec_size=4)
-  slay = plgpu.Layout.WG_STRIDED((2 * kb, 32), vec_size=kb // 2)
+  if release and (n_inner > 1 or stages <= release):
+    raise ValueError(f"release={release} needs n_inner 1 and more than {release} stages")
+  step_products = _step_products(fmt, kb, release)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, out_smem, f_smem,
              f_bar):
@@ -300,23 +348,12 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
                      out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
 
       def body(_, x_smem, w_smem, s_smem, acc_ref):
-        wg = lax.axis_index("wg")
-        sc = plgpu.load(s_smem.at[wg], layout=slay)
-        for j in range(kb):
-          words = plgpu.load(w_smem.at[wg, pl.ds(j * 16, 16)], layout=wlay)
-          a = decoders[j](words, sc)
-          plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(j * 64, 64)].T)
-        plgpu.wgmma_wait(0)
+        step_products(x_smem, w_smem, s_smem, acc_ref)
         return acc_ref
 
       return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40,
-          in_specs=[
-              plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, k0 + i), transforms=(
-                  plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
-              plgpu.BlockSpec((wgs, kb * 16, 32), lambda i: (n_idx, k0 + i, 0)),
-              plgpu.BlockSpec((wgs, kb * 2, 32), lambda i: (n_idx, k0 + i, 0)),
-          ],
+          in_specs=_in_specs(bm, kb, wgs, lambda i: (n_idx, k0 + i), release),
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context, pipeline_state=state)
 
@@ -335,6 +372,95 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
                          f_smem=plgpu.SMEM((wgs, 64), jnp.float32),
                          f_bar=plgpu.Barrier(num_arrivals=1, num_barriers=wgs)),
   )(chunk_expert, chunk_row, xc, codes, scales, factor)
+
+
+def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb: int, bm: int,
+                     wgs: int, stages: int, steps: int, release: int):
+  """`fp4_chunked_matmul`'s stream-K schedule (see there) for one chunk."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  _, nt, kr, _ = codes.shape
+  tiles, k_steps = nt // wgs, kr // 16 // kb
+  units = tiles * k_steps
+  n_ctas = -(-units // steps)
+  slots = stream_k_slots(tiles, k_steps, steps).shape[0]
+  step_products = _step_products(fmt, kb, release)
+
+  def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
+    cta, _, _, e, row0, _ = chunk_coords(ce_gmem, cr_gmem, 0)
+    u0 = cta * steps
+    # the last CTA may hold fewer units (a dynamic pipeline length only where it does)
+    n_steps = steps if units % steps == 0 else jnp.minimum(steps, units - u0)
+
+    def flush(acc_ref, u):
+      """Store the partial sum of unit u's tile (this warpgroup's 64 columns) in this CTA's slot
+      there: the CTAs that touch a tile are consecutive, the first is slot 0."""
+      wg = lax.axis_index("wg")
+      t = u // k_steps
+      slot = cta - t * k_steps // steps
+      store_tile(acc_ref[...], out_smem.at[wg],
+                 out_gmem.at[slot, 0, :, pl.ds((t * wgs + wg) * 64, 64)])
+
+    def compute_context(eval_pipeline):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
+      def _scope(acc_ref):
+        eval_pipeline(acc_ref)
+        flush(acc_ref, u0 + n_steps - 1)
+
+    def body(idx, x_smem, w_smem, s_smem, acc_ref):
+      step_products(x_smem, w_smem, s_smem, acc_ref)
+      u = u0 + idx[0]
+
+      @pl.when((u % k_steps == k_steps - 1) & (idx[0] < n_steps - 1))
+      def _():  # a tile ends before this CTA's last unit: store it, start the next from zero
+        flush(acc_ref, u)
+        acc_ref[...] = jnp.zeros((64, bm), jnp.float32)
+
+      return acc_ref
+
+    @pl.when(e >= 0)
+    def _():
+      plgpu.emit_pipeline_warp_specialized(
+          body, grid=(n_steps,), memory_registers=40,
+          in_specs=_in_specs(bm, kb, wgs, lambda i: ((u0 + i) // k_steps, (u0 + i) % k_steps),
+                             release),
+          wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
+          compute_context=compute_context,
+      )(x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((slots, 1, bm, nt * 64), jnp.float32),
+      grid=(n_ctas, 1, 1), grid_names=("n", "c", "s"),
+      num_threads=wgs + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=dict(out_smem=_out_smem(wgs, bm, jnp.float32)),
+  )(chunk_expert[:1], chunk_row[:1], xc, codes, scales)
+
+
+def stream_k_slots(tiles: int, k_steps: int, steps: int) -> np.ndarray:
+  """Which K steps of each column tile each slot of a stream-K call holds: bool
+  [slots, tiles, k_steps] (slot p of tile t: the p-th CTA, in order, whose `steps` units
+  meet t's). A slot's partial sum is written where any of its steps is True."""
+  units = tiles * k_steps
+  u = np.arange(units)
+  cta, t = u // steps, u // k_steps
+  slot = cta - t * k_steps // steps
+  out = np.zeros((int(slot.max()) + 1, tiles, k_steps), bool)
+  out[slot, t, u % k_steps] = True
+  return out
+
+
+def stream_k_plan(tiles: int, k_steps: int, splits: int) -> int:
+  """Units (column tile of 256 x K step) per CTA of a dense call's stream-K schedule: the fewest
+  that need at most NUM_SMS CTAs; 0 (no stream-K) where the default schedule (`splits` equal K
+  splits of every tile, one CTA each, in waves of NUM_SMS) runs no more steps on its busiest
+  SM. H200, 8192 x 28672 (112 tiles of 32 steps of 256 K): 28 units a CTA on 128 SMs against
+  32 on 112."""
+  steps = -(-tiles * k_steps // NUM_SMS)
+  waves = -(-tiles * splits // NUM_SMS)
+  return steps if steps < waves * (k_steps // splits) else 0
 
 
 # --------------------------------------------------------------------------- configuration
@@ -390,6 +516,10 @@ def fit_stages(per_stage: int, fixed: int, steps: int, n_inner: int) -> int:
 # (benchmarks/results/bench_kernels_h200_2026-11-30_inner.json).
 GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
 
+# Dense calls' stream-K schedule (`stream_k_plan`): "auto" (where it runs fewer steps on the
+# busiest SM than equal K splits) or "off".
+STREAM_K = choice_setting("TRACE_JAX_STREAM_K", "auto", ("auto", "off"))
+
 
 def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
   """n_inner for a grouped call with `n_tiles` column tiles of 256: the setting ("all" or a
@@ -430,11 +560,12 @@ def grouped_parallelism(active_groups: int, n_tiles: int, k_steps: int, n_inner=
 
 
 def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
-                           kb: int, bm: int, splits: int = 1, out_dtype=jnp.bfloat16,
-                           **unused_config):
-  """A `jnp` model of `fp4_chunked_matmul` (same inputs and output; unused chunks give 0):
-  decode the layout, multiply in the kernel's physical K order, scale columns. Lets CPU tests
-  cover the chunk tables, K permutation, split-K and output gather around the kernel."""
+                           kb: int, bm: int, splits: int = 1, stream_k: int = 0,
+                           out_dtype=jnp.bfloat16, **unused_config):
+  """A `jnp` model of `fp4_chunked_matmul` (same inputs and output; unused chunks give 0, a
+  stream-K call's unwritten slots NaN): decode the layout, multiply in the kernel's physical K
+  order, scale columns. Lets CPU tests cover the chunk tables, K permutation, split-K,
+  stream-K slots and output gather around the kernel."""
   e_ = codes.shape[0]
   shape = (e_, codes.shape[2] // 16 * 64, codes.shape[1] * 64)
   pw = L.PackedWeight(codes, scales, factor, fmt, shape, kb)
@@ -442,6 +573,16 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
   a_phys = L.permute_k(jnp.swapaxes(a, 1, 2)).astype(jnp.float32)  # [E, N, K] physical K
   rows = chunk_row[:, None] + jnp.arange(bm)[None, :]
   xr = xc.astype(jnp.float32)[rows]  # [C, bm, K]
+  if stream_k:  # per K step products, summed over each slot's steps of each tile
+    k_steps = xc.shape[1] // (64 * kb)
+    held = stream_k_slots(shape[2] // 256, k_steps, stream_k)  # [slots, tiles, k_steps]
+    a_s = a_phys[0].reshape(shape[2], k_steps, 64 * kb)
+    x_s = xr[0].reshape(bm, k_steps, 64 * kb)
+    per_step = jnp.einsum("nsk,isk->ins", a_s, x_s, precision=lax.Precision.HIGHEST)
+    sel = jnp.asarray(np.repeat(held, 256, axis=1), jnp.float32)  # [slots, N_pad, k_steps]
+    out = jnp.einsum("ins,pns->pin", per_step, sel, precision=lax.Precision.HIGHEST)
+    written = jnp.asarray(np.repeat(held.any(axis=2), 256, axis=1))[:, None, :]
+    return jnp.where(written, out, jnp.nan)[:, None].astype(jnp.float32)
   ce = jnp.maximum(chunk_expert, 0)
   kp = xc.shape[1] // splits
   a_s = a_phys[ce].reshape(ce.shape[0], -1, splits, kp)
@@ -454,6 +595,8 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
 def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=None,
            kernel_fn=None):
   """x [..., K] (bf16) @ dense PackedWeight [K, N], rows (prod of lead dims) <= 64.
+  config: overrides the kernel's launch (`fp4_chunked_matmul`'s keywords; stream_k 0 turns the
+  stream-K schedule off, release is honoured where the pipeline has more stages).
   kernel_fn: replaces the Mosaic kernel (tests pass `emulate_chunked_matmul`)."""
   *lead, k = x.shape
   rows = int(np.prod(lead)) if lead else 1
@@ -463,17 +606,33 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
     raise ValueError(f"kernel handles <= {MAX_DECODE_ROWS} rows, got {rows}")
   bm = pick_bm(rows)
   k_steps = pw.k_pad // (64 * pw.kb)
-  cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps,
-                            n_ctas=pw.n_pad // 256, split=True), **(config or {}))
-  part_dtype = jnp.float32 if cfg["splits"] > 1 else out_dtype
+  tiles = pw.n_pad // 256
+  config = dict(config or {})
+  cfg = default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=tiles, split=True)
+  steps = config.pop("stream_k", None)
+  if steps is None:
+    steps = stream_k_plan(tiles, k_steps, cfg["splits"]) if STREAM_K == "auto" else 0
+  if steps:  # float32 slots, the column factor applied after adding them
+    cfg = dict(default_config(bm, pw.kb, jnp.float32, k_steps=steps, n_ctas=0, split=False),
+               stream_k=steps)
+  cfg.update(config)
+  if cfg.get("release", 0) >= cfg["stages"]:  # a one-stage pipeline holds no step in flight
+    cfg["release"] = 0
+  part_dtype = jnp.float32 if cfg["splits"] > 1 or steps else out_dtype
   x2 = x.reshape(rows, k).astype(jnp.bfloat16)
   xc = L.permute_k_rows(x2, None, bm, pw.k_pad)
   zero = jnp.zeros((1,), jnp.int32)
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, zero, zero, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=part_dtype, **cfg)
-  y = jnp.sum(out[:, 0, :rows, :pw.n], axis=0, dtype=part_dtype).astype(out_dtype)
-  return y.reshape(*lead, pw.n)
+  part = out[:, 0, :rows, :pw.n]
+  if steps:
+    written = stream_k_slots(tiles, k_steps, steps).any(axis=2)  # [slots, tiles]
+    written = jnp.asarray(np.repeat(written, 256, axis=1)[:, None, :pw.n])
+    y = jnp.sum(jnp.where(written, part, 0), axis=0) * pw.factor[0, :pw.n]
+  else:
+    y = jnp.sum(part, axis=0, dtype=part_dtype)
+  return y.astype(out_dtype).reshape(*lead, pw.n)
 
 
 def _prefix_sum(v: jax.Array) -> jax.Array:
