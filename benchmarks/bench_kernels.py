@@ -165,7 +165,7 @@ def main():
     return k
 
   # ------------------------------------------------------------------ dense shapes
-  dense = [("ffn_8192x28672", 8192, 28672, (1, 16, 64)),
+  dense = [("ffn_8192x28672", 8192, 28672, (1, 16, 32, 64)),
            ("attn_q_2048x4096", 2048, 4096, (1, 16, 64)),
            ("attn_o_4096x2048", 4096, 2048, (1, 16, 64))]
   if args.quick:
@@ -173,17 +173,16 @@ def main():
   def dense_variants(k, n, b):
     """The rows of one dense shape and batch."""
     big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
-    # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it;
-    # "_rel": a step's products left in flight into the next step (`release=1`)
+    # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it
     tiles, steps = -(-n // 256), -(-k // 256)
     splits = fp4_mgpu.default_config(16, 4, jnp.bfloat16, k_steps=steps, n_ctas=tiles,
                                      split=True)["splits"]
-    sk = fp4_mgpu.stream_k_plan(tiles, steps, splits) > 0
+    sk = fp4_mgpu.stream_k_plan(tiles, steps, splits, fp4_mgpu.pick_bm(b)) > 0
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
-            + (["nvfp4_nosk"] if sk else []) + (["nvfp4_rel"] if big else [])
-            + (["nvfp4_kb8", "nvfp4_kb8_rel"] + (["nvfp4_kb8_nosk"] if sk else [])
+            + (["nvfp4_nosk"] if sk else [])
+            + (["nvfp4_kb8"] + (["nvfp4_kb8_nosk"] if sk else [])
                if big and b != 64 else []))  # kb=8, 64-row chunks: over SMEM
 
   for sname, k, n, bs in dense:
@@ -197,9 +196,8 @@ def main():
       pws["nvfp4_kb8"] = kernels.prepare_weight(qs["nvfp4"], kb=8)
       qs["nvfp4_kb8"] = qs["nvfp4"]
     for var in ("nvfp4", "nvfp4_kb8"):
-      for tag in ("_nosk", "_rel"):
-        if var in pws:
-          pws[var + tag], qs[var + tag] = pws[var], qs[var]
+      if var in pws:
+        pws[var + "_nosk"], qs[var + "_nosk"] = pws[var], qs[var]
     for b in bs:
       x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
       base = None
@@ -223,8 +221,7 @@ def main():
             pw, q = pws[var], qs[var]
             wbytes = pw.nbytes
             row["bytes_qarray"] = q.nbytes
-            cfg = (dict(stream_k=0) if var.endswith("_nosk") else
-                   dict(release=1) if var.endswith("_rel") else None)
+            cfg = dict(stream_k=0) if var.endswith("_nosk") else None
             fn = lambda x, w, cfg=cfg: kernels.matmul(x, w, use_kernel=force, config=cfg)
             wt = pw
             if not args.dry:

@@ -319,6 +319,8 @@ def test_stream_k_slots_and_plan():
   assert fp4_mgpu.stream_k_plan(20, 8, 4) == 0
   assert fp4_mgpu.stream_k_plan(8, 16, 16) == 0
   assert fp4_mgpu.stream_k_plan(200, 32, 1) == 49  # 2 waves of 32 steps against 49
+  assert fp4_mgpu.stream_k_plan(112, 32, 1, bm=32) == 28
+  assert fp4_mgpu.stream_k_plan(112, 32, 1, bm=64) == 0  # the slots' sum costs the gain
 
 
 def test_grouped_n_inner_and_stages(monkeypatch):

@@ -63,32 +63,42 @@ def test_dense(fmt, k, n, kb, b):
   assert relerr(_dense(x, pw, jnp.bfloat16), ref) < 1e-2
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "steps", "release"))
-def _dense_cfg(x, pw, out_dtype, steps=None, release=0):
-  cfg = dict(release=release) if steps is None else dict(stream_k=steps, release=release)
-  return kernels.matmul(x, pw, out_dtype, config=cfg)
+@functools.partial(jax.jit, static_argnames=("out_dtype", "steps"))
+def _dense_stream_k(x, pw, out_dtype, steps):
+  return kernels.matmul(x, pw, out_dtype, config=dict(stream_k=steps))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("k,n,kb,steps,release", [
-    (520, 700, 4, 2, 0),  # 3 tiles x 3 steps: CTAs end a tile and start the next; last holds 1
-    (520, 700, 4, 4, 1),  # a whole tile and the next one's first step; products in flight
-    (520, 700, 4, 5, 0),  # more than a tile
-    (1000, 768, 8, 3, 1),  # kb 8: 3 tiles x 2 steps
-    (8192, 28672, 4, None, 0),  # the plan's own: 112 tiles x 32 steps, 28 a CTA on 128
-    (8192, 28672, 8, None, 1),  # 14 of 16 a CTA; products in flight
+@pytest.mark.parametrize("k,n,kb,steps", [
+    (520, 700, 4, 2),  # 3 tiles x 3 steps: CTAs end a tile and start the next; last holds 1
+    (520, 700, 4, 4),  # a whole tile and the next one's first step
+    (520, 700, 4, 5),  # more than a tile
+    (1000, 768, 8, 3),  # kb 8: 3 tiles x 2 steps
 ])
-@pytest.mark.parametrize("b", [1, 20, 64])
-def test_dense_stream_k(fmt, k, n, kb, steps, release, b):
-  """Stream-K schedules (and the release=1 pipeline) against the reference."""
+def test_dense_stream_k(fmt, k, n, kb, steps):
+  """Stream-K schedules against the reference, at 16/32/64-row chunks."""
   q = quantize(rand_w((k, n), k + n + 1), fmt, axis=0)
   pw = jax.jit(functools.partial(kernels.prepare_weight, kb=kb))(q)
-  if steps is None:
-    assert fp4_mgpu.stream_k_plan(n // 256, k // 256 // (kb // 4), 1) > 0
-  x = jax.random.normal(jax.random.key(b), (b, k), jnp.float32).astype(jnp.bfloat16)
-  ref = reference.matmul_ref(x, q, jnp.float32)
-  assert relerr(_dense_cfg(x, pw, jnp.float32, steps, release), ref) < TOL
-  assert relerr(_dense_cfg(x, pw, jnp.bfloat16, steps, release), ref) < 1e-2
+  for b in (1, 20, 64):
+    x = jax.random.normal(jax.random.key(b), (b, k), jnp.float32).astype(jnp.bfloat16)
+    ref = reference.matmul_ref(x, q, jnp.float32)
+    assert relerr(_dense_stream_k(x, pw, jnp.float32, steps), ref) < TOL, b
+    assert relerr(_dense_stream_k(x, pw, jnp.bfloat16, steps), ref) < 1e-2, b
+
+
+def test_dense_stream_k_gemv_shape():
+  """The plan's own schedule at 8192 x 28672 (112 tiles: 28 of 32 steps a CTA at kb 4, 14 of
+  16 at kb 8) against the reference; one weight made on the device."""
+  k, n = 8192, 28672
+  col = jnp.exp(jax.random.normal(jax.random.key(1), (1, n)))
+  w = jax.random.normal(jax.random.key(2), (k, n), jnp.float32) * col
+  q = quantize(w, "nvfp4", axis=0)
+  for kb, steps in ((4, 28), (8, 14)):
+    assert fp4_mgpu.stream_k_plan(n // 256, k // 64 // kb, 1) == steps
+    pw = jax.jit(functools.partial(kernels.prepare_weight, kb=kb))(q)
+    for b in (1, 16, 32):
+      x = jax.random.normal(jax.random.key(b), (b, k), jnp.float32).astype(jnp.bfloat16)
+      assert relerr(_dense(x, pw, jnp.float32), reference.matmul_ref(x, q, jnp.float32)) < TOL
 
 
 def test_single_row_bf16_is_a_matrix_product():

@@ -249,11 +249,12 @@ def gather_rows(out, slot, out_rows, n: int, out_dtype):
   return y[0] if splits == 1 else jnp.sum(y, axis=0).astype(out_dtype)
 
 
-def _step_products(fmt: str, kb: int, release: int):
+def _step_products(fmt: str, kb: int):
   """The compute warpgroup's work in one pipeline step: its kb 64x64 tiles of W^T decoded in
   registers (codes and the step's scale bytes from SMEM), each multiplied into the accumulator
-  with the activation tile (SMEM, transposed). release 1: the step's products stay in flight
-  into the next step (whose decode they overlap; its buffers are released a step late)."""
+  with the activation tile (SMEM, transposed). (Leaving a step's products in flight into the
+  next step, buffers released a step late, was slower on the H200: 8192 x 28672, 1 row, 42.3
+  -> 43.2 us at kb 4, 42.8 -> 60.9 at kb 8.)"""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   decoders = [_make_tile_decoder(fmt, kb, j) for j in range(kb)]
@@ -266,29 +267,28 @@ def _step_products(fmt: str, kb: int, release: int):
     for j in range(kb):
       words = plgpu.load(w_smem.at[wg, pl.ds(j * 16, 16)], layout=wlay)
       plgpu.wgmma(acc_ref, decoders[j](words, sc), x_smem.at[:, pl.ds(j * 64, 64)].T)
-    plgpu.wgmma_wait(kb if release else 0)  # one group per wgmma
+    plgpu.wgmma_wait(0)
 
   return products
 
 
-def _in_specs(bm: int, kb: int, wgs: int, unit, release: int):
+def _in_specs(bm: int, kb: int, wgs: int, unit):
   """The pipeline's blocks at step i: activation (bm rows x 64*kb K, 128 B swizzle), codes and
   scale words of `wgs` column blocks of 64; unit(i) = (column tile of wgs*64, K step)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   return [
       plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, unit(i)[1]), transforms=(
-          plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)), delay_release=release),
-      plgpu.BlockSpec((wgs, kb * 16, 32), lambda i: (*unit(i), 0), delay_release=release),
-      plgpu.BlockSpec((wgs, kb * 2, 32), lambda i: (*unit(i), 0), delay_release=release),
+          plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
+      plgpu.BlockSpec((wgs, kb * 16, 32), lambda i: (*unit(i), 0)),
+      plgpu.BlockSpec((wgs, kb * 2, 32), lambda i: (*unit(i), 0)),
   ]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
-                                             "n_inner", "stream_k", "release", "out_dtype"))
+                                             "n_inner", "stream_k", "out_dtype"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
-                       n_inner: int = 1, stream_k: int = 0, release: int = 0,
-                       out_dtype=jnp.bfloat16):
+                       n_inner: int = 1, stream_k: int = 0, out_dtype=jnp.bfloat16):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
@@ -306,9 +306,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   that ends a tile stores its partial sum there and starts the next from zero. Returns float32
   [slots, 1, bm, N_pad]: slot p of a tile holds the partial sum of the p-th CTA that touched it
   (unwritten slots are garbage: `stream_k_slots` says which are written), NOT times the column
-  factor (the caller applies it after adding the slots).
-  release: 1 keeps a step's products in flight into the next step (`_step_products`; not with
-  n_inner > 1: Mosaic chains no such pipelines)."""
+  factor (the caller applies it after adding the slots)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   _patch_register_pool()
@@ -320,14 +318,12 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   assert nt % (wgs * n_inner) == 0 and k_pad % (64 * kb * splits) == 0 and bm in BM_CHOICES
   if stream_k:
     return _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, fmt=fmt, kb=kb, bm=bm,
-                            wgs=wgs, stages=stages, steps=stream_k, release=release)
+                            wgs=wgs, stages=stages, steps=stream_k)
   k_iters = k_pad // (64 * kb) // splits
   if n_inner > 1 and k_iters % stages:
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
                      f"tile to be a multiple of stages={stages}")
-  if release and (n_inner > 1 or stages <= release):
-    raise ValueError(f"release={release} needs n_inner 1 and more than {release} stages")
-  step_products = _step_products(fmt, kb, release)
+  step_products = _step_products(fmt, kb)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, out_smem, f_smem,
              f_bar):
@@ -353,7 +349,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
       return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40,
-          in_specs=_in_specs(bm, kb, wgs, lambda i: (n_idx, k0 + i), release),
+          in_specs=_in_specs(bm, kb, wgs, lambda i: (n_idx, k0 + i)),
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context, pipeline_state=state)
 
@@ -375,7 +371,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
 
 def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb: int, bm: int,
-                     wgs: int, stages: int, steps: int, release: int):
+                     wgs: int, stages: int, steps: int):
   """`fp4_chunked_matmul`'s stream-K schedule (see there) for one chunk."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -385,7 +381,7 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
   units = tiles * k_steps
   n_ctas = -(-units // steps)
   slots = stream_k_slots(tiles, k_steps, steps).shape[0]
-  step_products = _step_products(fmt, kb, release)
+  step_products = _step_products(fmt, kb)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
     cta, _, _, e, row0, _ = chunk_coords(ce_gmem, cr_gmem, 0)
@@ -423,8 +419,7 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
     def _():
       plgpu.emit_pipeline_warp_specialized(
           body, grid=(n_steps,), memory_registers=40,
-          in_specs=_in_specs(bm, kb, wgs, lambda i: ((u0 + i) // k_steps, (u0 + i) % k_steps),
-                             release),
+          in_specs=_in_specs(bm, kb, wgs, lambda i: ((u0 + i) // k_steps, (u0 + i) % k_steps)),
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context,
       )(x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
@@ -452,12 +447,17 @@ def stream_k_slots(tiles: int, k_steps: int, steps: int) -> np.ndarray:
   return out
 
 
-def stream_k_plan(tiles: int, k_steps: int, splits: int) -> int:
+def stream_k_plan(tiles: int, k_steps: int, splits: int, bm: int = 16) -> int:
   """Units (column tile of 256 x K step) per CTA of a dense call's stream-K schedule: the fewest
   that need at most NUM_SMS CTAs; 0 (no stream-K) where the default schedule (`splits` equal K
   splits of every tile, one CTA each, in waves of NUM_SMS) runs no more steps on its busiest
-  SM. H200, 8192 x 28672 (112 tiles of 32 steps of 256 K): 28 units a CTA on 128 SMs against
-  32 on 112."""
+  SM, or for chunks of more than STREAM_K_MAX_BM rows. H200, 8192 x 28672 (112 tiles of 32
+  steps of 256 K; 28 units a CTA on 128 SMs against 32 on 112), us kernel / call, stream-K vs
+  not: 1 row 42.3 / 45.0 vs 47.9 / 48.8; 16 rows 42.3 / 45.5 vs 47.6 / 48.5; 64 rows 61.4 /
+  67.2 vs 65.3 / 66.6 (the slots' float32 sum, 4.6 us there, eats the gain)
+  (benchmarks/results/session18_h200_2026-12-01)."""
+  if bm > STREAM_K_MAX_BM:
+    return 0
   steps = -(-tiles * k_steps // NUM_SMS)
   waves = -(-tiles * splits // NUM_SMS)
   return steps if steps < waves * (k_steps // splits) else 0
@@ -519,6 +519,7 @@ GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
 # Dense calls' stream-K schedule (`stream_k_plan`): "auto" (where it runs fewer steps on the
 # busiest SM than equal K splits) or "off".
 STREAM_K = choice_setting("TRACE_JAX_STREAM_K", "auto", ("auto", "off"))
+STREAM_K_MAX_BM = 32
 
 
 def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
@@ -596,7 +597,7 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
            kernel_fn=None):
   """x [..., K] (bf16) @ dense PackedWeight [K, N], rows (prod of lead dims) <= 64.
   config: overrides the kernel's launch (`fp4_chunked_matmul`'s keywords; stream_k 0 turns the
-  stream-K schedule off, release is honoured where the pipeline has more stages).
+  stream-K schedule off).
   kernel_fn: replaces the Mosaic kernel (tests pass `emulate_chunked_matmul`)."""
   *lead, k = x.shape
   rows = int(np.prod(lead)) if lead else 1
@@ -611,13 +612,11 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
   cfg = default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=tiles, split=True)
   steps = config.pop("stream_k", None)
   if steps is None:
-    steps = stream_k_plan(tiles, k_steps, cfg["splits"]) if STREAM_K == "auto" else 0
+    steps = stream_k_plan(tiles, k_steps, cfg["splits"], bm) if STREAM_K == "auto" else 0
   if steps:  # float32 slots, the column factor applied after adding them
     cfg = dict(default_config(bm, pw.kb, jnp.float32, k_steps=steps, n_ctas=0, split=False),
                stream_k=steps)
   cfg.update(config)
-  if cfg.get("release", 0) >= cfg["stages"]:  # a one-stage pipeline holds no step in flight
-    cfg["release"] = 0
   part_dtype = jnp.float32 if cfg["splits"] > 1 or steps else out_dtype
   x2 = x.reshape(rows, k).astype(jnp.bfloat16)
   xc = L.permute_k_rows(x2, None, bm, pw.k_pad)
