@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -380,6 +380,11 @@ elif [ "$stage" = step_ab ]; then
       cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
         --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
   done
+elif [ "$stage" = s18c ]; then
+  # (session 18) the engine's GPU tests (not run since session 17's router product and compiled
+  # eager quantize) and the row-chunk routing through both grouped kernels
+  gpu_tests tests/rollout/test_engine_gpu.py "" engine 300
+  gpu_tests tests/kernels/test_kernels_gpu.py row_chunk row_chunk 120
 elif [ "$stage" = s18b ]; then
   # (session 18) stream-K limited to chunks of <= 32 rows, release=1 dropped: the stream-K GPU
   # tests (s18a's timed out at 240 s making 8192 x 28672 weights per case), the grouped tests
