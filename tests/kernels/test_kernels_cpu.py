@@ -323,6 +323,40 @@ def test_stream_k_slots_and_plan():
   assert fp4_mgpu.stream_k_plan(112, 32, 1, bm=64) == 0  # the slots' sum costs the gain
 
 
+def test_concat_columns_and_fuse_projections():
+  """Dense PackedWeights side by side decode to the parts side by side, bit for bit (each part's
+  scales ride on its own columns), and multiply as the parts do; `fuse_projections` fuses a
+  dict's q/k/v kernels (k's and v's become None) only where the parts fit unpadded."""
+  qs = [quantize(rand_w((200, n), 20 + n), "nvfp4", axis=0) for n in (512, 256, 256)]
+  pws = [kernels.prepare_weight(q, kb=4) for q in qs]
+  fused = layout.concat_columns(pws)
+  assert fused.shape == (200, 1024) and fused.n_pad == 1024
+  whole, parts = layout.decode_parts(fused), [layout.decode_parts(pw) for pw in pws]
+  for got, want in zip(whole, (jnp.concatenate([p[i] for p in parts], axis=-1) for i in (0, 1))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  x = jax.random.normal(jax.random.key(3), (3, 200), jnp.float32).astype(jnp.bfloat16)
+  want = jnp.concatenate([reference.matmul_ref(x, q, jnp.float32) for q in qs], axis=-1)
+  assert relerr(_dense_emulated(x, fused), want) < 1e-6
+  odd = kernels.prepare_weight(quantize(rand_w((200, 300), 23), "nvfp4", axis=0), kb=4)
+  with pytest.raises(ValueError, match="multiple of 256"):
+    layout.concat_columns([pws[0], odd])
+  with pytest.raises(ValueError, match="one format, kb and K"):
+    layout.concat_columns([pws[0], kernels.prepare_weight(qs[1], kb=2)])
+  attn = {"q_proj": {"kernel": pws[0]}, "k_proj": {"kernel": pws[1]},
+          "v_proj": {"kernel": pws[2]}, "o_proj": {"kernel": pws[1]}}
+  tree = kernels.fuse_projections({"layers_0": {"attn": attn}, "embed": jnp.ones(3)})
+  got = tree["layers_0"]["attn"]
+  assert got["q_proj"]["kernel"].shape == (200, 1024)
+  assert got["k_proj"]["kernel"] is None and got["v_proj"]["kernel"] is None
+  assert got["o_proj"]["kernel"] is pws[1]
+  same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa
+  for bad in ({**attn, "v_proj": {"kernel": odd}},  # padded columns
+              {**attn, "q_proj": {"kernel": pws[0], "bias": jnp.zeros(512)}},  # a bias
+              {**attn, "k_proj": {"kernel": qs[1]}}):  # not in the kernel layout
+    out = kernels.fuse_projections({"attn": bad})["attn"]
+    assert out.keys() == bad.keys() and same(out, bad)
+
+
 def test_grouped_n_inner_and_stages(monkeypatch):
   """n_inner: the setting, cut to the largest divisor of the column tiles; chained pipelines
   get a stage count that divides the steps per tile (enumerated against a brute-force rule)."""

@@ -285,3 +285,23 @@ def test_random_params_match_init_params_shapes_and_distributions():
   tokens = jnp.asarray(np.arange(8).reshape(1, 8) % cfg.vocab_size, jnp.int32)
   out = M.apply(got, tokens, cfg)
   assert np.isfinite(np.asarray(out.logits, np.float32)).all()
+
+
+def test_fused_qkv_projection_equals_three():
+  """The rollout's q|k|v in one kernel-layout weight (`kernels.fuse_projections`: one GEMV a
+  decode step, not three) gives the logits of the three projections (on CPU both run the
+  reference; float32 summation order only)."""
+  from trace_jax import kernels
+  cfg = M.tiny(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=64)
+  policy = tq.make_policy("w4a16", "nvfp4")
+  params = M.init_params(cfg, jax.random.key(0))
+  packed = kernels.prepare_tree(jax.jit(functools.partial(M.quantize_params, policy=policy))(
+      params))
+  fused = kernels.fuse_projections(packed)
+  attn = fused["layers_0"]["attn"]
+  assert attn["q_proj"]["kernel"].shape == (128, 768) and attn["k_proj"]["kernel"] is None
+  tokens, _ = _batch()
+  ctx = M.QuantContext(policy, "rollout")
+  a = apply(packed, tokens, cfg, ctx).logits
+  b = apply(fused, tokens, cfg, ctx).logits
+  np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)

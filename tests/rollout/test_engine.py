@@ -194,6 +194,35 @@ def test_kernel_layout_weights_give_the_same_rollout():
   np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-4)
 
 
+@pytest.mark.slow  # two engine compiles; the fusion's numerics: test_transformer, test_kernels_cpu
+def test_fused_projections_give_the_same_rollout(monkeypatch):
+  """The engine's weight sync puts an attention layer's FP4 q, k and v kernels side by side
+  (`kernels.fuse_projections`) where they are in the kernel layout: the rollout equals the one
+  with three projections (greedy tokens; logprobs to float32 summation order), and a re-sync
+  (which donates the fused weight) gives it again."""
+  from trace_jax.rollout import engine as engine_mod
+  cfg = M.tiny(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4, head_dim=64)
+  params = M.init_params(cfg, jax.random.key(0))
+  s = SamplingParams(temperature=0.0)
+  outs = []
+  for fuse in ("on", "off"):
+    monkeypatch.setattr(engine_mod, "FUSE_PROJECTIONS", fuse)
+    eng = RolloutEngine(cfg, tq.make_policy("w4a16", "nvfp4"), max_new_tokens=6,
+                        use_kernels=True)
+    eng.sync(params)
+    attn = eng.params["layers_0"]["attn"]
+    assert (attn["k_proj"]["kernel"] is None) == (fuse == "on")
+    assert attn["q_proj"]["kernel"].shape == (256, 768 if fuse == "on" else 256)
+    outs.append(eng.generate(PROMPTS, sampling=s))
+    if fuse == "on":
+      eng.sync(jax.tree_util.tree_map(lambda a: a * 1.0, params))
+      again = eng.generate(PROMPTS, sampling=s)
+      np.testing.assert_array_equal(np.asarray(again.logprobs), np.asarray(outs[0].logprobs))
+  np.testing.assert_array_equal(np.asarray(outs[0].completion), np.asarray(outs[1].completion))
+  np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs),
+                             atol=1e-4)
+
+
 def test_sync_shares_unchanged_master_arrays():
   """Weights the rollout uses as they are (not quantized, already in the compute dtype) are the
   master's arrays, not copies; quantized ones are the engine's own. A re-sync donates only the

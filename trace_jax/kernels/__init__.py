@@ -32,10 +32,12 @@ from trace_jax.kernels.dispatch import (append_kv, count_by_group, decode_attent
                                         matmul, on_gpu,
                                         prefill_attention, quantize_rows, route,
                                         sort_by_group)
-from trace_jax.kernels.layout import PackedWeight, decode_packed, prepare_tree, prepare_weight
+from trace_jax.kernels.layout import (PackedWeight, decode_packed, fuse_projections,
+                                      prepare_tree, prepare_weight)
 
 __all__ = ["PackedWeight", "append_kv", "attention", "count_by_group", "decode_attention",
-           "decode_attention_ref", "decode_packed", "float32_dot", "grouped_backend",
+           "decode_attention_ref", "decode_packed", "float32_dot", "fuse_projections",
+           "grouped_backend",
            "grouped_matmul", "import_gpu_libraries", "matmul",
            "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
            "prepare_weight", "quantize_rows", "route", "sort_by_group"]

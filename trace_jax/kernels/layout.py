@@ -298,6 +298,54 @@ def prepare_tree(tree, *, kb: int = 4):
   return jax.tree.map(conv, tree, is_leaf=lambda a: isinstance(a, QArray))
 
 
+# Attention projections one call can make together at rollout (`fuse_projections`): each
+# (dict key, [dict keys of its parts]); the part's own kernel leaf becomes None.
+FUSED_PROJECTIONS = (("q_proj", ("q_proj", "k_proj", "v_proj")),)
+
+
+def concat_columns(pws) -> PackedWeight:
+  """Dense PackedWeights [K, N_i] side by side: [K, sum N_i]. Exact: the layout's tiles are 64
+  columns each and the column factors carry each part's own scales. Each N_i must be a multiple
+  of N_ALIGN (no padding columns between the parts); formats, kb and K must agree."""
+  first = pws[0]
+  for pw in pws:
+    if pw.experts or (pw.fmt, pw.kb, pw.k, pw.k_pad) != (first.fmt, first.kb, first.k,
+                                                          first.k_pad):
+      raise ValueError(f"cannot put {pw} beside {first}: dense weights of one format, kb and K")
+    if pw.n != pw.n_pad:
+      raise ValueError(f"{pw}: N {pw.n} is not a multiple of {N_ALIGN} (padding would sit "
+                       "between the parts)")
+  cat = lambda name: jnp.concatenate([getattr(pw, name) for pw in pws], axis=1)  # noqa: E731
+  return PackedWeight(cat("codes"), cat("scales"), cat("factor"), first.fmt,
+                      (first.k, sum(pw.n for pw in pws)), first.kb)
+
+
+def fuse_projections(tree):
+  """Where a dict of a parameter tree holds the parts of a `FUSED_PROJECTIONS` entry each as
+  `{"kernel": dense PackedWeight}` (no bias) of one format, kb and K, each N unpadded (a
+  multiple of N_ALIGN): the first part's kernel becomes the parts side by side
+  (`concat_columns`) and the others' kernels None. The model then makes them in one
+  call (`Attention`: one GEMV at decode, not three; the rollout's weight sync, unsharded
+  weights). Other dicts are unchanged."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {k: fuse_projections(v) for k, v in tree.items()}
+  for key, parts in FUSED_PROJECTIONS:
+    subs = [out.get(p) for p in parts]
+    if not all(isinstance(d, dict) and set(d) == {"kernel"} for d in subs):
+      continue
+    ws = [d["kernel"] for d in subs]
+    if not all(isinstance(w, PackedWeight) and not w.experts for w in ws):
+      continue
+    if len({(w.fmt, w.kb, w.k) for w in ws}) > 1 or any(w.n != w.n_pad for w in ws):
+      continue
+    out[key] = {"kernel": concat_columns(ws)}
+    for p in parts:
+      if p != key:
+        out[p] = {"kernel": None}
+  return out
+
+
 # --------------------------------------------------------------------------- jnp decode
 
 def _unpack_words(words: jax.Array) -> jax.Array:

@@ -108,9 +108,15 @@ class Attention(nn.Module):
     c, ctx, dt = self.config, self.ctx, self.config.compute_dtype
     b, t, _ = x.shape
     x = activation_site(x, "attn/in", self.guided, ctx, guidance, records)
-    q = Linear(c.num_heads * c.head_dim, ctx, dt, c.attention_bias, name="q_proj")(x)
-    k = Linear(c.num_kv_heads * c.head_dim, ctx, dt, c.attention_bias, name="k_proj")(x)
-    v = Linear(c.num_kv_heads * c.head_dim, ctx, dt, c.attention_bias, name="v_proj")(x)
+    nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    fused = self._fused_qkv(nq + 2 * nkv)
+    if fused is not None:  # one call, not three (a decode step's FP4 GEMVs)
+      qkv = kernels.matmul(x.astype(dt), fused, out_dtype=dt)
+      q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
+    else:
+      q = Linear(nq, ctx, dt, c.attention_bias, name="q_proj")(x)
+      k = Linear(nkv, ctx, dt, c.attention_bias, name="k_proj")(x)
+      v = Linear(nkv, ctx, dt, c.attention_bias, name="v_proj")(x)
     if c.qk_norm == "full":  # OLMoE: over the whole projection
       q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
       k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
@@ -170,6 +176,14 @@ class Attention(nn.Module):
       o = kernels.attention(q, k, v, allowed, scale, dt)
     o = activation_site(o, "attn/o_in", self.guided, ctx, guidance, records)
     return Linear(c.hidden_size, ctx, dt, c.attention_bias, name="o_proj")(o), layer
+
+  def _fused_qkv(self, n: int):
+    """The q_proj kernel where the rollout's weight sync put q, k and v side by side in it
+    (`kernels.fuse_projections`; k_proj's and v_proj's kernels are None then), else None."""
+    if self.is_initializing() or not self.has_variable("params", "q_proj"):
+      return None
+    w = self.get_variable("params", "q_proj").get("kernel")
+    return w if isinstance(w, kernels.PackedWeight) and w.shape[-1] == n else None
 
 
 # --------------------------------------------------------------------------- feed-forward

@@ -36,6 +36,7 @@ from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import parallel
 from trace_jax import quant as tq
+from trace_jax.kernels.settings import choice_setting
 from trace_jax.models import kv_cache as kvc
 from trace_jax.rollout.sampling import SamplingParams, sample
 
@@ -627,16 +628,24 @@ def _sync_weights(master, old_parts, policy, dtype):
   return treedef.unflatten([m if p is None else p for m, p in zip(leaves, parts)]), shared
 
 
-def _kernel_layout(params):
+# `kernels.fuse_projections` on unsharded kernel-layout weights ("off": q, k and v as three
+# calls). H200, 12 layers, w4a16 at B 1: see benchmarks/results/session18_h200_2026-12-01.
+FUSE_PROJECTIONS = choice_setting("TRACE_JAX_FUSE_PROJECTIONS", "on", ("on", "off"))
+
+
+def _kernel_layout(params, fuse: bool = True):
   """FP4 weights whose K and N are multiples of 256 (the shapes the Mosaic kernels were validated
   at on the H200: 30B-A3B attention and expert matrices) move to the kernel layout; smaller ones
-  stay QArrays and take the reference path."""
+  stay QArrays and take the reference path. fuse: the attention's q, k and v weights side by
+  side in one (`kernels.fuse_projections`; not for weights sharded over a mesh, whose column
+  shards would not line up with the parts')."""
   def conv(a):
     if (isinstance(a, tq.QArray) and a.fmt.is_fp4 and a.ndim in (2, 3) and a.axis == a.ndim - 2
         and a.shape[-2] % 256 == 0 and a.shape[-1] % 256 == 0):
       return kernels.prepare_weight(a)
     return a
-  return jax.tree_util.tree_map(conv, params, is_leaf=lambda a: isinstance(a, tq.QArray))
+  out = jax.tree_util.tree_map(conv, params, is_leaf=lambda a: isinstance(a, tq.QArray))
+  return kernels.fuse_projections(out) if fuse and FUSE_PROJECTIONS == "on" else out
 
 
 def rollout_weight_shapes(config: M.ModelConfig, policy: tq.QuantPolicy,
@@ -886,7 +895,7 @@ class RolloutEngine:
     params, shared = _sync_weights(master_params, self._computed, self.policy, dtype)
     if self.mesh is not None:  # whole quantization blocks per shard
       params = parallel.shard_params(params, self.mesh)
-    self.params = _kernel_layout(params) if self.use_kernels else params
+    self.params = _kernel_layout(params, self.mesh is None) if self.use_kernels else params
     # what the next sync donates: the arrays this engine made (never the shared master's)
     parts = jax.tree_util.tree_structure(master_params).flatten_up_to(self.params)
     self._computed = [None if sh else p for p, sh in zip(parts, shared)]
