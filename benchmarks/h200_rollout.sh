@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -380,6 +380,14 @@ elif [ "$stage" = step_ab ]; then
       cap_shape_profile ${LAYERS:-12} 276 paper ${PROFILE_TIMEOUT:-200} \
         --out $OUT/profile_decode_ab_$tag.json | grep "guidance_on\|decode loop\|device kernel" )
   done
+elif [ "$stage" = s18e ]; then
+  # (session 18) s18d at B 32: w4a16 fused, not fused, BF16 (s17e: 12,014 vs 7,315 tok/s)
+  POLICIES=w4a16 BATCHES=32 HF_TAG=_w4a16_b32 ROWS_TIMEOUT=100 ROW_TIMEOUT=95 \
+    bash $0 hf_load_inner | tail -1
+  TRACE_JAX_FUSE_PROJECTIONS=off POLICIES=w4a16 BATCHES=32 HF_TAG=_w4a16_nofuse_b32 \
+    ROWS_TIMEOUT=100 ROW_TIMEOUT=95 bash $0 hf_load_inner | tail -1
+  POLICIES=bf16 BATCHES=32 HF_TAG=_bf16_b32 ROWS_TIMEOUT=90 ROW_TIMEOUT=85 \
+    bash $0 hf_load_inner | tail -1
 elif [ "$stage" = s18d ]; then
   # (session 18) the attention's FP4 q, k and v weights side by side in one kernel call at
   # rollout (`kernels.fuse_projections`; w4a16 at B 1 ran six FP4 calls a layer, 0.97x BF16 in
@@ -387,7 +395,8 @@ elif [ "$stage" = s18d ]; then
   # w4a16 at HF's B 1 load fused, not fused, and BF16
   JAX_PLATFORMS=cuda timeout -k 5 90 python3 -m pytest -q -p no:xdist -o addopts="" \
     tests/models/test_transformer.py -k fused > $OUT/test_fused_model_gpu.txt 2>&1
-  echo "fused model test rc=$?"; grep -E "Error|assert|passed|failed" $OUT/test_fused_model_gpu.txt | tail -4
+  echo "fused model test rc=$?"
+  grep -E "Error|assert|passed|failed" $OUT/test_fused_model_gpu.txt | tail -4
   POLICIES=w4a16 BATCHES=1 HF_TAG=_w4a16 ROWS_TIMEOUT=150 ROW_TIMEOUT=140 \
     bash $0 hf_load_inner | tail -2
   TRACE_JAX_FUSE_PROJECTIONS=off POLICIES=w4a16 BATCHES=1 HF_TAG=_w4a16_nofuse \
