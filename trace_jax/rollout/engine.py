@@ -629,7 +629,7 @@ def _sync_weights(master, old_parts, policy, dtype):
 
 
 # `kernels.fuse_projections` on unsharded kernel-layout weights ("off": q, k and v as three
-# calls). H200, 12 layers, w4a16 at B 1: see benchmarks/results/session18_h200_2026-12-01.
+# calls). H200, 12 layers, w4a16 at HF's B 1 load: 862.7 -> 964.4 tok/s (BF16 900.7), session 18.
 FUSE_PROJECTIONS = choice_setting("TRACE_JAX_FUSE_PROJECTIONS", "on", ("on", "off"))
 
 
