@@ -174,10 +174,7 @@ def main():
     """The rows of one dense shape and batch."""
     big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
     # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it
-    tiles, steps = -(-n // 256), -(-k // 256)
-    splits = fp4_mgpu.default_config(16, 4, jnp.bfloat16, k_steps=steps, n_ctas=tiles,
-                                     split=True)["splits"]
-    sk = fp4_mgpu.stream_k_plan(tiles, steps, splits, fp4_mgpu.pick_bm(b)) > 0
+    sk = fp4_mgpu.dense_stream_k(-(-n // 256), -(-k // 256), fp4_mgpu.pick_bm(b)) > 0
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only

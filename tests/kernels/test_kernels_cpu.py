@@ -321,6 +321,9 @@ def test_stream_k_slots_and_plan():
   assert fp4_mgpu.stream_k_plan(200, 32, 1) == 49  # 2 waves of 32 steps against 49
   assert fp4_mgpu.stream_k_plan(112, 32, 1, bm=32) == 28
   assert fp4_mgpu.stream_k_plan(112, 32, 1, bm=64) == 0  # the slots' sum costs the gain
+  # the dense wrapper's default, against the K splits it would use otherwise
+  assert fp4_mgpu.dense_stream_k(112, 32, 16) == 28
+  assert fp4_mgpu.dense_stream_k(16, 8, 16) == 0  # q projection: 8 splits fill 128 SMs
 
 
 def test_concat_columns_and_fuse_projections():

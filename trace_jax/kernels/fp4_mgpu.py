@@ -450,6 +450,22 @@ def stream_k_slots(tiles: int, k_steps: int, steps: int) -> np.ndarray:
   return out
 
 
+def stream_k_written(tiles: int, k_steps: int, steps: int) -> np.ndarray:
+  """bool [slots, tiles * 256]: the output columns each slot of a stream-K call writes."""
+  return np.repeat(stream_k_slots(tiles, k_steps, steps).any(axis=2), 256, axis=1)
+
+
+def dense_stream_k(tiles: int, k_steps: int, bm: int) -> int:
+  """Units per CTA of the stream-K schedule a dense call of `tiles` column tiles, `k_steps`
+  K steps and `bm`-row chunks takes by default (`STREAM_K`, `stream_k_plan` against the equal
+  K splits `default_config` would give it); 0: none."""
+  if STREAM_K != "auto":
+    return 0
+  splits = default_config(bm, 4, jnp.bfloat16, k_steps=k_steps, n_ctas=tiles,
+                          split=True)["splits"]
+  return stream_k_plan(tiles, k_steps, splits, bm)
+
+
 def stream_k_plan(tiles: int, k_steps: int, splits: int, bm: int = 16) -> int:
   """Units (column tile of 256 x K step) per CTA of a dense call's stream-K schedule: the fewest
   that need at most NUM_SMS CTAs; 0 (no stream-K) where the default schedule (`splits` equal K
@@ -585,7 +601,7 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
     per_step = jnp.einsum("nsk,isk->ins", a_s, x_s, precision=lax.Precision.HIGHEST)
     sel = jnp.asarray(np.repeat(held, 256, axis=1), jnp.float32)  # [slots, N_pad, k_steps]
     out = jnp.einsum("ins,pns->pin", per_step, sel, precision=lax.Precision.HIGHEST)
-    written = jnp.asarray(np.repeat(held.any(axis=2), 256, axis=1))[:, None, :]
+    written = stream_k_written(shape[2] // 256, k_steps, stream_k)[:, None, :]
     return jnp.where(written, out, jnp.nan)[:, None].astype(jnp.float32)
   ce = jnp.maximum(chunk_expert, 0)
   kp = xc.shape[1] // splits
@@ -615,7 +631,7 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
   cfg = default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=tiles, split=True)
   steps = config.pop("stream_k", None)
   if steps is None:
-    steps = stream_k_plan(tiles, k_steps, cfg["splits"], bm) if STREAM_K == "auto" else 0
+    steps = dense_stream_k(tiles, k_steps, bm)
   if steps:  # float32 slots, the column factor applied after adding them
     cfg = dict(default_config(bm, pw.kb, jnp.float32, k_steps=steps, n_ctas=0, split=False),
                stream_k=steps)
@@ -629,8 +645,7 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
       out_dtype=part_dtype, **cfg)
   part = out[:, 0, :rows, :pw.n]
   if steps:
-    written = stream_k_slots(tiles, k_steps, steps).any(axis=2)  # [slots, tiles]
-    written = jnp.asarray(np.repeat(written, 256, axis=1)[:, None, :pw.n])
+    written = stream_k_written(tiles, k_steps, steps)[:, None, :pw.n]
     y = jnp.sum(jnp.where(written, part, 0), axis=0) * pw.factor[0, :pw.n]
   else:
     y = jnp.sum(part, axis=0, dtype=part_dtype)
