@@ -355,11 +355,12 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b, 300, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_),
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
-    if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages, V decode overlapped
+    if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages, V decode
+      # overlapped; both of its N sides (G 8 here, then 16)
       from trace_jax.kernels import attention_mgpu as AM
-      for overlap in (False, True):
+      for overlap, heads in ((False, h), (True, h), (False, 16 * kvh)):
         lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap)).trace(
-            sds((b, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
+            sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
 
@@ -375,7 +376,6 @@ def _emulate_mosaic_decode(codes_u8, scales_u8, h):
   words = codes_u8.reshape(64, 64, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 64]
   swords = scales_u8.reshape(64, 8, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 8]
   out = np.zeros((2, 64, 64), np.float32)
-  zero = np.zeros(1, np.uint32)
   for t in range(128):
     w, lane = t // 32, t % 32
     g8, c = lane // 4, lane % 4
@@ -391,11 +391,11 @@ def _emulate_mosaic_decode(codes_u8, scales_u8, h):
       for j in range(2):
         for wi in range(2):
           x = np.array([words[r, 16 * h + 8 * j + 2 * c + wi]], np.uint32)
-          hi = (x >> np.uint32(4)) & np.uint32(0x0F0F0F0F)
+          w4 = x << np.uint32(4)
           regs = []
-          for sel, src in ((0x4140, x), (0x4140, hi), (0x4342, x), (0x4342, hi)):
-            y = _prmt(src, zero, sel)  # then shl 6, shl 12, lop3 (a | b) & mask, mul
-            a = ((y << np.uint32(6)) | (y << np.uint32(12))) & np.uint32(0x81C081C0)
+          for sel, src in ((0x9180, w4), (0x9180, x), (0xB3A2, w4), (0xB3A2, x)):
+            y = _prmt(src, src, sel)  # then shl 2, and mask, mul
+            a = (y << np.uint32(2)) & np.uint32(0x81C081C0)
             regs.append(_bf16x2_mul(a, mults[j]))
           for o, val in enumerate(regs):
             for v in range(2):

@@ -201,10 +201,13 @@ def test_mosaic_kernel_vs_reference(s):
   assert relerr(got, want) < MOSAIC_TOL
 
 
-@pytest.mark.parametrize("splits,stages,overlap", [(1, 2, False), (3, 1, False), (64, 2, False),
-                                                   (1, 2, True), (3, 1, True)])
-def test_mosaic_kernel_splits_and_stages(splits, stages, overlap):
-  b, s, kvh, g, hd = 3, 1000, 4, 5, 128  # 5 query heads per KV head (padded to 16)
+@pytest.mark.parametrize("splits,stages,overlap,g", [
+    (1, 2, False, 5), (3, 1, False, 5), (64, 2, False, 5), (1, 2, True, 5), (3, 1, True, 5),
+    (3, 2, False, 12), (1, 1, True, 16)])
+def test_mosaic_kernel_splits_and_stages(splits, stages, overlap, g):
+  """Launch variants; g query heads per KV head: 5 padded to the kernel's N of 8, 12 and 16 on
+  its N of 16."""
+  b, s, kvh, hd = 3, 1000, 4, 128
   k, v = make_kv("nvfp4", (b, s, kvh, hd), 1), make_kv("nvfp4", (b, s, kvh, hd), 2)
   q = jax.random.normal(jax.random.key(3), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
   lengths = jnp.asarray([1000, 17, 1])

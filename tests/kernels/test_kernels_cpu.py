@@ -188,7 +188,10 @@ def _prmt(a, b, sel):
   pool += [(b >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)]
   out = np.zeros_like(a)
   for i in range(4):
-    out |= pool[(sel >> (4 * i)) & 7] << np.uint32(8 * i)
+    byte = pool[(sel >> (4 * i)) & 7]
+    if (sel >> (4 * i)) & 8:  # sign-replicate mode: the byte's bit 7 in all 8 bits
+      byte = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
+    out |= byte << np.uint32(8 * i)
   return out
 
 

@@ -7,27 +7,35 @@ multipliers), the per-call plumbing (q permutation, validity row, split combine)
 defined by `attention_ref.decode_attention_ref`.
 
 Design (one query token per sequence, GQA with 4 KV heads, head_dim 128, G <= 16 query heads
-per KV head; other shapes use `attention_pallas`):
+per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other shapes use
+`attention_pallas`):
 - grid (batch row, split of the sequence); a CTA holds 4 compute warpgroups, one per KV head,
   and a TMA warpgroup (`emit_pipeline_warp_specialized`) streaming 64-token tiles of the cache
   in place (`[B, S, KVH, ...]`): codes (64 x 256 B), scale bytes (64 x 32 B), the row scales
   g (64 x 4 float32), and a per-call validity row.
-- K step, swap-AB: S^T[64 tokens, 16 heads] = K (registers) @ q^T (SMEM). A warpgroup loads
+- K step, swap-AB: S^T[64 tokens, gp heads] = K (registers) @ q^T (SMEM). A warpgroup loads
   its head's codes as uint32 `[64, 16]` in the wgmma layout: a thread gets rows r, r+8 and
   words (2c, 2c+1), (2c+8, 2c+9) = one 16-element block of each 64-wide head_dim half
   (c = lane % 4). The head_dim permutation `PHYS_TO_LOGICAL` (applied to q outside) makes the
-  fragment's column pairs the pairs one `prmt` + shifts/masks produce from a byte pair:
-  E2M1 magnitude to bf16 bits 8..6 and sign to 15 gives `E2M1 * 2**-126`; times the block
+  fragment's column pairs the pairs one `prmt` (sign-replicating) + shift + mask produce from a
+  byte pair: E2M1 magnitude to bf16 bits 8..6 and sign to 15 gives `E2M1 * 2**-126`; times the
+  block
   scale multiplier `s * 2**118` (bf16x2, exact from the E4M3 byte via f16 and f32) gives
   `E2M1 * s * 2**-8`, exact in bf16. The row factor `g * 2**8 * softmax_scale` is applied to
   S^T's rows (`_row_scaler`: each thread reads its rows' g from the SMEM tile), so K enters
   the product as `code * s * g` up to float32 rounding.
   Scale bytes: a wgmma-layout load of `[64, 8]` uint32 gives lane c head c's 8 bytes; one
   `shfl` per word brings the warpgroup's head to every lane.
-- softmax over tokens (rows): column max / sum across the warpgroup, online over tiles.
-- V step: V decoded the same way, stored bf16 to SMEM; O^T[64 hd, 16] += V^T (SMEM,
-  transposed A) @ P'^T (SMEM, `[64 tokens, 16]`), with P' = p * g_v * 2**8 (the V row factor
-  varies along the contraction, so it rides on the probabilities: rounded to bf16 there).
+- softmax over tokens (rows): column max / sum across the warpgroup, online over tiles, as
+  `exp2` (one `ex2.approx`) of scores that carry log2(e) in their row factor.
+- V step: V decoded the same way, stored bf16 to SMEM; O^T[64 hd, gp] += V^T (SMEM,
+  transposed A) @ P' (SMEM, stored transposed as `[gp, 64 tokens]` so that it can share V's
+  128 B swizzle; `[64, 8]` bf16 rows are too narrow for any swizzle), accumulated onto the
+  rescaled O^T in place, with P' = p * g_v * 2**8 (the V row factor varies along the
+  contraction, so it rides on the probabilities: rounded to bf16 there).
+- instructions per thread and 64-token tile in the loop (SASS, deviceless compile for sm_90a):
+  830 with the earlier decode (22 a code word), accurate exp, N 16 and a zeroed PV accumulator;
+  575 now at N 8 (644 at N 16), 272 of them the nibble decode (17 a word).
 - per split: unnormalized O^T, running max and sum; `attention_pallas.combine_splits` merges
   them in the kernel's layout (splits past the live tiles masked out).
 
@@ -36,9 +44,9 @@ wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided sl
 ("no transfer pattern that avoids bank conflicts"); a row-vector load of a strided column does
 not ("cannot apply swizzle to non-contiguous refs"), hence the row scales are read per thread
 through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, was 4-7%
-slower per call on the H200); wgmma with both operands in SMEM needs equal swizzles (V at 32 B,
-as P `[64, 16]` bf16); SMEM holds 2 pipeline stages (~38 KB each) beside ~113 KB of buffers (3
-need 233.5 KB of 227).
+slower per call on the H200); wgmma with both operands in SMEM needs equal swizzles, and
+swizzles of 16 B are refused (hence P^T); SMEM holds 2 pipeline stages (~38 KB each) beside
+~109 KB of buffers (3 do not fit in 227 KB).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
@@ -71,10 +79,12 @@ from trace_jax.quant import e2m1
 NUM_SMS = 132  # H200
 KV_HEADS = 4  # compute warpgroups per CTA: one per KV head
 HEAD_DIM = 128
-GP = 16  # query heads per KV head, padded (the wgmma N side)
+GP = 16  # query heads per KV head, padded (the wgmma N side): at most
+GP_CHOICES = (8, 16)  # the N sides built: 8 where G <= 8 (30B-A3B's GQA 8)
 TILE = 64  # tokens per pipeline step
 SLOT_MULTIPLE = 8  # cache lengths the kernel takes (its TMA tiles of cache rows: S = 17 refused)
 ROW_SHIFT = 8  # the decoded products carry 2**-8, the row factors 2**8
+LOG2E, LN2 = float(np.log2(np.e)), float(np.log(2.0))  # the kernel's softmax runs on exp2
 _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 
 
@@ -148,23 +158,21 @@ cvt.rn.bf16x2.f32 $1, x1, x1;
 
 # One code word ($4: 8 nibbles, logical elements e0..e7, even ones in low nibbles) and a
 # multiplier ($5) -> bf16x2 (e0, e2), (e1, e3), (e4, e6), (e5, e7), each `E2M1 * s * 2**-8`.
-# h = the word's high nibbles, each moved to the low half of its byte. A byte pair of the word
-# (low nibbles) or of h (high nibbles), moved by `prmt` (selector SEL) into the low bytes of
-# both 16-bit halves of y (high bytes zero), gives bf16x2 bits in three operations: the
-# magnitude bits 2..0 go to 8..6 (y << 6) and the sign bit 3 to 15 (y << 12), and each shift
-# is zero where the other one lands, so one `lop3` ((a | b) & mask) merges and masks both;
-# then times the multiplier. 23 instructions per word (27 with a shift-and-mask pair each).
-_NIBBLES_ASM = """prmt.b32 y, SRC, z, SEL;
-shl.b32 a, y, 6;
-shl.b32 b, y, 12;
-lop3.b32 a, a, b, 0x81C081C0, 0xA8;
-mul.rn.bf16x2 OUT, a, $5;
+# A nibble in the high half of a byte B: `prmt` puts B in the low byte of a 16-bit half and,
+# in sign-replicate mode (selector bit 3), B's bit 7 (the nibble's sign) in all 8 bits of the
+# high byte; shifted left by 2, the magnitude bits 6..4 land on bf16 bits 8..6 and a sign copy
+# on bit 15; one `and` keeps those: `E2M1 * 2**-126`, then times the multiplier. The low
+# nibbles are the high nibbles of the word shifted left by 4. 17 instructions per word (the
+# previous form, a shift pair and a merge per register and a mask for the low nibbles, took 22).
+_NIBBLES_ASM = """prmt.b32 y, SRC, SRC, SEL;
+shl.b32 y, y, 2;
+and.b32 y, y, 0x81C081C0;
+mul.rn.bf16x2 OUT, y, $5;
 """
-_DECODE_ASM = ("{\n.reg .b32 z, h, y, a, b;\nmov.b32 z, 0;\nshr.b32 h, $4, 4;\n"
-               "and.b32 h, h, 0x0F0F0F0F;\n"
+_DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
                + "".join(_NIBBLES_ASM.replace("SRC", src).replace("SEL", sel).replace("OUT", out)
-                         for sel, src, out in (("0x4140", "$4", "$0"), ("0x4140", "h", "$1"),
-                                               ("0x4342", "$4", "$2"), ("0x4342", "h", "$3")))
+                         for sel, src, out in (("0x9180", "w4", "$0"), ("0x9180", "$4", "$1"),
+                                               ("0xB3A2", "w4", "$2"), ("0xB3A2", "$4", "$3")))
                + "}")
 
 
@@ -212,8 +220,13 @@ def _tile_decoder():
   return decode
 
 
+def query_lanes(g: int) -> int:
+  """The kernel's N side (query heads per KV head, padded) for G query heads per KV head."""
+  return next(n for n in GP_CHOICES if g <= n)
+
+
 @functools.cache
-def _column_reducer(op: str):
+def _column_reducer(op: str, gp: int):
   """inline_mgpu function: (x float32 [64, 16] wgmma layout, scratch float32 [RED_ELEMS] SMEM)
   -> x reduced over its 64 rows (op "max" or "add").
 
@@ -224,7 +237,7 @@ def _column_reducer(op: str):
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-                     return_type=plgpu.ShapeDtypeStruct((GP,), jnp.float32,
+                     return_type=plgpu.ShapeDtypeStruct((gp,), jnp.float32,
                                                         layout=plgpu.Layout.WGMMA.reduce(0)))
   def reduce(ctx, x, scratch):
     del ctx
@@ -233,12 +246,14 @@ def _column_reducer(op: str):
   return reduce
 
 
-# 4 warps x 32 lanes x 2 floats per output register, 2 output registers (16 columns)
-RED_ELEMS = 4 * 32 * 2 * (GP // 8)
+def red_elems(gp: int) -> int:
+  """Scratch floats of one warpgroup's column reduction: 4 warps x 32 lanes x 2 floats per
+  output register, one register per 8 columns."""
+  return 4 * 32 * 2 * (gp // 8)
 
 
 @functools.cache
-def _row_scaler(factor: float):
+def _row_scaler(factor: float, gp: int):
   """inline_mgpu function: (x float32 [64, 16] wgmma layout, g float32 [64, KV_HEADS] SMEM: a
   tile of the cache's own `[S, KVH]` row scales) -> x with row r times `g[r, warpgroup] *
   factor` (the product rounded to float32 first). Rows come from the layout's own
@@ -249,7 +264,7 @@ def _row_scaler(factor: float):
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, memref, vector
 
-  out = plgpu.ShapeDtypeStruct((64, GP), jnp.float32, layout=plgpu.Layout.WGMMA)
+  out = plgpu.ShapeDtypeStruct((64, gp), jnp.float32, layout=plgpu.Layout.WGMMA)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()), return_type=out)
   def scale(ctx, x, g_ref):
@@ -286,7 +301,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
   (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, S, 4] (the
   cache's own row scales g, read in place), times k_factor / v_factor in the kernel (2**8, K's
-  also times the softmax scale); vf float32 [B, S_pad] (1: slot visible, 0 not).
+  also times the softmax scale and log2(e): the softmax is `exp2` of scores in log2 units, and
+  the returned maxima are in those units); vf float32 [B, S_pad] (1: slot visible, 0 not).
   The softmax denominator stays a per-thread [64, 16] partial (rescaled with the output) and is
   reduced across warps once per split, so a tile has one cross-warp reduction (the max), not
   two: 5-7% faster on the H200 than a reduction per tile (B 16/64 x S 8k/32k, 2026-11-30).
@@ -308,7 +324,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   b = qp.shape[0]
   wgmma_layout = plgpu.Layout.WGMMA
   decode = _tile_decoder()
-  col_max, col_sum = _column_reducer("max"), _column_reducer("add")
+  gp = qp.shape[2]  # the N side: query heads per KV head, padded (`query_lanes`)
+  col_max, col_sum = _column_reducer("max", gp), _column_reducer("add", gp)
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem,
@@ -323,8 +340,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       wg = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      zeros = plgpu.layout_cast(jnp.zeros((64, GP), jnp.float32), wgmma_layout)
-      init = (plgpu.layout_cast(jnp.full((GP,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
+      zeros = plgpu.layout_cast(jnp.zeros((64, gp), jnp.float32), wgmma_layout)
+      init = (plgpu.layout_cast(jnp.full((gp,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
               zeros, zeros, zeros)
       m, l, o0, o1 = eval_pipeline(init)
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
@@ -365,27 +382,27 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
         plgpu.wgmma_wait(0)
         return acc[...]
 
-      s = pl.run_scoped(s_scope, plgpu.ACC((64, GP), jnp.float32))
-      s = _row_scaler(k_factor)(s, kg_s)
+      s = pl.run_scoped(s_scope, plgpu.ACC((64, gp), jnp.float32))
+      s = _row_scaler(k_factor, gp)(s, kg_s)
       s = s + ((valid - 1.0) * 1e30)[:, None]
       m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
-      p = jnp.exp(s - m_new[None, :]) * valid[:, None]
-      corr = jnp.exp(m - m_new)
+      p = jnp.exp2(s - m_new[None, :]) * valid[:, None]  # scores in log2 units
+      corr = jnp.exp2(m - m_new)
       l = l * corr[None, :] + p
-      p_smem[wg] = _row_scaler(v_factor)(p, vg_s).astype(jnp.bfloat16)
+      p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
       if not overlap:
         decode_v()
       plgpu.commit_smem()
 
-      def o_scope(acc0, acc1):
-        plgpu.wgmma(acc0, v_smem.at[wg, 0].T, p_smem.at[wg])
-        plgpu.wgmma(acc1, v_smem.at[wg, 1].T, p_smem.at[wg])
-        plgpu.wgmma_wait(0)
-        return acc0[...], acc1[...]
+      def o_scope(accs):
+        plgpu.wgmma(accs[0], v_smem.at[wg, 0].T, p_smem.at[wg].T)
+        plgpu.wgmma(accs[1], v_smem.at[wg, 1].T, p_smem.at[wg].T)
 
-      pv0, pv1 = pl.run_scoped(o_scope, plgpu.ACC((64, GP), jnp.float32),
-                               plgpu.ACC((64, GP), jnp.float32))
-      return m_new, l, o0 * corr[None, :] + pv0, o1 * corr[None, :] + pv1
+      # the wgmmas accumulate onto the rescaled output in place (a zeroed accumulator and an
+      # add after it cost 16 more instructions a tile)
+      o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0 * corr[None, :]),
+                                      plgpu.ACC.init(o1 * corr[None, :])))
+      return m_new, l, o0, o1
 
     tile = lambda i: jnp.minimum(t0 + i, last)  # noqa: E731
     row = lambda i: (tile(i), 0)  # noqa: E731
@@ -410,18 +427,21 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
   return plgpu.kernel(
       decode_attention_mosaic,
-      out_type=(jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, 64, GP), jnp.float32),
-                jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, GP), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, 64, gp), jnp.float32),
+                jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, gp), jnp.float32)),
       grid=(b, n_splits), grid_names=("b", "s"),
       num_threads=KV_HEADS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      # approx_math: exp2 as one `ex2.approx.ftz` (relative error ~2**-22; the probabilities
+      # are rounded to bf16 next) instead of the ~8-instruction accurate exp
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       scratch_types=dict(
-          q_smem=_bf16_smem((KV_HEADS, GP, HEAD_DIM), 128),
-          v_smem=_bf16_smem((KV_HEADS, 2, 64, 64), 32),  # 32 B swizzle: wgmma pairs it with P
-          p_smem=_bf16_smem((KV_HEADS, 64, GP), 32),
-          o_smem=plgpu.SMEM((KV_HEADS, 64, GP), jnp.float32),
-          ml_smem=plgpu.SMEM((KV_HEADS, 2, GP), jnp.float32),
-          red_smem=plgpu.SMEM((KV_HEADS, RED_ELEMS), jnp.float32),  # per-warpgroup scratch
+          q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
+          v_smem=_bf16_smem((KV_HEADS, 2, 64, 64), 128),
+          p_smem=_bf16_smem((KV_HEADS, gp, 64), 128),  # P^T: V's swizzle, which wgmma needs
+          o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
+          ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32),
+          red_smem=plgpu.SMEM((KV_HEADS, red_elems(gp)), jnp.float32),  # per warpgroup
           q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
   )(kt, qp, kc, vc, ks, vs, kg, vg, vf)
 
@@ -463,15 +483,16 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
                     precision=hp)
     sc = sc * sl(kg, 2)[:, :, None, :] + ((val - 1.0) * 1e30)[:, None, None, :]
     m_new = jnp.maximum(m, sc.max(-1))
-    p = jnp.exp(sc - m_new[..., None]) * val[:, None, None, :]
-    corr = jnp.exp(m - m_new)
+    p = jnp.exp2(sc - m_new[..., None]) * val[:, None, None, :]
+    corr = jnp.exp2(m - m_new)
     pb = (p * sl(vg, 2)[:, :, None, :]).astype(jnp.bfloat16).astype(jnp.float32)
     pv = jnp.einsum("bhgt,bthd->bhgd", pb, vt.astype(jnp.bfloat16).astype(jnp.float32),
                     precision=hp)
     return m_new, l * corr + p.sum(-1), o * corr[..., None] + pv
 
-  init = (jnp.full((b, KV_HEADS, GP), R.NEG, jnp.float32), jnp.zeros((b, KV_HEADS, GP)),
-          jnp.zeros((b, KV_HEADS, GP, HEAD_DIM)))
+  gp = qp.shape[2]
+  init = (jnp.full((b, KV_HEADS, gp), R.NEG, jnp.float32), jnp.zeros((b, KV_HEADS, gp)),
+          jnp.zeros((b, KV_HEADS, gp, HEAD_DIM)))
   os_, ms, ls = [], [], []
   for sp in range(n_splits):  # each split restarts the online softmax
     carry = init
@@ -486,7 +507,7 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
                for a in (m, l, o))
     os_.append(o), ms.append(m), ls.append(l)
   o = jnp.stack(os_, 1)  # [B, n, 4, 16, 128]
-  o = jnp.moveaxis(o.reshape(b, n_splits, KV_HEADS, GP, 2, 64), 3, -1)  # [B, n, 4, 2, 64, 16]
+  o = jnp.moveaxis(o.reshape(b, n_splits, KV_HEADS, gp, 2, 64), 3, -1)  # [B, n, 4, 2, 64, gp]
   ml = jnp.stack([jnp.stack(ms, 1), jnp.stack(ls, 1)], 3)  # [B, n, 4, 2, 16]
   return o, ml
 
@@ -548,7 +569,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
 
   perm = jnp.asarray(PHYS_TO_LOGICAL, jnp.int32)
   qp = jnp.take(q.astype(jnp.bfloat16).reshape(b, kvh, g, hd), perm, axis=-1)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, GP - g), (0, 0)))
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, query_lanes(g) - g), (0, 0)))
   u32 = lambda a, n: jax.lax.bitcast_convert_type(  # noqa: E731  (bytes -> words, a view)
       jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(b, s, n, 4), jnp.uint32)
   kc, vc = u32(k.codes, 64), u32(v.codes, 64)
@@ -562,7 +583,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
                                             split_tiles=split_tiles, n_splits=n_splits,
                                             stages=stages, overlap=overlap,
-                                            k_factor=float(2 ** ROW_SHIFT * scale),
+                                            k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
                                             v_factor=float(2 ** ROW_SHIFT))
   # The combine reduces over the splits in the kernel's own layout, [B, n, 4, 2, 64 physical,
   # 16]: the splits axis is major, so the reduction reads o once in order; only its result, n
@@ -572,7 +593,8 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   # multiplied: their memory may hold NaN). Only the g real query-head lanes of the kernel's 16
   # are read (GQA 8: half the partials' bytes; the slice fuses into the reduction).
   live = live_splits(kt, split_tiles, n_splits)[:, :, None, None, None, None]  # [B, n, 1 x 4]
-  m = jnp.where(live, ml[:, :, :, None, None, 0, :g], R.NEG)  # [B, n, 4, 1, 1, g]
+  # the kernel's maxima are in log2 units (its scores carry log2(e)): back to natural ones
+  m = jnp.where(live, ml[:, :, :, None, None, 0, :g] * LN2, R.NEG)  # [B, n, 4, 1, 1, g]
   l = jnp.where(live, ml[:, :, :, None, None, 1, :g], 0.0)
   out = combine_splits(jnp.where(live, o[..., :g], 0.0), m, l, axis=1)  # [B, 4, 2, 64, g]
   # [B, 4, 2, 64 physical, g] -> [B, 4 x g, 128 logical]
