@@ -393,7 +393,8 @@ elif [ "$stage" = s19a ]; then
     PYTHONPATH=/tmp/site:$root timeout -k 5 ${BENCH_TIMEOUT:-130} python3 \
       benchmarks/bench_attention.py --what decode --formats $fmts --batches 16,64 \
       --contexts 8192,32768 --budget_s $(( ${BENCH_TIMEOUT:-130} - 30 )) \
-      --out $OUT/bench_attention_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 | sed "s/^/[$side] /"
+      --out $OUT/bench_attention_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 \
+      | sed "s/^/[$side] /"
   done
   timeout -k 5 ${LIVE_TIMEOUT:-170} python3 benchmarks/bench_attention.py --what decode \
     --formats nvfp4_mosaic --batches 16 --contexts 8192 \
