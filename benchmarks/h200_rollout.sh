@@ -385,9 +385,10 @@ elif [ "$stage" = s19a ]; then
   # the SASS of its loop: a 4-op nibble decode with sign-replicating prmt, exp2 in one
   # ex2.approx, the PV product accumulating in place, N = 8 for 8 query heads a KV head with
   # P^T in SMEM): its GPU tests, then decode rows of the tree before (ab_old, a git archive of
-  # the base commit carried as an ignored path) and of this one, and rollout-shaped live rows
+  # the base commit carried as an ignored path) and of this one (SIDES: which), and
+  # rollout-shaped live rows (LIVE)
   gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-150}
-  for side in old new; do
+  for side in ${SIDES:-old new}; do
     root=$PWD; [ $side = old ] && root=$PWD/ab_old
     fmts=nvfp4_mosaic; [ $side = new ] && fmts=bf16,nvfp4_mosaic
     PYTHONPATH=/tmp/site:$root timeout -k 5 ${BENCH_TIMEOUT:-130} python3 \

@@ -436,7 +436,7 @@ def test_mosaic_wrapper_emulated_matches_reference():
   k, v = make_kv("nvfp4", (b, s, kvh, hd), 41), make_kv("nvfp4", (b, s, kvh, hd), 42)
   q = jax.random.normal(jax.random.key(43), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
   valid = np.ones((b, s), bool)
-  valid[0, :40] = False
+  valid[0, :70] = False  # tile 0 all hidden (the kernel's softmax starts from junk, then wipes it)
   valid[1, 1:] = False
   valid = jnp.asarray(valid)
   want = jax.jit(R.decode_attention_ref)(q, k, v, valid)

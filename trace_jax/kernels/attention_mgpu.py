@@ -177,9 +177,11 @@ _DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
 
 
 @functools.cache
-def _tile_decoder():
+def _tile_decoder(stacked: bool = False):
   """inline_mgpu function: (codes uint32 [64, 16], scales uint32 [64, 8], both wgmma layout)
-  -> the two 64 x 64 halves of head_dim as bf16 wgmma-layout arrays (physical order)."""
+  -> the two 64 x 64 halves of head_dim as bf16 wgmma-layout arrays (physical order), or with
+  `stacked` one [128, 64] array, half j in rows 64j.. (one SMEM store instead of two: Mosaic
+  brackets each store of a warpgroup with barriers)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils
@@ -187,9 +189,10 @@ def _tile_decoder():
   from jaxlib.mlir.dialects import llvm, vector
 
   half = plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+  both = plgpu.ShapeDtypeStruct((128, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
-                     return_type=(half, half))
+                     return_type=both if stacked else (half, half))
   def decode(ctx, codes, scales):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
@@ -214,8 +217,12 @@ def _tile_decoder():
           for o in range(4):
             regs[0, 4 * wi + o, 0, 0, ri, 0, 0, 0, 0] = mutils.bitcast(
                 llvm.extractvalue(i32, st, [o]), bf16x2)
-      outs.append(fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None))
-    return tuple(outs)
+      outs.append(regs)
+    if stacked:  # the WGMMA layout's first register axis is the 64-row block
+      return fa.FragmentedArray(_registers=np.concatenate(outs, axis=0),
+                                _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+    return tuple(fa.FragmentedArray(_registers=r, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+                 for r in outs)
 
   return decode
 
@@ -323,7 +330,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
   b = qp.shape[0]
   wgmma_layout = plgpu.Layout.WGMMA
-  decode = _tile_decoder()
+  decode, decode_stacked = _tile_decoder(), _tile_decoder(stacked=True)
   gp = qp.shape[2]  # the N side: query heads per KV head, padded (`query_lanes`)
   col_max, col_sum = _column_reducer("max", gp), _column_reducer("add", gp)
 
@@ -336,8 +343,13 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
     need = kt_gmem[bi]  # tiles this row needs
     last = jnp.maximum(need - 1, 0)
 
+    # the warpgroup index, taken once before the pipeline's loop: read inside each step (a
+    # warp shuffle) it kept every wgmma descriptor's arithmetic in the loop (~70 uniform-datapath
+    # instructions a tile in the SASS)
+    hoisted = {}
+
     def compute_context(eval_pipeline):
-      wg = lax.axis_index("wg")
+      wg = hoisted["wg"] = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       zeros = plgpu.layout_cast(jnp.zeros((64, gp), jnp.float32), wgmma_layout)
@@ -363,16 +375,15 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
     def step(kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       m, l, o0, o1 = carry
-      wg = lax.axis_index("wg")
+      wg = hoisted["wg"]
       valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
       k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                       plgpu.load(ks_s, (), layout=wgmma_layout))
 
       def decode_v():  # V to SMEM (the last tile's PV wgmma, its reader, has completed)
-        v0, v1 = decode(plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
-                        plgpu.load(vs_s, (), layout=wgmma_layout))
-        v_smem[wg, 0] = v0
-        v_smem[wg, 1] = v1
+        v_smem[wg] = decode_stacked(
+            plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+            plgpu.load(vs_s, (), layout=wgmma_layout))
 
       def s_scope(acc):
         plgpu.wgmma(acc, k0, q_smem.at[wg, :, pl.ds(0, 64)].T)
@@ -386,7 +397,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       s = _row_scaler(k_factor, gp)(s, kg_s)
       s = s + ((valid - 1.0) * 1e30)[:, None]
       m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
-      p = jnp.exp2(s - m_new[None, :]) * valid[:, None]  # scores in log2 units
+      # scores in log2 units. Hidden slots carry -1e30, so their p is 0 once a visible slot has
+      # set m; before that (m still -1e30: hidden tiles first) s - m is 0 there and p 1, and
+      # that start is wiped by the first visible tile's corr = exp2(-1e30 - m) = 0 (or, in a
+      # split that sees none, its m of -1e30 drops it from the combine)
+      p = jnp.exp2(s - m_new[None, :])
       corr = jnp.exp2(m - m_new)
       l = l * corr[None, :] + p
       p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
@@ -395,8 +410,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       plgpu.commit_smem()
 
       def o_scope(accs):
-        plgpu.wgmma(accs[0], v_smem.at[wg, 0].T, p_smem.at[wg].T)
-        plgpu.wgmma(accs[1], v_smem.at[wg, 1].T, p_smem.at[wg].T)
+        plgpu.wgmma(accs[0], v_smem.at[wg, pl.ds(0, 64)].T, p_smem.at[wg].T)
+        plgpu.wgmma(accs[1], v_smem.at[wg, pl.ds(64, 64)].T, p_smem.at[wg].T)
 
       # the wgmmas accumulate onto the rescaled output in place (a zeroed accumulator and an
       # add after it cost 16 more instructions a tile)
@@ -437,7 +452,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       scratch_types=dict(
           q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
-          v_smem=_bf16_smem((KV_HEADS, 2, 64, 64), 128),
+          v_smem=_bf16_smem((KV_HEADS, 128, 64), 128),  # [head_dim half x 64 tokens, 64]
           p_smem=_bf16_smem((KV_HEADS, gp, 64), 128),  # P^T: V's swizzle, which wgmma needs
           o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
           ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32),
@@ -483,7 +498,7 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
                     precision=hp)
     sc = sc * sl(kg, 2)[:, :, None, :] + ((val - 1.0) * 1e30)[:, None, None, :]
     m_new = jnp.maximum(m, sc.max(-1))
-    p = jnp.exp2(sc - m_new[..., None]) * val[:, None, None, :]
+    p = jnp.exp2(sc - m_new[..., None])  # as the kernel: hidden slots via the -1e30 only
     corr = jnp.exp2(m - m_new)
     pb = (p * sl(vg, 2)[:, :, None, :]).astype(jnp.bfloat16).astype(jnp.float32)
     pv = jnp.einsum("bhgt,bthd->bhgd", pb, vt.astype(jnp.bfloat16).astype(jnp.float32),
