@@ -388,10 +388,11 @@ elif [ "$stage" = s19a ]; then
   # the base commit carried as an ignored path) and of this one (SIDES: which), and
   # rollout-shaped live rows (LIVE)
   gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-150}
-  for side in ${SIDES:-old new}; do
+  for side in ${SIDES:-old new}; do  # old, new, or exact_max (new with the exact running max)
     root=$PWD; [ $side = old ] && root=$PWD/ab_old
+    envs=""; [ $side = exact_max ] && envs=TRACE_JAX_ATTN_LAZY_MAX=off
     fmts=nvfp4_mosaic; [ $side = new ] && fmts=bf16,nvfp4_mosaic
-    PYTHONPATH=/tmp/site:$root timeout -k 5 ${BENCH_TIMEOUT:-130} python3 \
+    env $envs PYTHONPATH=/tmp/site:$root timeout -k 5 ${BENCH_TIMEOUT:-130} python3 \
       benchmarks/bench_attention.py --what decode --formats $fmts --batches 16,64 \
       --contexts 8192,32768 --budget_s $(( ${BENCH_TIMEOUT:-130} - 30 )) \
       --out $OUT/bench_attention_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 \

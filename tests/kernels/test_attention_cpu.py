@@ -358,8 +358,10 @@ def _lower_all(sds, b, s, kvh, h, hd):
     if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages, V decode
       # overlapped; both of its N sides (G 8 here, then 16)
       from trace_jax.kernels import attention_mgpu as AM
-      for overlap, heads in ((False, h), (True, h), (False, 16 * kvh)):
-        lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap)).trace(
+      for overlap, heads, lazy in ((False, h, 8.0), (True, h, 8.0), (False, 16 * kvh, 8.0),
+                                   (False, h, None)):
+        lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap,
+                                            lazy_tau=lazy)).trace(
             sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
@@ -440,9 +442,10 @@ def test_mosaic_wrapper_emulated_matches_reference():
   valid[1, 1:] = False
   valid = jnp.asarray(valid)
   want = jax.jit(R.decode_attention_ref)(q, k, v, valid)
-  for splits in (1, 2, 3):  # 2 and 3: row 1's later splits are dead (NaN in the model)
+  for splits, lazy in ((1, 8.0), (2, 8.0), (3, 8.0), (3, None)):  # 2, 3: row 1's later
+    # splits are dead (NaN in the model); lazy: the running max's slack (None: exact each tile)
     got = jax.jit(functools.partial(AM.decode_attention, splits=splits, out_dtype=jnp.float32,
-                                    kernel_fn=AM.emulate_kernel))(q, k, v, valid)
+                                    lazy_tau=lazy, kernel_fn=AM.emulate_kernel))(q, k, v, valid)
     assert relerr(got, want) < 1e-2
   assert AM.kernel_supported(q, k, v) is None
   assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)

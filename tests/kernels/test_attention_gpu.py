@@ -174,10 +174,10 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 # ------------------------------------------------------------------ Mosaic NVFP4 decode kernel
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap"))
-def _mosaic(q, k, v, valid, splits=None, stages=2, overlap=False):
+def _mosaic(q, k, v, valid, splits=None, stages=2, overlap=False, lazy_tau=8.0):
   from trace_jax.kernels import attention_mgpu
   return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages,
-                                         overlap=overlap)
+                                         overlap=overlap, lazy_tau=lazy_tau)
 
 
 MOSAIC_TOL = 3e-2  # K unrounded in the kernel, bf16 in the reference: see attention_mgpu
@@ -201,16 +201,16 @@ def test_mosaic_kernel_vs_reference(s):
   assert relerr(got, want) < MOSAIC_TOL
 
 
-@pytest.mark.parametrize("splits,stages,overlap,g", [
-    (1, 2, False, 5), (3, 1, False, 5), (64, 2, False, 5), (1, 2, True, 5), (3, 1, True, 5),
-    (3, 2, False, 12), (1, 1, True, 16)])
-def test_mosaic_kernel_splits_and_stages(splits, stages, overlap, g):
+@pytest.mark.parametrize("splits,stages,overlap,g,lazy", [
+    (1, 2, False, 5, 8.0), (3, 1, False, 5, 8.0), (64, 2, False, 5, 8.0), (1, 2, True, 5, 8.0),
+    (3, 1, True, 5, 8.0), (3, 2, False, 12, 8.0), (1, 1, True, 16, 8.0), (3, 2, False, 5, None)])
+def test_mosaic_kernel_splits_and_stages(splits, stages, overlap, g, lazy):
   """Launch variants; g query heads per KV head: 5 padded to the kernel's N of 8, 12 and 16 on
-  its N of 16."""
+  its N of 16; lazy: the running max's slack (None: exact every tile)."""
   b, s, kvh, hd = 3, 1000, 4, 128
   k, v = make_kv("nvfp4", (b, s, kvh, hd), 1), make_kv("nvfp4", (b, s, kvh, hd), 2)
   q = jax.random.normal(jax.random.key(3), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
   lengths = jnp.asarray([1000, 17, 1])
-  got = _mosaic(q, k, v, lengths, splits=splits, stages=stages, overlap=overlap)
+  got = _mosaic(q, k, v, lengths, splits=splits, stages=stages, overlap=overlap, lazy_tau=lazy)
   want = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)
   assert relerr(got, want) < MOSAIC_TOL

@@ -27,15 +27,21 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   Scale bytes: a wgmma-layout load of `[64, 8]` uint32 gives lane c head c's 8 bytes; one
   `shfl` per word brings the warpgroup's head to every lane.
 - softmax over tokens (rows): column max / sum across the warpgroup, online over tiles, as
-  `exp2` (one `ex2.approx`) of scores that carry log2(e) in their row factor.
+  `exp2` (one `ex2.approx`) of scores that carry log2(e) in their row factor. The running max
+  is lazy (`LAZY_TAU`): a tile raises it (cross-warp max, state rescaled) only when one of the
+  warpgroup's scores passes it by more than 8, decided by one `bar.red.or` vote
+  (`_raise_vote`); otherwise the probabilities are taken against the old max (<= 2**8, so
+  nothing overflows; the softmax is invariant to the shift).
 - V step: V decoded the same way, stored bf16 to SMEM; O^T[64 hd, gp] += V^T (SMEM,
   transposed A) @ P' (SMEM, stored transposed as `[gp, 64 tokens]` so that it can share V's
   128 B swizzle; `[64, 8]` bf16 rows are too narrow for any swizzle), accumulated onto the
   rescaled O^T in place, with P' = p * g_v * 2**8 (the V row factor varies along the
   contraction, so it rides on the probabilities: rounded to bf16 there).
 - instructions per thread and 64-token tile in the loop (SASS, deviceless compile for sm_90a):
-  830 with the earlier decode (22 a code word), accurate exp, N 16 and a zeroed PV accumulator;
-  575 now at N 8 (644 at N 16), 272 of them the nibble decode (17 a word).
+  830 with the earlier decode (22 a code word), accurate exp, N 16, a zeroed PV accumulator
+  and the wgmma descriptors computed in the loop (H200, B 16 x 8k: 51.4 us kernel); 518 with
+  the exact max every tile (38.4 us); 495 on a tile that leaves the lazy max as it is (45 more
+  where it rises), 272 of them the nibble decode (17 a word).
 - per split: unnormalized O^T, running max and sum; `attention_pallas.combine_splits` merges
   them in the kernel's layout (splits past the live tiles masked out).
 
@@ -73,7 +79,7 @@ import numpy as np
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels.attention_pallas import combine_splits
-from trace_jax.kernels.settings import int_setting
+from trace_jax.kernels.settings import choice_setting, int_setting
 from trace_jax.quant import e2m1
 
 NUM_SMS = 132  # H200
@@ -85,6 +91,10 @@ TILE = 64  # tokens per pipeline step
 SLOT_MULTIPLE = 8  # cache lengths the kernel takes (its TMA tiles of cache rows: S = 17 refused)
 ROW_SHIFT = 8  # the decoded products carry 2**-8, the row factors 2**8
 LOG2E, LN2 = float(np.log2(np.e)), float(np.log(2.0))  # the kernel's softmax runs on exp2
+# The running max rises only when a tile's score passes it by more than this (log2 units), so
+# the probabilities stay <= 2**8 and most tiles skip the cross-warp max and the rescale.
+# TRACE_JAX_ATTN_LAZY_MAX=off: the exact running max every tile (the A/B side).
+LAZY_TAU = 8.0 if choice_setting("TRACE_JAX_ATTN_LAZY_MAX", "on", ("on", "off")) == "on" else None
 _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 
 
@@ -290,6 +300,39 @@ def _row_scaler(factor: float, gp: int):
   return scale
 
 
+@functools.cache
+def _raise_vote():
+  """inline_mgpu function: (d float32 [64, gp] wgmma layout, flags int32 [KV_HEADS] SMEM) ->
+  flags[warpgroup] = 1 if any of the warpgroup's d is > 0, else 0: each thread's maximum, then
+  one `bar.red.or.pred` over the warpgroup's 128 threads on its own named barrier (the one
+  Mosaic's warpgroup barriers use). Every thread writes the same flag and reads back its own
+  write, so no further barrier is needed before the read."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm, memref, vector
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def vote(ctx, d, flags):
+    del ctx
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    mx = None
+    for reg in d.registers.flat:
+      for j in range(ir.VectorType(reg.type).shape[0]):
+        x = vector.extract(reg, [], [j])
+        mx = x if mx is None else arith.maximumf(mx, x)
+    over = arith.extui(i32, arith.cmpf(arith.CmpFPredicate.OGT, mx, mutils.c(0.0, mx.type)))
+    bar = mutils.warpgroup_barrier_idx(sync=False)
+    flag = llvm.inline_asm(
+        i32, [over, bar],
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\nbar.red.or.pred q, $2, 128, p;\n"
+        "selp.u32 $0, 1, 0, q;\n}", "=r,r,r", has_side_effects=True)
+    wg = arith.index_castui(index, arith.divui(mutils.thread_idx(), mutils.c(128, i32)))
+    memref.store(flag, flags, [wg])
+
+  return vote
+
+
 # --------------------------------------------------------------------------- the kernel
 
 def _bf16_smem(shape, swizzle: int):
@@ -299,10 +342,10 @@ def _bf16_smem(shape, swizzle: int):
 
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
-                                             "v_factor", "overlap"))
+                                             "v_factor", "overlap", "lazy_tau"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
-                       overlap: bool = False):
+                       overlap: bool = False, lazy_tau: float | None = LAZY_TAU):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
   slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
   tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
@@ -333,10 +376,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   decode, decode_stacked = _tile_decoder(), _tile_decoder(stacked=True)
   gp = qp.shape[2]  # the N side: query heads per KV head, padded (`query_lanes`)
   col_max, col_sum = _column_reducer("max", gp), _column_reducer("add", gp)
+  raise_vote = _raise_vote()
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem,
-                              ml_smem, red_smem, q_bar):  # the name profiles show
+                              ml_smem, red_smem, vote_smem, q_bar):  # the name profiles show
     bi = lax.axis_index("b")
     si = lax.axis_index("s")
     t0 = si * split_tiles
@@ -396,14 +440,24 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       s = pl.run_scoped(s_scope, plgpu.ACC((64, gp), jnp.float32))
       s = _row_scaler(k_factor, gp)(s, kg_s)
       s = s + ((valid - 1.0) * 1e30)[:, None]
-      m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
+
+      def raise_max(args):  # the online softmax's step: the exact running max, state rescaled
+        m, l, o0, o1 = args
+        m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
+        corr = jnp.exp2(m - m_new)
+        return m_new, l * corr[None, :], o0 * corr[None, :], o1 * corr[None, :]
+
+      if lazy_tau is None:
+        m, l, o0, o1 = raise_max((m, l, o0, o1))
+      else:  # only when a score passes the running max by more than lazy_tau (see docstring)
+        raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
+        m, l, o0, o1 = lax.cond(vote_smem[wg] != 0, raise_max, lambda a: a, (m, l, o0, o1))
       # scores in log2 units. Hidden slots carry -1e30, so their p is 0 once a visible slot has
       # set m; before that (m still -1e30: hidden tiles first) s - m is 0 there and p 1, and
       # that start is wiped by the first visible tile's corr = exp2(-1e30 - m) = 0 (or, in a
       # split that sees none, its m of -1e30 drops it from the combine)
-      p = jnp.exp2(s - m_new[None, :])
-      corr = jnp.exp2(m - m_new)
-      l = l * corr[None, :] + p
+      p = jnp.exp2(s - m[None, :])
+      l = l + p
       p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
       if not overlap:
         decode_v()
@@ -413,11 +467,10 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
         plgpu.wgmma(accs[0], v_smem.at[wg, pl.ds(0, 64)].T, p_smem.at[wg].T)
         plgpu.wgmma(accs[1], v_smem.at[wg, pl.ds(64, 64)].T, p_smem.at[wg].T)
 
-      # the wgmmas accumulate onto the rescaled output in place (a zeroed accumulator and an
+      # the wgmmas accumulate onto the (rescaled) output in place (a zeroed accumulator and an
       # add after it cost 16 more instructions a tile)
-      o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0 * corr[None, :]),
-                                      plgpu.ACC.init(o1 * corr[None, :])))
-      return m_new, l, o0, o1
+      o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
+      return m, l, o0, o1
 
     tile = lambda i: jnp.minimum(t0 + i, last)  # noqa: E731
     row = lambda i: (tile(i), 0)  # noqa: E731
@@ -457,16 +510,19 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
           o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
           ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32),
           red_smem=plgpu.SMEM((KV_HEADS, red_elems(gp)), jnp.float32),  # per warpgroup
+          vote_smem=plgpu.SMEM((KV_HEADS,), jnp.int32),  # `_raise_vote`'s flags
           q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
   )(kt, qp, kc, vc, ks, vs, kg, vg, vf)
 
 
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
-                   k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False):
+                   k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
+                   lazy_tau: float | None = LAZY_TAU):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
-  softmax per 64-token tile (tiles at or past `kt` leave the state as it is). Lets CPU tests
-  cover the plumbing around the kernel."""
+  softmax per 64-token tile (tiles at or past `kt` leave the state as it is; the running max of
+  a KV head rises only where one of its scores passes it by more than `lazy_tau`). Lets CPU
+  tests cover the plumbing around the kernel."""
   del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
   # the row factors as the kernel forms them: g times the factor, rounded to float32
   kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)  # [B, 4, S]
@@ -498,6 +554,9 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
                     precision=hp)
     sc = sc * sl(kg, 2)[:, :, None, :] + ((val - 1.0) * 1e30)[:, None, None, :]
     m_new = jnp.maximum(m, sc.max(-1))
+    if lazy_tau is not None:  # the vote is per warpgroup: a KV head's queries and tokens
+      rise = (sc > (m + lazy_tau)[..., None]).any(axis=(2, 3), keepdims=True)[..., 0]
+      m_new = jnp.where(rise, m_new, m)
     p = jnp.exp2(sc - m_new[..., None])  # as the kernel: hidden slots via the -1e30 only
     corr = jnp.exp2(m - m_new)
     pb = (p * sl(vg, 2)[:, :, None, :]).astype(jnp.bfloat16).astype(jnp.float32)
@@ -561,7 +620,7 @@ def default_splits(b: int, s: int) -> int:
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
                      splits: int | None = None, stages: int = 2, overlap: bool = False,
-                     kernel_fn=None) -> jax.Array:
+                     lazy_tau: float | None = LAZY_TAU, kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. overlap: see `mgpu_decode_kernel`. kernel_fn replaces
@@ -597,7 +656,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
   o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
                                             split_tiles=split_tiles, n_splits=n_splits,
-                                            stages=stages, overlap=overlap,
+                                            stages=stages, overlap=overlap, lazy_tau=lazy_tau,
                                             k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
                                             v_factor=float(2 ** ROW_SHIFT))
   # The combine reduces over the splits in the kernel's own layout, [B, n, 4, 2, 64 physical,
