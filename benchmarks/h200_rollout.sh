@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -403,6 +403,20 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s19d ]; then
+  # (session 19) the lazy running max (s19a's kernel at 518 instructions a tile: FP4 10,746 vs
+  # BF16 3,658 tok/s at 8k capacity in s15c, 2.94x): the Mosaic attention GPU tests (both
+  # maxima), the decode rows with the exact max and the lazy one, then the 8k-capacity FP4 row
+  gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-110}
+  for side in exact_max new; do
+    envs=""; [ $side = exact_max ] && envs=TRACE_JAX_ATTN_LAZY_MAX=off
+    env $envs timeout -k 5 ${BENCH_TIMEOUT:-60} python3 benchmarks/bench_attention.py \
+      --what decode --formats nvfp4_mosaic --batches 16,64 --contexts 8192,32768 \
+      --budget_s $(( ${BENCH_TIMEOUT:-60} - 15 )) --out $OUT/bench_attention_$side.json 2>&1 \
+      | grep -v "^I1\|^W1" | tail -5 | sed "s/^/[$side] /"
+  done
+  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-300} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-300} - 10 )) \
+    GEN=2048 bash $0 cap8k_inner | tail -4
 elif [ "$stage" = s18e ]; then
   # (session 18) s18d at B 32: w4a16 fused, not fused, BF16 (s17e: 12,014 vs 7,315 tok/s)
   POLICIES=w4a16 BATCHES=32 HF_TAG=_w4a16_b32 ROWS_TIMEOUT=100 ROW_TIMEOUT=95 \
