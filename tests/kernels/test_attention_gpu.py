@@ -173,7 +173,7 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 
 # ------------------------------------------------------------------ Mosaic NVFP4 decode kernel
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap"))
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau"))
 def _mosaic(q, k, v, valid, splits=None, stages=2, overlap=False, lazy_tau=8.0):
   from trace_jax.kernels import attention_mgpu
   return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages,
