@@ -19,8 +19,7 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   (c = lane % 4). The head_dim permutation `PHYS_TO_LOGICAL` (applied to q outside) makes the
   fragment's column pairs the pairs one `prmt` (sign-replicating) + shift + mask produce from a
   byte pair: E2M1 magnitude to bf16 bits 8..6 and sign to 15 gives `E2M1 * 2**-126`; times the
-  block
-  scale multiplier `s * 2**118` (bf16x2, exact from the E4M3 byte via f16 and f32) gives
+  block scale multiplier `s * 2**118` (bf16x2, exact from the E4M3 byte via f16 and f32) gives
   `E2M1 * s * 2**-8`, exact in bf16. The row factor `g * 2**8 * softmax_scale` is applied to
   S^T's rows (`_row_scaler`: each thread reads its rows' g from the SMEM tile), so K enters
   the product as `code * s * g` up to float32 rounding.
@@ -85,7 +84,7 @@ from trace_jax.quant import e2m1
 NUM_SMS = 132  # H200
 KV_HEADS = 4  # compute warpgroups per CTA: one per KV head
 HEAD_DIM = 128
-GP = 16  # query heads per KV head, padded (the wgmma N side): at most
+GP = 16  # the most query heads per KV head the kernel takes (its widest wgmma N side)
 GP_CHOICES = (8, 16)  # the N sides built: 8 where G <= 8 (30B-A3B's GQA 8)
 TILE = 64  # tokens per pipeline step
 SLOT_MULTIPLE = 8  # cache lengths the kernel takes (its TMA tiles of cache rows: S = 17 refused)
@@ -244,8 +243,8 @@ def query_lanes(g: int) -> int:
 
 @functools.cache
 def _column_reducer(op: str, gp: int):
-  """inline_mgpu function: (x float32 [64, 16] wgmma layout, scratch float32 [RED_ELEMS] SMEM)
-  -> x reduced over its 64 rows (op "max" or "add").
+  """inline_mgpu function: (x float32 [64, gp] wgmma layout, scratch float32 [red_elems(gp)]
+  SMEM) -> x reduced over its 64 rows (op "max" or "add").
 
   Pallas's own lowering of `x.max(axis=0)` under warpgroup semantics (jax 0.11.2) puts the
   cross-warp scratch at one SMEM offset for the whole CTA: four compute warpgroups reducing at
@@ -271,7 +270,7 @@ def red_elems(gp: int) -> int:
 
 @functools.cache
 def _row_scaler(factor: float, gp: int):
-  """inline_mgpu function: (x float32 [64, 16] wgmma layout, g float32 [64, KV_HEADS] SMEM: a
+  """inline_mgpu function: (x float32 [64, gp] wgmma layout, g float32 [64, KV_HEADS] SMEM: a
   tile of the cache's own `[S, KVH]` row scales) -> x with row r times `g[r, warpgroup] *
   factor` (the product rounded to float32 first). Rows come from the layout's own
   `thread_idxs`, so no register order is assumed here."""
@@ -348,21 +347,22 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
   slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
-  tile, an L2 hit). qp bf16 [B, 4, 16, 128] (head_dim physical); kc/vc uint32 [B, S, 64]
+  tile, an L2 hit). qp bf16 [B, 4, gp, 128] (head_dim physical; gp the wgmma N side, 8 or
+  16: `query_lanes`); kc/vc uint32 [B, S, 64]
   (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, S, 4] (the
   cache's own row scales g, read in place), times k_factor / v_factor in the kernel (2**8, K's
   also times the softmax scale and log2(e): the softmax is `exp2` of scores in log2 units, and
   the returned maxima are in those units); vf float32 [B, S_pad] (1: slot visible, 0 not).
-  The softmax denominator stays a per-thread [64, 16] partial (rescaled with the output) and is
+  The softmax denominator stays a per-thread [64, gp] partial (rescaled with the output) and is
   reduced across warps once per split, so a tile has one cross-warp reduction (the max), not
   two: 5-7% faster on the H200 than a reduction per tile (B 16/64 x S 8k/32k, 2026-11-30).
   overlap: decode V and store it to SMEM while the S wgmma runs (between its issue and its
-  wait) instead of after the softmax; the tile is issue-bound (~800 instructions per thread
-  per tile, half of them the nibble decode), so hiding the wgmma's latency behind the decode
-  may pay. ptxas keeps an in-flight wgmma's register operands intact (it serializes the
-  wgmmas where it cannot). Off by default until an H200 sweep decides (session 10).
-  Returns (o float32 [B, n_splits, 4, 2, 64, 16]: unnormalized O^T per head_dim half,
-  ml float32 [B, n_splits, 4, 2, 16]: running max and sum). A split s > 0 with
+  wait) instead of after the softmax. ptxas keeps an in-flight wgmma's register operands
+  intact (it serializes the wgmmas where it cannot). No faster on the H200 (session 12: 54.8 vs
+  54.6 us at B 16 x 8k), so off; kept as a tested variant.
+  lazy_tau: the running max's slack in log2 units (module docstring), None: exact every tile.
+  Returns (o float32 [B, n_splits, 4, 2, 64, gp]: unnormalized O^T per head_dim half,
+  ml float32 [B, n_splits, 4, 2, gp]: running max (log2 units) and sum). A split s > 0 with
   s * split_tiles >= kt is neither run nor written: its partials are undefined (see
   `live_splits`)."""
   import jax.experimental.pallas as pl
@@ -403,7 +403,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       ml_smem[wg, 0] = m
       ml_smem[wg, 1] = l
-      for j, o in enumerate((o0, o1)):  # one [64, 16] buffer per warpgroup: SMEM for stages
+      for j, o in enumerate((o0, o1)):  # one [64, gp] buffer per warpgroup: SMEM for stages
         o_smem[wg] = o
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[bi, si, wg, j])
@@ -543,11 +543,11 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   vp = vx[..., PHYS_TO_LOGICAL]
   pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, s_pad - a.shape[-1])])  # noqa: E731
   kg, vg, vf = pad(kg), pad(vg), pad(vf)
-  qf = qp.astype(jnp.float32)  # [B, 4, 16, 128]
+  qf = qp.astype(jnp.float32)  # [B, 4, gp, 128]
   hp = jax.lax.Precision.HIGHEST
 
   def tile(carry, i):
-    m, l, o = carry  # [B, 4, 16], [B, 4, 16], [B, 4, 16, 128]
+    m, l, o = carry  # [B, 4, gp], [B, 4, gp], [B, 4, gp, 128]
     sl = lambda a, ax: jax.lax.dynamic_slice_in_dim(a, i * TILE, TILE, ax)  # noqa: E731
     kt, vt, val = sl(kp, 1), sl(vp, 1), sl(vf, 1)  # [B, 64, 4, 128], [B, 64]
     sc = jnp.einsum("bhgd,bthd->bhgt", qf, kt.astype(jnp.bfloat16).astype(jnp.float32),
@@ -580,9 +580,9 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
     m, l, o = (jnp.where(dead.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
                for a in (m, l, o))
     os_.append(o), ms.append(m), ls.append(l)
-  o = jnp.stack(os_, 1)  # [B, n, 4, 16, 128]
+  o = jnp.stack(os_, 1)  # [B, n, 4, gp, 128]
   o = jnp.moveaxis(o.reshape(b, n_splits, KV_HEADS, gp, 2, 64), 3, -1)  # [B, n, 4, 2, 64, gp]
-  ml = jnp.stack([jnp.stack(ms, 1), jnp.stack(ls, 1)], 3)  # [B, n, 4, 2, 16]
+  ml = jnp.stack([jnp.stack(ms, 1), jnp.stack(ls, 1)], 3)  # [B, n, 4, 2, gp]
   return o, ml
 
 
