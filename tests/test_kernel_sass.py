@@ -1,0 +1,38 @@
+"""benchmarks/kernel_sass.py's reading of a SASS listing (the compile itself needs the CUDA
+plugin line and is exercised by hand, see its docstring)."""
+
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import kernel_sass  # noqa: E402
+
+# nvdisasm's layout with control codes: an outer loop around an inner one that holds the wgmma,
+# a predicated branch, and a second loop without any wgmma (shorter: must not be chosen)
+_SASS = """
+        .text.k:
+   -:-:-:Y:01        /*0000*/                   MOV R1, 0x1 ;
+.L_x_0:
+   -:-:-:Y:01        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+.L_x_1:
+   -:-:-:Y:01        /*0020*/                   PRMT R3, R4, 0x9180, R4 ;
+   -:-:-:Y:01        /*0030*/                   HGMMA.64x8x16.F32.BF16 R24, R36, gdesc[UR16], RZ ;
+   -:-:-:Y:01        /*0040*/               @!P1 BRA `(.L_x_2) ;
+   -:-:-:Y:01        /*0050*/                   UIADD3 UR4, UR4, 0x1, URZ ;
+.L_x_2:
+   -:-:-:Y:01        /*0060*/                @P2 BRA `(.L_x_1) ;
+   -:-:-:Y:01        /*0070*/                @P3 BRA `(.L_x_0) ;
+.L_x_3:
+   -:-:-:Y:01        /*0080*/                   FADD R5, R5, R6 ;
+   -:-:-:Y:01        /*0090*/                @P4 BRA `(.L_x_3) ;
+"""
+
+
+def test_main_loop_is_the_shortest_loop_with_a_wgmma():
+  loop = kernel_sass.main_loop(_SASS)
+  body = [t for t in loop if not t.endswith(":")]
+  assert loop[0] == ".L_x_1:" and body[-1].startswith("@P2 BRA")
+  ops = collections.Counter(kernel_sass.opcode(t) for t in body)
+  assert ops == {"PRMT": 1, "HGMMA": 1, "BRA": 2, "UIADD3": 1}
