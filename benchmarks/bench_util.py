@@ -42,6 +42,14 @@ def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
   threading.Thread(target=watch, daemon=True).start()
 
 
+def save_figure(fig, title: str, path: str) -> None:
+  """Title, tight layout, PNG at `path` (120 dpi), and say so: the end of the plot scripts."""
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print("wrote", path)
+
+
 def abstract_h200():
   """Context for lowering Triton-lowered Pallas kernels for CUDA on a machine without a GPU
   (`--dry`): the Triton lowering asks the device for its compute capability."""

@@ -67,10 +67,7 @@ def main():
     ax.set_yscale("log")
     ax.set_title(what)
     ax.legend(fontsize=8)
-  fig.suptitle(a.title)
-  fig.tight_layout()
-  fig.savefig(a.out, dpi=120)
-  print("wrote", a.out)
+  bench_util.save_figure(fig, a.title, a.out)
 
 
 if __name__ == "__main__":

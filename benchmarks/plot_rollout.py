@@ -67,10 +67,7 @@ def main():
     ax.set_ylabel(ylabel)
   axes[1].axhline(0.5, color="gray", ls="--", lw=1)
   axes[0].legend(fontsize=8)
-  fig.suptitle(a.title)
-  fig.tight_layout()
-  fig.savefig(a.out, dpi=120)
-  print("wrote", a.out)
+  bench_util.save_figure(fig, a.title, a.out)
 
 
 if __name__ == "__main__":
