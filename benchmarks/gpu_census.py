@@ -81,6 +81,20 @@ def h200_sharding():
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+def compile_for_h200(program, args):
+  """`program` (jitted) compiled for an H200 from the shapes and dtypes of `args` (a pytree)."""
+  sh = h200_sharding()
+  abstract = jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), args)
+  # Pallas' Triton lowering asks the device for its compute capability: name an abstract H200
+  h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  auto = (jax.sharding.AxisType.Auto,)  # as the compile-only mesh of the arguments
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+      (1,), ("x",), axis_types=auto, abstract_device=h200)):
+    lowered = program.lower(*abstract)
+  return lowered.compile()
+
+
 def kind(line: str) -> str:
   """A listing line's kernel kind: mosaic / pallas (custom calls), gemm, xla (other fusions),
   or copy / other."""
@@ -96,20 +110,11 @@ def census(policy_name: str, layers: int, batch: int, prompt_len: int, new_token
            use_kernels: bool, preset: str = "qwen3_30b_a3b", fmt: str = "nvfp4") -> dict:
   config = M.preset(preset, num_layers=layers)
   policy = tq.make_policy(policy_name, fmt)
-  sh = h200_sharding()
   dispatch.on_gpu = lambda: True  # the kernel choices of a GPU backend
   program, args = compile_time.generate_program(config, policy, batch, prompt_len, new_tokens,
                                                 use_kernels,
                                                 record_guidance=policy_name != "bf16")
-  abstract = jax.tree_util.tree_map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), args)
-  # Pallas' Triton lowering asks the device for its compute capability: name an abstract H200
-  h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  auto = (jax.sharding.AxisType.Auto,)  # as the compile-only mesh of the arguments
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-      (1,), ("x",), axis_types=auto, abstract_device=h200)):
-    lowered = program.lower(*abstract)
-  compiled = lowered.compile()
+  compiled = compile_for_h200(program, args)
   listing = bench_util.decode_loop_listing(compiled.as_text())
   lines = [ln for ln in listing.splitlines() if ln.strip()]
   kinds = collections.Counter(kind(ln) for ln in lines)

@@ -35,6 +35,17 @@ gpu_tests() {
   echo "$3 gpu tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed" | tail -8
 }
+# decode-attention rows (B 16/64 x S 8k/32k) of one side of an A/B: SIDE (old: the tree
+# carried as ab_old; exact_max: this tree with the exact running max; new: this tree) FORMATS
+# TIMEOUT BUDGET (seconds after which no row starts); JSON bench_attention_SIDE.json
+attention_side_rows() {
+  local root=$PWD envs=""
+  [ $1 = old ] && root=$PWD/ab_old
+  [ $1 = exact_max ] && envs=TRACE_JAX_ATTN_LAZY_MAX=off
+  env $envs PYTHONPATH=/tmp/site:$root timeout -k 5 $3 python3 benchmarks/bench_attention.py \
+    --what decode --formats $2 --batches 16,64 --contexts 8192,32768 --budget_s $4 \
+    --out $OUT/bench_attention_$1.json 2>&1 | grep -v "^I1\|^W1" | tail -8 | sed "s/^/[$1] /"
+}
 # the 12-layer decode step at HF's B 1 load (prompt 64, 128 new) profiled kernel by kernel
 # without command buffers (with them the profiler sees graphs): POLICY NAME TIMEOUT LINES
 b1_profile() {
@@ -388,15 +399,9 @@ elif [ "$stage" = s19a ]; then
   # the base commit carried as an ignored path) and of this one (SIDES: which), and
   # rollout-shaped live rows (LIVE)
   gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-150}
-  for side in ${SIDES:-old new}; do  # old, new, or exact_max (new with the exact running max)
-    root=$PWD; [ $side = old ] && root=$PWD/ab_old
-    envs=""; [ $side = exact_max ] && envs=TRACE_JAX_ATTN_LAZY_MAX=off
+  for side in ${SIDES:-old new}; do
     fmts=nvfp4_mosaic; [ $side = new ] && fmts=bf16,nvfp4_mosaic
-    env $envs PYTHONPATH=/tmp/site:$root timeout -k 5 ${BENCH_TIMEOUT:-130} python3 \
-      benchmarks/bench_attention.py --what decode --formats $fmts --batches 16,64 \
-      --contexts 8192,32768 --budget_s $(( ${BENCH_TIMEOUT:-130} - 30 )) \
-      --out $OUT/bench_attention_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 \
-      | sed "s/^/[$side] /"
+    attention_side_rows $side $fmts ${BENCH_TIMEOUT:-130} $(( ${BENCH_TIMEOUT:-130} - 30 ))
   done
   timeout -k 5 ${LIVE_TIMEOUT:-170} python3 benchmarks/bench_attention.py --what decode \
     --formats nvfp4_mosaic --batches 16 --contexts 8192 \
@@ -409,11 +414,7 @@ elif [ "$stage" = s19d ]; then
   # maxima), the decode rows with the exact max and the lazy one, then the 8k-capacity FP4 row
   gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-110}
   for side in exact_max new; do
-    envs=""; [ $side = exact_max ] && envs=TRACE_JAX_ATTN_LAZY_MAX=off
-    env $envs timeout -k 5 ${BENCH_TIMEOUT:-60} python3 benchmarks/bench_attention.py \
-      --what decode --formats nvfp4_mosaic --batches 16,64 --contexts 8192,32768 \
-      --budget_s $(( ${BENCH_TIMEOUT:-60} - 15 )) --out $OUT/bench_attention_$side.json 2>&1 \
-      | grep -v "^I1\|^W1" | tail -5 | sed "s/^/[$side] /"
+    attention_side_rows $side nvfp4_mosaic ${BENCH_TIMEOUT:-60} $(( ${BENCH_TIMEOUT:-60} - 15 ))
   done
   HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-300} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-300} - 10 )) \
     GEN=2048 bash $0 cap8k_inner | tail -4

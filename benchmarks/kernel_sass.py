@@ -80,19 +80,6 @@ def report(sass_path: str, listing: bool) -> dict:
   return dict(instructions=len(body), opcodes=dict(ops))
 
 
-def compile_for_h200(fn, args):
-  """Deviceless compile of jax.jit(fn)(*args) (ShapeDtypeStructs) for an H200."""
-  import jax
-  import gpu_census
-  sh = gpu_census.h200_sharding()
-  args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), args)
-  h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  auto = (jax.sharding.AxisType.Auto,)
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-      (1,), ("x",), axis_types=auto, abstract_device=h200)):
-    jax.jit(fn).lower(*args).compile()
-
-
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("what", choices=("attention", "matmul", "file"))
@@ -124,6 +111,8 @@ def main():
   import jax
   import jax.numpy as jnp
 
+  import gpu_census  # (a sibling module)
+
   from trace_jax import kernels
   from trace_jax import quant as tq
   from trace_jax.kernels import attention_mgpu
@@ -141,7 +130,7 @@ def main():
     pw = kernels.prepare_weight(tq.quantize(w * 0.02, a.fmt, axis=0, validate=False))
     fn = lambda x, pw: kernels.matmul(x, pw, use_kernel=True)  # noqa: E731
     args = (sds((a.rows, a.k), jnp.bfloat16), jax.tree.map(lambda x: sds(x.shape, x.dtype), pw))
-  compile_for_h200(fn, args)
+  gpu_census.compile_for_h200(jax.jit(fn), args)
   found = sorted(glob.glob(os.path.join(dump, "*.sass*")))
   if not found:
     sys.exit(f"no SASS in {dump}: is nvdisasm on PATH?")

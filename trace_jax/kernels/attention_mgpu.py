@@ -84,8 +84,8 @@ from trace_jax.quant import e2m1
 NUM_SMS = 132  # H200
 KV_HEADS = 4  # compute warpgroups per CTA: one per KV head
 HEAD_DIM = 128
-GP = 16  # the most query heads per KV head the kernel takes (its widest wgmma N side)
-GP_CHOICES = (8, 16)  # the N sides built: 8 where G <= 8 (30B-A3B's GQA 8)
+GP_CHOICES = (8, 16)  # the wgmma N sides built: 8 where G <= 8 (30B-A3B's GQA 8)
+GP = GP_CHOICES[-1]  # the most query heads per KV head the kernel takes
 TILE = 64  # tokens per pipeline step
 SLOT_MULTIPLE = 8  # cache lengths the kernel takes (its TMA tiles of cache rows: S = 17 refused)
 ROW_SHIFT = 8  # the decoded products carry 2**-8, the row factors 2**8

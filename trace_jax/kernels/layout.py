@@ -303,18 +303,27 @@ def prepare_tree(tree, *, kb: int = 4):
 FUSED_PROJECTIONS = (("q_proj", ("q_proj", "k_proj", "v_proj")),)
 
 
-def concat_columns(pws) -> PackedWeight:
-  """Dense PackedWeights [K, N_i] side by side: [K, sum N_i]. Exact: the layout's tiles are 64
-  columns each and the column factors carry each part's own scales. Each N_i must be a multiple
-  of N_ALIGN (no padding columns between the parts); formats, kb and K must agree."""
+def _side_by_side_problem(pws) -> str | None:
+  """Why these PackedWeights cannot be put side by side (`concat_columns`), or None."""
   first = pws[0]
   for pw in pws:
     if pw.experts or (pw.fmt, pw.kb, pw.k, pw.k_pad) != (first.fmt, first.kb, first.k,
                                                           first.k_pad):
-      raise ValueError(f"cannot put {pw} beside {first}: dense weights of one format, kb and K")
+      return f"cannot put {pw} beside {first}: dense weights of one format, kb and K"
     if pw.n != pw.n_pad:
-      raise ValueError(f"{pw}: N {pw.n} is not a multiple of {N_ALIGN} (padding would sit "
-                       "between the parts)")
+      return (f"{pw}: N {pw.n} is not a multiple of {N_ALIGN} (padding would sit between the "
+              "parts)")
+  return None
+
+
+def concat_columns(pws) -> PackedWeight:
+  """Dense PackedWeights [K, N_i] side by side: [K, sum N_i]. Exact: the layout's tiles are 64
+  columns each and the column factors carry each part's own scales. Each N_i must be a multiple
+  of N_ALIGN (no padding columns between the parts); formats, kb and K must agree."""
+  why = _side_by_side_problem(pws)
+  if why:
+    raise ValueError(why)
+  first = pws[0]
   cat = lambda name: jnp.concatenate([getattr(pw, name) for pw in pws], axis=1)  # noqa: E731
   return PackedWeight(cat("codes"), cat("scales"), cat("factor"), first.fmt,
                       (first.k, sum(pw.n for pw in pws)), first.kb)
@@ -335,9 +344,7 @@ def fuse_projections(tree):
     if not all(isinstance(d, dict) and set(d) == {"kernel"} for d in subs):
       continue
     ws = [d["kernel"] for d in subs]
-    if not all(isinstance(w, PackedWeight) and not w.experts for w in ws):
-      continue
-    if len({(w.fmt, w.kb, w.k) for w in ws}) > 1 or any(w.n != w.n_pad for w in ws):
+    if not all(isinstance(w, PackedWeight) for w in ws) or _side_by_side_problem(ws):
       continue
     out[key] = {"kernel": concat_columns(ws)}
     for p in parts:
