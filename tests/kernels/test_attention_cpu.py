@@ -358,10 +358,11 @@ def _lower_all(sds, b, s, kvh, h, hd):
     if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages, V decode
       # overlapped; both of its N sides (G 8 here, then 16)
       from trace_jax.kernels import attention_mgpu as AM
-      for overlap, heads, lazy in ((False, h, 8.0), (True, h, 8.0), (False, 16 * kvh, 8.0),
-                                   (False, h, None)):
+      for overlap, heads, lazy, merge in ((False, h, 8.0, True), (True, h, 8.0, True),
+                                          (False, 16 * kvh, 8.0, True), (False, h, None, True),
+                                          (False, h, 8.0, False)):
         lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap,
-                                            lazy_tau=lazy)).trace(
+                                            lazy_tau=lazy, merge=merge)).trace(
             sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
@@ -430,9 +431,8 @@ def test_mosaic_wrapper_emulated_matches_reference():
   """attention_mgpu.decode_attention around the kernel's jnp model: q permutation, row
   factors (the cache's own row scales times the kernel's factors), splits (S = 152: 3 tiles of
   64, the last partial; splits past a row's last needed tile unwritten, so masked), the
-  combine and un-permutation,
-  against the reference on ragged rows (left padding, one valid slot); what the kernel refuses
-  is named."""
+  combine (the in-kernel merge's formula, and XLA's) and un-permutation, against the reference
+  on ragged rows (left padding, one valid slot); what the kernel refuses is named."""
   from trace_jax.kernels import attention_mgpu as AM
   b, s, kvh, g, hd = 2, 152, 4, 8, 128
   k, v = make_kv("nvfp4", (b, s, kvh, hd), 41), make_kv("nvfp4", (b, s, kvh, hd), 42)
@@ -442,10 +442,12 @@ def test_mosaic_wrapper_emulated_matches_reference():
   valid[1, 1:] = False
   valid = jnp.asarray(valid)
   want = jax.jit(R.decode_attention_ref)(q, k, v, valid)
-  for splits, lazy in ((1, 8.0), (3, 8.0), (3, None)):  # 3: row 1's later splits are dead
-    # (NaN in the model); lazy: the running max's slack (None: exact every tile)
+  for splits, lazy, merge in ((1, 8.0, True), (3, 8.0, True), (3, None, True), (3, 8.0, False)):
+    # 3: row 1's later splits are dead (NaN in the model); lazy: the running max's slack (None:
+    # exact every tile); merge: the split combine in the kernel or XLA's after it
     got = jax.jit(functools.partial(AM.decode_attention, splits=splits, out_dtype=jnp.float32,
-                                    lazy_tau=lazy, kernel_fn=AM.emulate_kernel))(q, k, v, valid)
+                                    lazy_tau=lazy, merge=merge,
+                                    kernel_fn=AM.emulate_kernel))(q, k, v, valid)
     assert relerr(got, want) < 1e-2
   assert AM.kernel_supported(q, k, v) is None
   assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)

@@ -173,11 +173,14 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 
 # ------------------------------------------------------------------ Mosaic NVFP4 decode kernel
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau"))
-def _mosaic(q, k, v, valid, splits=None, stages=2, overlap=False, lazy_tau=8.0):
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau",
+                                             "merge", "out_dtype"))
+def _mosaic(q, k, v, valid, splits=None, stages=2, overlap=False, lazy_tau=8.0, merge=True,
+            out_dtype=None):
   from trace_jax.kernels import attention_mgpu
   return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages,
-                                         overlap=overlap, lazy_tau=lazy_tau)
+                                         overlap=overlap, lazy_tau=lazy_tau, merge=merge,
+                                         out_dtype=out_dtype)
 
 
 MOSAIC_TOL = 3e-2  # K unrounded in the kernel, bf16 in the reference: see attention_mgpu
@@ -214,3 +217,29 @@ def test_mosaic_kernel_splits_and_stages(splits, stages, overlap, g, lazy):
   got = _mosaic(q, k, v, lengths, splits=splits, stages=stages, overlap=overlap, lazy_tau=lazy)
   want = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)
   assert relerr(got, want) < MOSAIC_TOL
+
+
+@pytest.mark.parametrize("g", [5, 8, 16])
+def test_mosaic_in_kernel_merge_equals_xla_combine(g):
+  """The split combine in the kernel (the last live split of a row merges the others' partials
+  through L2, counted in with an atomic) against the XLA combine of the same partials, float32
+  outputs: rows with 1 to 16 live splits of 16 and none, query lanes padded (g 5) or not; two
+  calls in one program (each call's counters start at zero)."""
+  b, s, kvh, hd = 5, 1024, 4, 128
+  k, v = make_kv("nvfp4", (b, s, kvh, hd), 11), make_kv("nvfp4", (b, s, kvh, hd), 12)
+  q = jax.random.normal(jax.random.key(13), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  lengths = jnp.asarray([1024, 65, 64, 1, 0])
+  f32 = jnp.float32
+
+  @jax.jit
+  def twice(q, k, v, lengths):
+    a = _mosaic(q, k, v, lengths, splits=16, merge=True, out_dtype=f32)
+    return a, _mosaic(q * 2, k, v, lengths, splits=16, merge=True, out_dtype=f32)
+
+  got = twice(q, k, v, lengths)
+  for x, qq in zip(got, (q, q * 2)):
+    want = _mosaic(qq, k, v, lengths, splits=16, merge=False, out_dtype=f32)
+    np.testing.assert_allclose(np.asarray(x), np.asarray(want), rtol=2e-5, atol=2e-6)
+  assert not np.asarray(got[0][4]).any()  # no visible slot: zeros
+  ref = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)  # (its row 4: uniform)
+  assert relerr(_mosaic(q, k, v, lengths, splits=16)[:4], ref[:4]) < MOSAIC_TOL  # bf16 output

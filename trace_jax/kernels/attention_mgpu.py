@@ -1,8 +1,8 @@
 """Mosaic GPU (Pallas `plgpu`, Hopper sm_90) decode attention over an NVFP4 KV cache: K and V
 decoded in registers straight into wgmma operands, the technique of the FP4 matmul kernels.
 
-Owns the kernel body, its inline PTX (the natural-layout nibble decode and the scale
-multipliers), the per-call plumbing (q permutation, validity row, split combine) and a
+Owns the kernel body, its inline PTX (the natural-layout nibble decode, the scale
+multipliers, the split merge), the per-call plumbing (q permutation, validity row) and a
 `jnp` model of the kernel (`emulate_kernel`) for CPU tests of that plumbing. The result is
 defined by `attention_ref.decode_attention_ref`.
 
@@ -41,8 +41,12 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   and the wgmma descriptors computed in the loop (H200, B 16 x 8k: 51.4 us kernel); 518 with
   the exact max every tile (38.4 us); 495 on a tile that leaves the lazy max as it is (45 more
   where it rises), 272 of them the nibble decode (17 a word).
-- per split: unnormalized O^T, running max and sum; `attention_pallas.combine_splits` merges
-  them in the kernel's layout (splits past the live tiles masked out).
+- per split: unnormalized O^T, running max and sum. A row with one live split writes its
+  normalized output; otherwise the last live split of a row to finish merges them all
+  (`_split_merger`: plain global stores, a fence and an atomic count, reads from L2) and writes
+  the output in logical head_dim order. (TRACE_JAX_ATTN_MERGE=xla: the partials go out and
+  `attention_pallas.combine_splits` merges them after the kernel, splits past the live tiles
+  masked out: ~5 more small kernels a call, reading every split's partials, live or not.)
 
 Mosaic constraints behind this shape (jax 0.11.2, found by lowering for CUDA on CPU): a
 wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided slice does not
@@ -95,6 +99,9 @@ LOG2E, LN2 = float(np.log2(np.e)), float(np.log(2.0))  # the kernel's softmax ru
 # TRACE_JAX_ATTN_LAZY_MAX=off: the exact running max every tile (the A/B side).
 LAZY_TAU = 8.0 if choice_setting("TRACE_JAX_ATTN_LAZY_MAX", "on", ("on", "off")) == "on" else None
 _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
+# The split combine: in the kernel, by the last split of a row to finish (`_split_merger`), or
+# TRACE_JAX_ATTN_MERGE=xla: as XLA ops after the kernel (the A/B side).
+MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla")) == "kernel"
 
 
 def _phys_to_logical() -> np.ndarray:
@@ -332,6 +339,190 @@ def _raise_vote():
   return vote
 
 
+@functools.cache
+def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits: int):
+  """inline_mgpu function: the split combine inside the kernel, by the last split to finish.
+  (o0, o1 float32 [64, gp] wgmma layout: this warpgroup's unnormalized O^T halves; m, l
+  float32 [gp]: its running max (log2 units) and sum; bi, si, need int32 scalars: batch row,
+  split, tiles the row needs; refs: part_o / part_ml (the partials, `mgpu_decode_kernel`'s
+  o / ml outputs), counts (a zeroed int32 semaphore a row and KV head), out `[B, H, 128]`
+  (logical head_dim order, `out_bits` 16: bf16, 32: float32)) -> nothing.
+
+  A row with one live split (`n_live`) writes O / l from its registers. Otherwise each live
+  split stores its partials with plain global stores, fences (`fence.acq_rel.gpu`), and one
+  thread of the warpgroup counts it in with an atomic add; the split that sees the count reach
+  n_live - 1 (told to all 128 threads by `bar.red.or.pred`) reads every live split's partials
+  back (`ld.global.cg`: from L2, never a stale L1 line) in split order, so the result does not
+  depend on which split came last: M = max m_s, w_s = 2**(m_s - M), out = sum w_s O_s / sum
+  w_s l_s (0 where the sum is 0: a row with no visible slot). Query lanes past `heads` are not
+  written. The XLA combine this replaces read every split's partials, live or not, in ~5 small
+  kernels a layer."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm, scf, vector
+
+  wgmma, cols = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
+  scalar = plgpu.Layout.WG_SPLAT
+  ref = plgpu.RefType()
+  nb = gp // 8  # column blocks of 8 query lanes (a thread holds 2 lanes of each)
+  assert fa.WGMMA_LAYOUT.registers_shape((64, gp)) == (1, nb, 1, 1, 2, 1, 1, 1, 1)
+  assert fa.WGMMA_LAYOUT.reduce((0,)).registers_shape((gp,)) == (nb, 1, 1)
+
+  @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, cols, cols, scalar, scalar, scalar, ref, ref, ref,
+                                ref))
+  def merge(ctx, o0, o1, m, l, bi, si, need, part_o, part_ml, counts, out):
+    del ctx
+    i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
+                     ir.F32Type.get())
+    index = ir.IndexType.get()
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    add, mul = arith.addi, arith.muli
+    bi, si, need = (x.registers.flat[0] for x in (bi, si, need))
+    tid = mutils.thread_idx()
+    wg, t = arith.divui(tid, c(128)), arith.remui(tid, c(128))
+    n_live = arith.maxsi(arith.divsi(add(need, c(split_tiles - 1)), c(split_tiles)), c(1))
+    base = lambda r: llvm.ptrtoint(i64, mutils.memref_ptr(r))  # noqa: E731
+    o_base, ml_base, cnt_base, out_base = map(base, (part_o, part_ml, counts, out))
+
+    def addr(b64, elems, nbytes):  # i64 address of element `elems` (i32) of a buffer
+      return arith.addi(b64, arith.muli(arith.extui(i64, elems), arith.constant(i64, nbytes)))
+
+    def asm(ret, args, text, constraints):
+      return llvm.inline_asm(ret, args, text, constraints, has_side_effects=True)
+
+    # this thread's positions: rows (head_dim, physical) and the first of two query lanes
+    pos = [tuple(arith.index_cast(i32, v) for v in p)
+           for p in o0.layout.thread_idxs(o0.shape)]  # per register, [cb][ri] order
+    regs = [[o.registers[0, cb, 0, 0, ri, 0, 0, 0, 0] for cb in range(nb) for ri in range(2)]
+            for o in (o0, o1)]
+    pos_of = [pos[cb * 2 + ri] for cb in range(nb) for ri in range(2)]
+    col_of = [pos[cb * 2][1] for cb in range(nb)]  # a column block's lanes, as m's registers
+    mreg = [m.registers[cb, 0, 0] for cb in range(nb)]
+    lreg = [l.registers[cb, 0, 0] for cb in range(nb)]
+    split = lambda r: [vector.extract(r, [], [e]) for e in range(2)]  # noqa: E731
+    slot = lambda s: add(mul(add(mul(bi, c(n_splits)), s), c(KV_HEADS)), wg)  # noqa: E731
+
+    def o_elem(s, j, k):  # register k of half j of split s
+      row, col = pos_of[k]
+      return add(mul(add(mul(add(mul(slot(s), c(2)), c(j)), c(64)), row), c(gp)), col)
+
+    def ml_elem(s, which, cb):
+      return add(mul(add(mul(slot(s), c(2)), c(which)), c(gp)), col_of[cb])
+
+    def load2(a):
+      st = asm(llvm.StructType.get_literal([f32, f32]), [a],
+               "ld.global.cg.v2.f32 {$0, $1}, [$2];", "=f,=f,l")
+      return [llvm.extractvalue(f32, st, [e]) for e in range(2)]
+
+    def store2(a, xy, pred):
+      asm(llvm.StructType.get_literal([]), [a, *xy, pred],
+          "{\n.reg .pred p;\nsetp.ne.u32 p, $3, 0;\n@p st.global.v2.f32 [$0], {$1, $2};\n}",
+          "l,f,f,r")
+
+    def write_out(o_vals, l_vals):  # o_vals[j][k] / l_vals[cb]: 2 lanes each
+      for cb in range(nb):
+        for e in range(2):
+          den = l_vals[cb][e]
+          pos_den = arith.cmpf(arith.CmpFPredicate.OGT, den, arith.constant(f32, 0.0))
+          inv = arith.select(pos_den, arith.divf(arith.constant(f32, 1.0), den),
+                             arith.constant(f32, 0.0))
+          lane = add(col_of[cb], c(e))
+          ok = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, c(heads)))
+          head = add(mul(wg, c(heads)), lane)
+          for j in range(2):
+            for ri in range(2):
+              k = cb * 2 + ri
+              r = pos_of[k][0]  # physical 16a + 8b + 2c + v holds logical 16c + 4a + 2v + b
+              bits = lambda sh, mk: arith.andi(arith.shrui(r, c(sh)), c(mk))  # noqa: E731
+              logical = add(add(mul(bits(1, 3), c(16)), mul(bits(4, 3), c(4))),
+                            add(mul(bits(0, 1), c(2)), bits(3, 1)))
+              elem = add(mul(add(mul(bi, c(4 * heads)), head), c(HEAD_DIM)),
+                         add(c(64 * j), logical))
+              val = arith.mulf(o_vals[j][k][e], inv)
+              if out_bits == 16:
+                asm(llvm.StructType.get_literal([]), [addr(out_base, elem, 2), val, ok],
+                    "{\n.reg .pred p;\n.reg .b16 h;\nsetp.ne.u32 p, $2, 0;\n"
+                    "cvt.rn.bf16.f32 h, $1;\n@p st.global.b16 [$0], h;\n}", "l,f,r")
+              else:
+                asm(llvm.StructType.get_literal([]), [addr(out_base, elem, 4), val, ok],
+                    "{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.global.f32 [$0], $1;\n}",
+                    "l,f,r")
+
+    def ex2(x):
+      return asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+    def merge_from_memory():
+      lo, hi, one = (arith.index_cast(index, v) for v in (c(0), n_live, c(1)))
+      neg = arith.constant(f32, R.NEG)
+      loop = scf.ForOp(lo, hi, one, [neg] * (2 * nb))
+      with ir.InsertionPoint(loop.body):
+        s = arith.index_cast(i32, loop.induction_variable)
+        new = []
+        for cb in range(nb):
+          ms = load2(addr(ml_base, ml_elem(s, 0, cb), 4))
+          new += [arith.maximumf(loop.inner_iter_args[2 * cb + e], ms[e]) for e in range(2)]
+        scf.yield_(new)
+      big_m = list(loop.results)
+      zero = arith.constant(f32, 0.0)
+      n_o = 2 * len(pos_of) * 2  # halves x registers x 2 lanes
+      loop = scf.ForOp(lo, hi, one, [zero] * (2 * nb + n_o))
+      with ir.InsertionPoint(loop.body):
+        s = arith.index_cast(i32, loop.induction_variable)
+        acc = list(loop.inner_iter_args)
+        w = []
+        for cb in range(nb):
+          ms = load2(addr(ml_base, ml_elem(s, 0, cb), 4))
+          ls = load2(addr(ml_base, ml_elem(s, 1, cb), 4))
+          for e in range(2):
+            w.append(ex2(arith.subf(ms[e], big_m[2 * cb + e])))
+            acc[2 * cb + e] = arith.addf(acc[2 * cb + e], arith.mulf(w[-1], ls[e]))
+        i = 2 * nb
+        for j in range(2):
+          for k in range(len(pos_of)):
+            os_ = load2(addr(o_base, o_elem(s, j, k), 4))
+            for e in range(2):
+              acc[i] = arith.addf(acc[i], arith.mulf(w[2 * (k // 2) + e], os_[e]))
+              i += 1
+        scf.yield_(acc)
+      res = list(loop.results)
+      l_vals = [res[2 * cb:2 * cb + 2] for cb in range(nb)]
+      o_flat = res[2 * nb:]
+      o_vals = [[o_flat[(j * len(pos_of) + k) * 2:(j * len(pos_of) + k) * 2 + 2]
+                 for k in range(len(pos_of))] for j in range(2)]
+      write_out(o_vals, l_vals)
+
+    multi = arith.cmpi(arith.CmpIPredicate.sgt, n_live, c(1))
+    branch = scf.IfOp(multi, [], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      for j in range(2):
+        for k, reg in enumerate(regs[j]):
+          store2(addr(o_base, o_elem(si, j, k), 4), split(reg), c(1))
+      first_row = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, pos[0][0], c(0)))
+      for cb in range(nb):  # the lanes' max and sum: once, by the threads holding row 0
+        store2(addr(ml_base, ml_elem(si, 0, cb), 4), split(mreg[cb]), first_row)
+        store2(addr(ml_base, ml_elem(si, 1, cb), 4), split(lreg[cb]), first_row)
+      bar = mutils.warpgroup_barrier_idx(sync=False)
+      last = asm(i32, [t, addr(cnt_base, add(mul(bi, c(KV_HEADS)), wg), 4), bar,
+                       arith.subi(n_live, c(1))],
+                 "{\n.reg .pred p, q;\n.reg .b32 old;\nfence.acq_rel.gpu;\n"
+                 "bar.sync $3, 128;\nsetp.eq.u32 p, $1, 0;\nmov.b32 old, 0xffffffff;\n"
+                 "@p atom.acq_rel.gpu.global.add.u32 old, [$2], 1;\n"
+                 "setp.eq.u32 q, old, $4;\nbar.red.or.pred q, $3, 128, q;\n"
+                 "selp.u32 $0, 1, 0, q;\nfence.acq_rel.gpu;\n}", "=r,r,l,r,r")
+      is_last = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, last, c(0)))
+      with ir.InsertionPoint(is_last.then_block):
+        merge_from_memory()
+        scf.yield_([])
+      scf.yield_([])
+    with ir.InsertionPoint(branch.else_block):
+      write_out([[split(r) for r in regs[j]] for j in range(2)], [split(r) for r in lreg])
+      scf.yield_([])
+
+  return merge
+
+
 # --------------------------------------------------------------------------- the kernel
 
 def _bf16_smem(shape, swizzle: int):
@@ -341,10 +532,12 @@ def _bf16_smem(shape, swizzle: int):
 
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
-                                             "v_factor", "overlap", "lazy_tau"))
+                                             "v_factor", "overlap", "lazy_tau", "heads",
+                                             "out_dtype"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
-                       overlap: bool = False, lazy_tau: float | None = LAZY_TAU):
+                       overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
+                       heads: int | None = None, out_dtype=jnp.bfloat16):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
   slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
   tile, an L2 hit). qp bf16 [B, 4, gp, 128] (head_dim physical; gp the wgmma N side, 8 or
@@ -364,7 +557,10 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   Returns (o float32 [B, n_splits, 4, 2, 64, gp]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, gp]: running max (log2 units) and sum). A split s > 0 with
   s * split_tiles >= kt is neither run nor written: its partials are undefined (see
-  `live_splits`)."""
+  `live_splits`). heads (query heads per KV head, <= gp): merge the splits in the kernel
+  (`_split_merger`) and return a third output, the attention `[B, 4 * heads, 128]` in
+  out_dtype (bfloat16 or float32), logical head_dim order; the partials are then its scratch
+  (written only where a row has more than one live split)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax import lax
@@ -377,10 +573,17 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   gp = qp.shape[2]  # the N side: query heads per KV head, padded (`query_lanes`)
   col_max, col_sum = _column_reducer("max", gp), _column_reducer("add", gp)
   raise_vote = _raise_vote()
+  if heads is not None:
+    out_bits = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}[jnp.dtype(out_dtype)]
+    merger = _split_merger(gp, heads, n_splits, split_tiles, out_bits)
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
-                              vg_gmem, vf_gmem, o_gmem, ml_gmem, q_smem, v_smem, p_smem, o_smem,
-                              ml_smem, red_smem, vote_smem, q_bar):  # the name profiles show
+                              vg_gmem, vf_gmem, o_gmem, ml_gmem, *merged, q_smem, v_smem,
+                              p_smem, o_smem, ml_smem, red_smem, vote_smem, q_bar):
+    # (the function's name is the kernel's name in profiles)
+    out_gmem = merged[0] if merged else None
+    counts = None if heads is None else pl.get_global(
+        plgpu.SemaphoreType.REGULAR((b * KV_HEADS,)))  # zeroed for each call
     bi = lax.axis_index("b")
     si = lax.axis_index("s")
     t0 = si * split_tiles
@@ -401,6 +604,9 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
               zeros, zeros, zeros)
       m, l, o0, o1 = eval_pipeline(init)
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
+      if heads is not None:
+        merger(o0, o1, m, l, bi, si, need, o_gmem, ml_gmem, counts, out_gmem)
+        return
       ml_smem[wg, 0] = m
       ml_smem[wg, 1] = l
       for j, o in enumerate((o0, o1)):  # one [64, gp] buffer per warpgroup: SMEM for stages
@@ -493,10 +699,13 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       pipeline(kc_gmem.at[bi], vc_gmem.at[bi], ks_gmem.at[bi], vs_gmem.at[bi], kg_gmem.at[bi],
                vg_gmem.at[bi], vf_gmem.at[bi])
 
+  out_type = (jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, 64, gp), jnp.float32),
+              jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, gp), jnp.float32))
+  if heads is not None:
+    out_type += (jax.ShapeDtypeStruct((b, KV_HEADS * heads, HEAD_DIM), out_dtype),)
   return plgpu.kernel(
       decode_attention_mosaic,
-      out_type=(jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, 64, gp), jnp.float32),
-                jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, gp), jnp.float32)),
+      out_type=out_type,
       grid=(b, n_splits), grid_names=("b", "s"),
       num_threads=KV_HEADS + 1, thread_name="wg",
       # approx_math: exp2 as one `ex2.approx.ftz` (relative error ~2**-22; the probabilities
@@ -517,12 +726,14 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
-                   lazy_tau: float | None = LAZY_TAU):
+                   lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
+                   out_dtype=jnp.bfloat16):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is; the running max of
-  a KV head rises only where one of its scores passes it by more than `lazy_tau`). Lets CPU
-  tests cover the plumbing around the kernel."""
+  a KV head rises only where one of its scores passes it by more than `lazy_tau`), and with
+  `heads` the in-kernel merge of the live splits (`_split_merger`'s formula). Lets CPU tests
+  cover the plumbing around the kernel."""
   del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
   # the row factors as the kernel forms them: g times the factor, rounded to float32
   kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)  # [B, 4, S]
@@ -583,7 +794,25 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   o = jnp.stack(os_, 1)  # [B, n, 4, gp, 128]
   o = jnp.moveaxis(o.reshape(b, n_splits, KV_HEADS, gp, 2, 64), 3, -1)  # [B, n, 4, 2, 64, gp]
   ml = jnp.stack([jnp.stack(ms, 1), jnp.stack(ls, 1)], 3)  # [B, n, 4, 2, gp]
-  return o, ml
+  if heads is None:
+    return o, ml
+  # the merge: live splits (a prefix) in log2 units, 1 / sum times the weighted sum
+  live = live_splits(kt, split_tiles, n_splits)[:, :, None, None]  # [B, n, 1, 1]
+  m = jnp.where(live, ml[:, :, :, 0], R.NEG)  # [B, n, 4, gp]
+  w = jnp.where(live, jnp.exp2(m - m.max(1, keepdims=True)), 0.0)
+  den = jnp.sum(w * jnp.where(live, ml[:, :, :, 1], 0.0), axis=1)  # [B, 4, gp]
+  num = jnp.sum(w[:, :, :, None, None, :] * jnp.where(live[..., None, None], o, 0.0), axis=1)
+  inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+  merged = _to_logical(num[..., :heads] * inv[:, :, None, None, :heads])
+  return o, ml, merged.astype(out_dtype)
+
+
+def _to_logical(out):
+  """[B, 4, 2, 64 physical, g] -> [B, 4 x g, 128 logical]."""
+  b, kvh, g = out.shape[0], out.shape[1], out.shape[-1]
+  out = out.reshape(b, kvh, 2, *_HALF_AXES, g)
+  out = out.transpose(0, 1, 7, 2, *(3 + a for a in _HALF_TO_LOGICAL))
+  return out.reshape(b, kvh * g, HEAD_DIM)
 
 
 # --------------------------------------------------------------------------- the wrapper
@@ -620,11 +849,13 @@ def default_splits(b: int, s: int) -> int:
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
                      splits: int | None = None, stages: int = 2, overlap: bool = False,
-                     lazy_tau: float | None = LAZY_TAU, kernel_fn=None) -> jax.Array:
+                     lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
+                     kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
-  (codes, scales, row scales) in place. overlap: see `mgpu_decode_kernel`. kernel_fn replaces
-  the kernel (tests pass `emulate_kernel`)."""
+  (codes, scales, row scales) in place. overlap: see `mgpu_decode_kernel`. merge: the split
+  combine in the kernel (else XLA's, after it). kernel_fn replaces the kernel (tests pass
+  `emulate_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
   if why:
@@ -654,11 +885,15 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   vf = jnp.pad(allowed.astype(jnp.float32), ((0, 0), (0, tiles * TILE - s)))
   last = s - jnp.argmax(allowed[:, ::-1], axis=1)  # one past the last visible slot
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
-  o, ml = (kernel_fn or mgpu_decode_kernel)(kt, qp, kc, vc, ks, vs, kg, vg, vf,
-                                            split_tiles=split_tiles, n_splits=n_splits,
-                                            stages=stages, overlap=overlap, lazy_tau=lazy_tau,
-                                            k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
-                                            v_factor=float(2 ** ROW_SHIFT))
+  kernel_dtype = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else jnp.bfloat16
+  res = (kernel_fn or mgpu_decode_kernel)(
+      kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
+      stages=stages, overlap=overlap, lazy_tau=lazy_tau,
+      k_factor=float(2 ** ROW_SHIFT * scale * LOG2E), v_factor=float(2 ** ROW_SHIFT),
+      heads=g if merge else None, out_dtype=kernel_dtype)
+  if merge:
+    return res[2].astype(out_dtype)
+  o, ml = res
   # The combine reduces over the splits in the kernel's own layout, [B, n, 4, 2, 64 physical,
   # 16]: the splits axis is major, so the reduction reads o once in order; only its result, n
   # times smaller, is transposed to logical head_dim order. (Reducing after the transposition:
@@ -671,7 +906,4 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   m = jnp.where(live, ml[:, :, :, None, None, 0, :g] * LN2, R.NEG)  # [B, n, 4, 1, 1, g]
   l = jnp.where(live, ml[:, :, :, None, None, 1, :g], 0.0)
   out = combine_splits(jnp.where(live, o[..., :g], 0.0), m, l, axis=1)  # [B, 4, 2, 64, g]
-  # [B, 4, 2, 64 physical, g] -> [B, 4 x g, 128 logical]
-  out = out.reshape(b, kvh, 2, *_HALF_AXES, g)
-  out = out.transpose(0, 1, 7, 2, *(3 + a for a in _HALF_TO_LOGICAL))
-  return out.reshape(b, h, hd).astype(out_dtype)
+  return _to_logical(out).astype(out_dtype)
