@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -420,6 +420,16 @@ elif [ "$stage" = s20a ]; then
     LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=24 \
       attention_side_rows $side nvfp4_mosaic ${BENCH_TIMEOUT:-170} $(( ${BENCH_TIMEOUT:-170} - 40 ))
   done
+elif [ "$stage" = s20c ]; then
+  # (session 20) s20a's kernel with the merge in one online pass, 4 splits' loads at a time (s20a:
+  # two passes, a split a round): its GPU tests, its decode rows, and if the tests pass the
+  # 8k-capacity FP4 row (s20b)
+  gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-150}
+  if grep -q " passed" $OUT/test_attn_mosaic.txt && ! grep -q " failed" $OUT/test_attn_mosaic.txt; then
+    LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=16 \
+      attention_side_rows new nvfp4_mosaic ${BENCH_TIMEOUT:-150} $(( ${BENCH_TIMEOUT:-150} - 40 ))
+    bash $0 s20b_inner
+  fi
 elif [ "$stage" = s20b ]; then
   # (session 20) the 8k-capacity FP4 row with the in-kernel split combine (s19d: 10,865 tok/s
   # vs BF16 3,658 in s15c/s19, 2.97x)

@@ -102,6 +102,7 @@ _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 # The split combine: in the kernel, by the last split of a row to finish (`_split_merger`), or
 # TRACE_JAX_ATTN_MERGE=xla: as XLA ops after the kernel (the A/B side).
 MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla")) == "kernel"
+MERGE_UNROLL = 4  # splits whose partials the merging split loads at once
 
 
 def _phys_to_logical() -> np.ndarray:
@@ -454,39 +455,45 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
       return asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
 
     def merge_from_memory():
-      lo, hi, one = (arith.index_cast(index, v) for v in (c(0), n_live, c(1)))
-      neg = arith.constant(f32, R.NEG)
-      loop = scf.ForOp(lo, hi, one, [neg] * (2 * nb))
-      with ir.InsertionPoint(loop.body):
-        s = arith.index_cast(i32, loop.induction_variable)
-        new = []
-        for cb in range(nb):
-          ms = load2(addr(ml_base, ml_elem(s, 0, cb), 4))
-          new += [arith.maximumf(loop.inner_iter_args[2 * cb + e], ms[e]) for e in range(2)]
-        scf.yield_(new)
-      big_m = list(loop.results)
-      zero = arith.constant(f32, 0.0)
+      # One online pass over the live splits, MERGE_UNROLL at a time, so that a group's loads
+      # are in flight together (each round waits on L2 once): per lane, M the running max,
+      # the sums rescaled by 2**(M_old - M) as it rises. Splits past n_live (the last group's
+      # tail) load split n_live - 1 again and weigh 0.
+      zero, neg = arith.constant(f32, 0.0), arith.constant(f32, R.NEG)
       n_o = 2 * len(pos_of) * 2  # halves x registers x 2 lanes
-      loop = scf.ForOp(lo, hi, one, [zero] * (2 * nb + n_o))
+      # acc: the sums l (lane 2 cb + e), then O (half j, register k = 2 cb + ri, lane e)
+      lane_of = list(range(2 * nb)) + [2 * (k // 2) + e for j in range(2)
+                                       for k in range(len(pos_of)) for e in range(2)]
+      lo, hi, step = (arith.index_cast(index, v) for v in (c(0), n_live, c(MERGE_UNROLL)))
+      loop = scf.ForOp(lo, hi, step, [neg] * (2 * nb) + [zero] * (2 * nb + n_o))
       with ir.InsertionPoint(loop.body):
-        s = arith.index_cast(i32, loop.induction_variable)
-        acc = list(loop.inner_iter_args)
-        w = []
-        for cb in range(nb):
-          ms = load2(addr(ml_base, ml_elem(s, 0, cb), 4))
-          ls = load2(addr(ml_base, ml_elem(s, 1, cb), 4))
-          for e in range(2):
-            w.append(ex2(arith.subf(ms[e], big_m[2 * cb + e])))
-            acc[2 * cb + e] = arith.addf(acc[2 * cb + e], arith.mulf(w[-1], ls[e]))
-        i = 2 * nb
-        for j in range(2):
-          for k in range(len(pos_of)):
-            os_ = load2(addr(o_base, o_elem(s, j, k), 4))
-            for e in range(2):
-              acc[i] = arith.addf(acc[i], arith.mulf(w[2 * (k // 2) + e], os_[e]))
-              i += 1
-        scf.yield_(acc)
-      res = list(loop.results)
+        s0 = arith.index_cast(i32, loop.induction_variable)
+        carried = list(loop.inner_iter_args)
+        big_m, acc = carried[:2 * nb], carried[2 * nb:]
+        group = []
+        for u in range(MERGE_UNROLL):
+          s = add(s0, c(u))
+          valid = arith.cmpi(arith.CmpIPredicate.slt, s, n_live)
+          s = arith.minsi(s, arith.subi(n_live, c(1)))
+          ms, ls = [], []
+          for cb in range(nb):
+            ms += load2(addr(ml_base, ml_elem(s, 0, cb), 4))
+            ls += load2(addr(ml_base, ml_elem(s, 1, cb), 4))
+          os_ = [load2(addr(o_base, o_elem(s, j, k), 4))
+                 for j in range(2) for k in range(len(pos_of))]
+          group.append((valid, [arith.select(valid, x, neg) for x in ms], ls, os_))
+        new_m = list(big_m)
+        for _, ms, _, _ in group:
+          new_m = [arith.maximumf(a, x) for a, x in zip(new_m, ms)]
+        scale = [ex2(arith.subf(a, x)) for a, x in zip(big_m, new_m)]  # per lane
+        acc = [arith.mulf(a, scale[lane_of[i]]) for i, a in enumerate(acc)]
+        for valid, ms, ls, os_ in group:
+          w = [arith.select(valid, ex2(arith.subf(x, mm)), zero) for x, mm in zip(ms, new_m)]
+          vals = ls + [x for pair in os_ for x in pair]  # acc's order
+          acc = [arith.addf(a, arith.mulf(w[lane_of[i]], x))
+                 for i, (a, x) in enumerate(zip(acc, vals, strict=True))]
+        scf.yield_(new_m + acc)
+      res = list(loop.results)[2 * nb:]
       l_vals = [res[2 * cb:2 * cb + 2] for cb in range(nb)]
       o_flat = res[2 * nb:]
       o_vals = [[o_flat[(j * len(pos_of) + k) * 2:(j * len(pos_of) + k) * 2 + 2]
