@@ -254,7 +254,10 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
   if mesh is None:
     optimizer, step_fn = ts.learner(setup.model_config, setup.policy, setup.rl_config,
                                     bool(config.rl.code_agreement))
-    place = lambda state: state  # noqa: E731
+    # committed to the default device, as a restored checkpoint's arrays are: the programs
+    # compiled for a fresh state then serve a resumed one (uncommitted and committed inputs are
+    # different jit cache keys: a run resumed in the same process recompiled everything)
+    place = lambda state: jax.device_put(state, jax.devices()[0])  # noqa: E731
   else:  # rollout and train step colocated on one mesh; sync reshards to the rollout rules
     optimizer, step_fn, place = parallel.sharded_learner(
         setup.model_config, setup.policy, setup.rl_config, mesh, bool(config.rl.code_agreement))
