@@ -425,7 +425,8 @@ elif [ "$stage" = s20c ]; then
   # two passes, a split a round): its GPU tests, its decode rows, and if the tests pass the
   # 8k-capacity FP4 row (s20b)
   gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-150}
-  if grep -q " passed" $OUT/test_attn_mosaic.txt && ! grep -q " failed" $OUT/test_attn_mosaic.txt; then
+  t=$OUT/test_attn_mosaic.txt
+  if grep -q " passed" $t && ! grep -q " failed" $t; then
     LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=16 \
       attention_side_rows new nvfp4_mosaic ${BENCH_TIMEOUT:-150} $(( ${BENCH_TIMEOUT:-150} - 40 ))
     bash $0 s20b_inner

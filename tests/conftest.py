@@ -17,3 +17,19 @@ try:
   jax.config.update("jax_num_cpu_devices", 8)
 except Exception:  # noqa: BLE001 - older/newer jax without the option: XLA_FLAGS above covers it
   pass
+
+# Files whose tests take longest on 2 cores (session-20 durations: each 45-130 s, compile-bound),
+# collected first: pytest-xdist's --dist loadfile hands whole files to the 2 workers in
+# collection order, so the long ones run while short files fill the gaps, instead of one of
+# them starting last beside an idle worker.
+LONGEST_FILES = ("rollout/test_engine.py", "rl/test_train_step.py", "models/test_transformer.py",
+                 "parallel/test_train.py", "rl/test_loop_resume.py", "kernels/test_routing.py",
+                 "rollout/test_slots.py", "serving/test_server.py")
+
+
+def pytest_collection_modifyitems(items):
+  def rank(item):
+    path = item.nodeid.split("::")[0]
+    return next((i for i, f in enumerate(LONGEST_FILES) if path.endswith(f)),
+                len(LONGEST_FILES))
+  items.sort(key=rank)  # stable: within a file, and among the rest, the usual order
