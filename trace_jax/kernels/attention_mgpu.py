@@ -354,10 +354,10 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
   thread of the warpgroup counts it in with an atomic add; the split that sees the count reach
   n_live - 1 (told to all 128 threads by `bar.red.or.pred`) reads every live split's partials
   back (`ld.global.cg`: from L2, never a stale L1 line) in split order, so the result does not
-  depend on which split came last: M = max m_s, w_s = 2**(m_s - M), out = sum w_s O_s / sum
-  w_s l_s (0 where the sum is 0: a row with no visible slot). Query lanes past `heads` are not
-  written. The XLA combine this replaces read every split's partials, live or not, in ~5 small
-  kernels a layer."""
+  depend on which split came last, and merges them online, MERGE_UNROLL splits a round: out =
+  sum w_s O_s / sum w_s l_s with w_s = 2**(m_s - max m) (0 where the sum is 0: a row with no
+  visible slot). Query lanes past `heads` are not written. The XLA combine this replaces read
+  every split's partials, live or not, in ~5 small kernels a layer."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils
@@ -398,7 +398,6 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
            for p in o0.layout.thread_idxs(o0.shape)]  # per register, [cb][ri] order
     regs = [[o.registers[0, cb, 0, 0, ri, 0, 0, 0, 0] for cb in range(nb) for ri in range(2)]
             for o in (o0, o1)]
-    pos_of = [pos[cb * 2 + ri] for cb in range(nb) for ri in range(2)]
     col_of = [pos[cb * 2][1] for cb in range(nb)]  # a column block's lanes, as m's registers
     mreg = [m.registers[cb, 0, 0] for cb in range(nb)]
     lreg = [l.registers[cb, 0, 0] for cb in range(nb)]
@@ -406,7 +405,7 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
     slot = lambda s: add(mul(add(mul(bi, c(n_splits)), s), c(KV_HEADS)), wg)  # noqa: E731
 
     def o_elem(s, j, k):  # register k of half j of split s
-      row, col = pos_of[k]
+      row, col = pos[k]
       return add(mul(add(mul(add(mul(slot(s), c(2)), c(j)), c(64)), row), c(gp)), col)
 
     def ml_elem(s, which, cb):
@@ -435,7 +434,7 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
           for j in range(2):
             for ri in range(2):
               k = cb * 2 + ri
-              r = pos_of[k][0]  # physical 16a + 8b + 2c + v holds logical 16c + 4a + 2v + b
+              r = pos[k][0]  # physical 16a + 8b + 2c + v holds logical 16c + 4a + 2v + b
               bits = lambda sh, mk: arith.andi(arith.shrui(r, c(sh)), c(mk))  # noqa: E731
               logical = add(add(mul(bits(1, 3), c(16)), mul(bits(4, 3), c(4))),
                             add(mul(bits(0, 1), c(2)), bits(3, 1)))
@@ -460,10 +459,10 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
       # the sums rescaled by 2**(M_old - M) as it rises. Splits past n_live (the last group's
       # tail) load split n_live - 1 again and weigh 0.
       zero, neg = arith.constant(f32, 0.0), arith.constant(f32, R.NEG)
-      n_o = 2 * len(pos_of) * 2  # halves x registers x 2 lanes
+      n_o = 2 * len(pos) * 2  # halves x registers x 2 lanes
       # acc: the sums l (lane 2 cb + e), then O (half j, register k = 2 cb + ri, lane e)
       lane_of = list(range(2 * nb)) + [2 * (k // 2) + e for j in range(2)
-                                       for k in range(len(pos_of)) for e in range(2)]
+                                       for k in range(len(pos)) for e in range(2)]
       lo, hi, step = (arith.index_cast(index, v) for v in (c(0), n_live, c(MERGE_UNROLL)))
       loop = scf.ForOp(lo, hi, step, [neg] * (2 * nb) + [zero] * (2 * nb + n_o))
       with ir.InsertionPoint(loop.body):
@@ -480,7 +479,7 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
             ms += load2(addr(ml_base, ml_elem(s, 0, cb), 4))
             ls += load2(addr(ml_base, ml_elem(s, 1, cb), 4))
           os_ = [load2(addr(o_base, o_elem(s, j, k), 4))
-                 for j in range(2) for k in range(len(pos_of))]
+                 for j in range(2) for k in range(len(pos))]
           group.append((valid, [arith.select(valid, x, neg) for x in ms], ls, os_))
         new_m = list(big_m)
         for _, ms, _, _ in group:
@@ -496,8 +495,8 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
       res = list(loop.results)[2 * nb:]
       l_vals = [res[2 * cb:2 * cb + 2] for cb in range(nb)]
       o_flat = res[2 * nb:]
-      o_vals = [[o_flat[(j * len(pos_of) + k) * 2:(j * len(pos_of) + k) * 2 + 2]
-                 for k in range(len(pos_of))] for j in range(2)]
+      o_vals = [[o_flat[(j * len(pos) + k) * 2:(j * len(pos) + k) * 2 + 2]
+                 for k in range(len(pos))] for j in range(2)]
       write_out(o_vals, l_vals)
 
     multi = arith.cmpi(arith.CmpIPredicate.sgt, n_live, c(1))
