@@ -22,9 +22,10 @@ except Exception:  # noqa: BLE001 - older/newer jax without the option: XLA_FLAG
 # collected first: pytest-xdist's --dist loadfile hands whole files to the 2 workers in
 # collection order, so the long ones run while short files fill the gaps, instead of one of
 # them starting last beside an idle worker.
-LONGEST_FILES = ("rollout/test_engine.py", "rl/test_train_step.py", "models/test_transformer.py",
-                 "parallel/test_train.py", "rl/test_loop_resume.py", "kernels/test_routing.py",
-                 "rollout/test_slots.py", "serving/test_server.py")
+LONGEST_FILES = ("rollout/test_engine.py", "parallel/test_train.py", "models/test_transformer.py",
+                 "rl/test_train_step.py", "kernels/test_kernels_cpu.py",
+                 "kernels/test_attention_cpu.py", "quant/test_fake_quant.py",
+                 "rl/test_loop_resume.py")
 
 
 def pytest_collection_modifyitems(items):

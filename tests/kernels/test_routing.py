@@ -49,6 +49,9 @@ def test_kernel_equals_xla_tables(m, e, skew):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+# slow (~15-20 s of emulated kernels run op by op on 2 cores); CI runs it. The default suite
+# keeps the tables' own tests (test_kernel_equals_xla_tables, test_limits)
+@pytest.mark.slow
 def test_route_feeds_the_grouped_kernel_its_tables(monkeypatch):
   """`dispatch.route` with the kernel on (the GPU's branch, the kernel in interpret mode here):
   the same order, inverse and group sizes as without it, and tables that the FP4 grouped
@@ -125,6 +128,7 @@ def test_kernel_on_gpu_equals_xla_tables(m, e, skew):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # (~18-22 s, as the test above; a GPU-only choice of `route`)
 def test_row_chunks_need_no_order(monkeypatch):
   """`dispatch.row_chunks` (`route` on the GPU up to ROW_CHUNK_ROWS rows): identity order, a
   chunk per row. The FP4 and bf16 grouped wrappers (emulated kernels) give with them what they

@@ -91,6 +91,7 @@ def test_routing_replay_makes_trainer_experts_equal_rollout():
   assert _step_metrics("qat", 1.0, True)["mismatch/route_agreement"] == 1.0
 
 
+@pytest.mark.slow  # two more train-step compiles (~22 s on 2 cores); CI runs it
 def test_train_step_deterministic_and_microbatching_equivalent():
   policy, ro, rewards = _rollout(1.0)  # (the rollout the alignment tests compiled)
   outs = []
