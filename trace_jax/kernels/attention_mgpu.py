@@ -45,8 +45,9 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   normalized output; otherwise the last live split of a row to finish merges them all
   (`_split_merger`: plain global stores, a fence and an atomic count, reads from L2) and writes
   the output in logical head_dim order. (TRACE_JAX_ATTN_MERGE=xla: the partials go out and
-  `attention_pallas.combine_splits` merges them after the kernel, splits past the live tiles
-  masked out: ~5 more small kernels a call, reading every split's partials, live or not.)
+  `merge_partials` (`attention_pallas.combine_splits`) merges them after the kernel, splits
+  past the live tiles masked out: ~5 more small kernels a call, reading every split's
+  partials, live or not.)
 
 Mosaic constraints behind this shape (jax 0.11.2, found by lowering for CUDA on CPU): a
 wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided slice does not
@@ -738,8 +739,8 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is; the running max of
   a KV head rises only where one of its scores passes it by more than `lazy_tau`), and with
-  `heads` the in-kernel merge of the live splits (`_split_merger`'s formula). Lets CPU tests
-  cover the plumbing around the kernel."""
+  `heads` the merged output (`merge_partials`, the combine the in-kernel merge equals). Lets
+  CPU tests cover the plumbing around the kernel."""
   del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
   # the row factors as the kernel forms them: g times the factor, rounded to float32
   kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)  # [B, 4, S]
@@ -802,15 +803,26 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   ml = jnp.stack([jnp.stack(ms, 1), jnp.stack(ls, 1)], 3)  # [B, n, 4, 2, gp]
   if heads is None:
     return o, ml
-  # the merge: live splits (a prefix) in log2 units, 1 / sum times the weighted sum
-  live = live_splits(kt, split_tiles, n_splits)[:, :, None, None]  # [B, n, 1, 1]
-  m = jnp.where(live, ml[:, :, :, 0], R.NEG)  # [B, n, 4, gp]
-  w = jnp.where(live, jnp.exp2(m - m.max(1, keepdims=True)), 0.0)
-  den = jnp.sum(w * jnp.where(live, ml[:, :, :, 1], 0.0), axis=1)  # [B, 4, gp]
-  num = jnp.sum(w[:, :, :, None, None, :] * jnp.where(live[..., None, None], o, 0.0), axis=1)
-  inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
-  merged = _to_logical(num[..., :heads] * inv[:, :, None, None, :heads])
-  return o, ml, merged.astype(out_dtype)
+  return o, ml, merge_partials(kt, o, ml, split_tiles, n_splits, heads).astype(out_dtype)
+
+
+def merge_partials(kt, o, ml, split_tiles: int, n_splits: int, g: int) -> jax.Array:
+  """The split combine of `mgpu_decode_kernel`'s partials as XLA ops (the result the kernel's
+  in-kernel merge gives up to float32 rounding): float32 `[B, 4 x g, 128]`, logical order.
+
+  It reduces over the splits in the kernel's own layout, [B, n, 4, 2, 64 physical, gp]: the
+  splits axis is major, so the reduction reads o once in order; only its result, n times
+  smaller, is transposed to logical head_dim order. (Reducing after the transposition: a loop
+  reduce fusion of 37 us a layer appeared in the H200 profile at B = 276 with 16 splits,
+  session 13.) Splits the kernel did not write drop out (selected away, never multiplied: their
+  memory may hold NaN). Only the g real query-head lanes of the kernel's gp are read (GQA 8 at
+  gp 16: half the partials' bytes; the slice fuses into the reduction)."""
+  live = live_splits(kt, split_tiles, n_splits)[:, :, None, None, None, None]  # [B, n, 1 x 4]
+  # the kernel's maxima are in log2 units (its scores carry log2(e)): back to natural ones
+  m = jnp.where(live, ml[:, :, :, None, None, 0, :g] * LN2, R.NEG)  # [B, n, 4, 1, 1, g]
+  l = jnp.where(live, ml[:, :, :, None, None, 1, :g], 0.0)
+  out = combine_splits(jnp.where(live, o[..., :g], 0.0), m, l, axis=1)  # [B, 4, 2, 64, g]
+  return _to_logical(out)
 
 
 def _to_logical(out):
@@ -901,16 +913,4 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if merge:
     return res[2].astype(out_dtype)
   o, ml = res
-  # The combine reduces over the splits in the kernel's own layout, [B, n, 4, 2, 64 physical,
-  # 16]: the splits axis is major, so the reduction reads o once in order; only its result, n
-  # times smaller, is transposed to logical head_dim order. (Reducing after the transposition:
-  # a loop reduce fusion of 37 us a layer appeared in the H200 profile at B = 276 with 16
-  # splits, session 13.) Splits the kernel did not write drop out (selected away, never
-  # multiplied: their memory may hold NaN). Only the g real query-head lanes of the kernel's 16
-  # are read (GQA 8: half the partials' bytes; the slice fuses into the reduction).
-  live = live_splits(kt, split_tiles, n_splits)[:, :, None, None, None, None]  # [B, n, 1 x 4]
-  # the kernel's maxima are in log2 units (its scores carry log2(e)): back to natural ones
-  m = jnp.where(live, ml[:, :, :, None, None, 0, :g] * LN2, R.NEG)  # [B, n, 4, 1, 1, g]
-  l = jnp.where(live, ml[:, :, :, None, None, 1, :g], 0.0)
-  out = combine_splits(jnp.where(live, o[..., :g], 0.0), m, l, axis=1)  # [B, 4, 2, 64, g]
-  return _to_logical(out).astype(out_dtype)
+  return merge_partials(kt, o, ml, split_tiles, n_splits, g).astype(out_dtype)
