@@ -454,7 +454,12 @@ def test_mosaic_wrapper_emulated_matches_reference():
   odd = make_kv("nvfp4", (b, 150, kvh, hd), 1)
   assert "multiple of 8" in AM.kernel_supported(q, odd, odd)
   with pytest.raises(ValueError, match="pipeline stages"):
-    AM.decode_attention(q, k, v, valid, stages=3)
+    AM.decode_attention(q, k, v, valid, stages=4)
+  # XLA's merge stages the partials through SMEM: 3 stages do not fit beside them at gp 16
+  assert (AM.max_stages(16, merge=False), AM.max_stages(16, merge=True)) == (2, 3)
+  q16 = jnp.zeros((b, 16 * kvh, hd), jnp.bfloat16)
+  with pytest.raises(ValueError, match="1 to 2 fit"):
+    AM.decode_attention(q16, k, v, valid, stages=3, merge=False)
 
 
 def test_mosaic_ptx_assembles(tmp_path):

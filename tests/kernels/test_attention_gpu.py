@@ -175,7 +175,7 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau",
                                              "merge", "out_dtype"))
-def _mosaic(q, k, v, valid, splits=None, stages=2, overlap=False, lazy_tau=8.0, merge=True,
+def _mosaic(q, k, v, valid, splits=None, stages=None, overlap=False, lazy_tau=8.0, merge=True,
             out_dtype=None):
   from trace_jax.kernels import attention_mgpu
   return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages,
@@ -206,7 +206,8 @@ def test_mosaic_kernel_vs_reference(s):
 
 @pytest.mark.parametrize("splits,stages,overlap,g,lazy", [
     (1, 2, False, 5, 8.0), (3, 1, False, 5, 8.0), (64, 2, False, 5, 8.0), (1, 2, True, 5, 8.0),
-    (3, 1, True, 5, 8.0), (3, 2, False, 12, 8.0), (1, 1, True, 16, 8.0), (3, 2, False, 5, None)])
+    (3, 1, True, 5, 8.0), (3, 2, False, 12, 8.0), (1, 1, True, 16, 8.0), (3, 2, False, 5, None),
+    (1, 3, False, 5, 8.0), (3, 3, True, 16, 8.0), (64, 3, False, 8, None)])
 def test_mosaic_kernel_splits_and_stages(splits, stages, overlap, g, lazy):
   """Launch variants; g query heads per KV head: 5 padded to the kernel's N of 8, 12 and 16 on
   its N of 16; lazy: the running max's slack (None: exact every tile)."""

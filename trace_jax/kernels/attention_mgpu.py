@@ -55,8 +55,8 @@ wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided sl
 not ("cannot apply swizzle to non-contiguous refs"), hence the row scales are read per thread
 through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, was 4-7%
 slower per call on the H200); wgmma with both operands in SMEM needs equal swizzles, and
-swizzles of 16 B are refused (hence P^T); SMEM holds 2 pipeline stages (~38 KB each) beside
-~109 KB of buffers (3 do not fit in 227 KB).
+swizzles of 16 B are refused (hence P^T); SMEM holds 3 pipeline stages (~38 KB each) beside
+~80 KB of buffers (`max_stages`).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
@@ -104,6 +104,16 @@ _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 # TRACE_JAX_ATTN_MERGE=xla: as XLA ops after the kernel (the A/B side).
 MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla")) == "kernel"
 MERGE_UNROLL = 4  # splits whose partials the merging split loads at once
+# TMA pipeline stages, 38 KB each (`max_stages`). TRACE_JAX_ATTN_STAGES: another default (A/B)
+STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
+
+
+def max_stages(gp: int, merge: bool) -> int:
+  """The most pipeline stages that fit the H200's 227 KB of SMEM beside the kernel's buffers
+  (Mosaic's totals, deviceless compiles): with the in-kernel merge 158 KB with 2 stages at gp 8,
+  196 KB with 3 (212 at gp 16), 4 do not fit (235 KB); XLA's merge stages the partials through
+  SMEM too: 3 stages at gp 16 need 229 KB."""
+  return 2 if gp == 16 and not merge else 3
 
 
 def _phys_to_logical() -> np.ndarray:
@@ -546,9 +556,9 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
                        heads: int | None = None, out_dtype=jnp.bfloat16):
   """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
-  slot; later tiles are neither computed nor read from HBM: their loads repeat the last needed
-  tile, an L2 hit). qp bf16 [B, 4, gp, 128] (head_dim physical; gp the wgmma N side, 8 or
-  16: `query_lanes`); kc/vc uint32 [B, S, 64]
+  slot; later tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
+  [B, 4, gp, 128] (head_dim physical; gp the wgmma N side, 8 or 16: `query_lanes`); kc/vc
+  uint32 [B, S, 64]
   (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, S, 4] (the
   cache's own row scales g, read in place), times k_factor / v_factor in the kernel (2**8, K's
   also times the softmax scale and log2(e): the softmax is `exp2` of scores in log2 units, and
@@ -586,7 +596,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, *merged, q_smem, v_smem,
-                              p_smem, o_smem, ml_smem, red_smem, vote_smem, q_bar):
+                              p_smem, red_smem, vote_smem, q_bar, o_smem=None, ml_smem=None):
     # (the function's name is the kernel's name in profiles)
     out_gmem = merged[0] if merged else None
     counts = None if heads is None else pl.get_global(
@@ -595,7 +605,6 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
     si = lax.axis_index("s")
     t0 = si * split_tiles
     need = kt_gmem[bi]  # tiles this row needs
-    last = jnp.maximum(need - 1, 0)
 
     # the warpgroup index, taken once before the pipeline's loop: read inside each step (a
     # warp shuffle) it kept every wgmma descriptor's arithmetic in the loop (~70 uniform-datapath
@@ -625,12 +634,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       plgpu.copy_smem_to_gmem(ml_smem.at[wg], ml_gmem.at[bi, si, wg])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
-      return lax.cond(t0 + idx[0] < need,
-                      lambda c: step(kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, c),
-                      lambda c: c, carry)
-
-    def step(kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+    def step(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+      del idx
       m, l, o0, o1 = carry
       wg = hoisted["wg"]
       valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
@@ -685,10 +690,12 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
       return m, l, o0, o1
 
-    tile = lambda i: jnp.minimum(t0 + i, last)  # noqa: E731
+    tile = lambda i: t0 + i  # noqa: E731
     row = lambda i: (tile(i), 0)  # noqa: E731
+    # the split's needed tiles only: a dynamic grid (a static one over split_tiles made the
+    # row's last live split wait for an (L2) load of each tile past the row's end)
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        body, grid=(split_tiles,), memory_registers=40,
+        step, grid=(jnp.clip(need - t0, 0, split_tiles),), memory_registers=40,
         in_specs=[plgpu.BlockSpec((TILE, 64), row), plgpu.BlockSpec((TILE, 64), row),
                   plgpu.BlockSpec((TILE, 8), row), plgpu.BlockSpec((TILE, 8), row),
                   plgpu.BlockSpec((TILE, KV_HEADS), row), plgpu.BlockSpec((TILE, KV_HEADS), row),
@@ -723,8 +730,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
           q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
           v_smem=_bf16_smem((KV_HEADS, 128, 64), 128),  # [head_dim half x 64 tokens, 64]
           p_smem=_bf16_smem((KV_HEADS, gp, 64), 128),  # P^T: V's swizzle, which wgmma needs
-          o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
-          ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32),
+          # the partials' staging for TMA stores, only where XLA merges them (the in-kernel
+          # merge stores from registers): 8 KB at gp 8, which a third pipeline stage needs
+          **({} if heads is not None else dict(
+              o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
+              ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32))),
           red_smem=plgpu.SMEM((KV_HEADS, red_elems(gp)), jnp.float32),  # per warpgroup
           vote_smem=plgpu.SMEM((KV_HEADS,), jnp.int32),  # `_raise_vote`'s flags
           q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
@@ -867,7 +877,7 @@ def default_splits(b: int, s: int) -> int:
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
-                     splits: int | None = None, stages: int = 2, overlap: bool = False,
+                     splits: int | None = None, stages: int | None = None, overlap: bool = False,
                      lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
                      kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
@@ -879,13 +889,15 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   why = kernel_supported(q, k, v)
   if why:
     raise ValueError(f"Mosaic decode attention kernel: {why}")
-  if stages not in (1, 2):
-    # 38 KB per stage beside 113 KB of buffers: 3 stages need 233.5 KB of the 227 KB (H200)
-    raise ValueError(f"Mosaic decode attention kernel: {stages} pipeline stages, 1 or 2 fit "
-                     "in shared memory")
   out_dtype = out_dtype or q.dtype
   scale = hd ** -0.5 if scale is None else scale
   g = h // kvh
+  fit = max_stages(query_lanes(g), merge)
+  if stages is None:
+    stages = min(STAGES, fit)
+  if not 1 <= stages <= fit:
+    raise ValueError(f"Mosaic decode attention kernel: {stages} pipeline stages, 1 to {fit} fit "
+                     f"in shared memory here ({g} query heads per KV head, merge={merge})")
   allowed = R.allowed_slots(valid, s)
   tiles = -(-s // TILE)
   split_tiles = -(-tiles // (splits or default_splits(b, s)))
