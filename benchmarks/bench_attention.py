@@ -102,7 +102,7 @@ def _save(fig, title: str, res: dict, path: str) -> None:
 
 def plot_live(res: dict, path: str) -> None:
   """The `--live` rows as a PNG: per (batch, cache slots, live slots), the Mosaic NVFP4 kernel's
-  device time by split count, the bf16-KV kernel's as a line."""
+  device time by split count and with the stream schedule, the bf16-KV kernel's as a line."""
   rows = [r for r in res["rows"] if r.get("kind") == "decode_live" and "us_kernel" in r]
   if not rows:
     return
@@ -114,13 +114,13 @@ def plot_live(res: dict, path: str) -> None:
   for ax, (b, s, live) in zip(axes[0], groups):
     mine = [r for r in rows if (r["batch"], r["context"], r["live"]) == (b, s, live)]
     fp4 = [r for r in mine if r["kv"] == "nvfp4"]
-    ax.bar([str(r["config"]["splits"]) for r in fp4], [r["us_kernel"] for r in fp4],
+    ax.bar([str(r["config"].get("splits", "stream")) for r in fp4], [r["us_kernel"] for r in fp4],
            color="tab:blue", label="NVFP4 KV (Mosaic)")
     for r in mine:
       if r["kv"] == "bf16":
         ax.axhline(r["us_kernel"], color="tab:red", ls="--", label="bf16 KV (Pallas)")
     ax.set_title(f"B{b}, cache {s}, {live} live", fontsize=10)
-    ax.set_xlabel("splits")
+    ax.set_xlabel("splits (or the stream schedule)")
     ax.set_ylabel("kernel us (lower is better)")
   axes[0][0].legend(fontsize=8)
   _save(fig, "decode attention, cache sized past the live context", res, path)
@@ -419,7 +419,8 @@ def main():
 
   # rollout-shaped decode: a cache sized for the longest context, L slots live (prompts
   # left-padded, every row at the same slot as in the engine): the Mosaic kernel's split counts
-  # (splits past the live tiles exit at once) beside the bf16-KV kernel on the same rows
+  # (splits past the live tiles exit at once) and its stream schedule beside the bf16-KV kernel
+  # on the same rows
   for spec in filter(None, args.live.split(",")):
     b, s, live = (int(x) for x in spec.lower().split("x"))
     mask = np.arange(s)[None].repeat(b, 0) < live
@@ -441,9 +442,10 @@ def main():
         cfgs = [("pallas", attention_pallas.decode_attention,
                  attention_pallas.default_config(b, KVH, s, False))]
       else:
-        cfgs = [(f"mosaic_splits{n}", functools.partial(kernels.decode_attention,
-                                                         use_kernel="mosaic"), dict(splits=n))
+        mosaic = functools.partial(kernels.decode_attention, use_kernel="mosaic")
+        cfgs = [(f"mosaic_splits{n}", mosaic, dict(splits=n))
                 for n in sorted({dm, *(tiles // t for t in (32, 16, 8, 4, 2) if tiles >= t)})]
+        cfgs.append(("mosaic_stream", mosaic, dict(schedule="stream")))
       for tag, fn, cfg in cfgs:
         name = f"live_B{b}_S{s}_L{live}_{fmt}_{tag}"
         sweep_row("decode_live", name, fn, cfg, q, kvs, mask, want, "decode_attention")

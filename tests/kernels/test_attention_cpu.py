@@ -355,14 +355,17 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b, 300, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_),
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
-    if fmt == "nvfp4":  # the Mosaic kernel (layouts, inline PTX), 2 stages, V decode
-      # overlapped; both of its N sides (G 8 here, then 16)
+    if fmt == "nvfp4":  # the Mosaic kernels (layouts, inline PTX): split schedule (V decode
+      # overlapped; both N sides, G 8 here, then 16; merges) and stream schedule
       from trace_jax.kernels import attention_mgpu as AM
-      for overlap, heads, lazy, merge in ((False, h, 8.0, True), (True, h, 8.0, True),
-                                          (False, 16 * kvh, 8.0, True), (False, h, None, True),
-                                          (False, h, 8.0, False)):
+      for overlap, heads, lazy, merge, schedule in (
+          (False, h, 8.0, True, "splits"), (True, h, 8.0, True, None),
+          (False, 16 * kvh, 8.0, True, "splits"), (False, h, None, True, "splits"),
+          (False, h, 8.0, False, None), (False, h, 8.0, True, "stream"),
+          (False, 16 * kvh, None, True, "stream")):
         lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap,
-                                            lazy_tau=lazy, merge=merge)).trace(
+                                            lazy_tau=lazy, merge=merge,
+                                            schedule=schedule)).trace(
             sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
@@ -449,6 +452,12 @@ def test_mosaic_wrapper_emulated_matches_reference():
                                     lazy_tau=lazy, merge=merge,
                                     kernel_fn=AM.emulate_kernel))(q, k, v, valid)
     assert relerr(got, want) < 1e-2
+  # the stream schedule: tables, parts in slots (unwritten ones NaN in the model), the combine
+  got = jax.jit(functools.partial(AM.decode_attention, schedule="stream", out_dtype=jnp.float32,
+                                  kernel_fn=AM.emulate_stream_kernel))(q, k, v, valid)
+  assert relerr(got, want) < 1e-2
+  with pytest.raises(ValueError, match="stream schedule merges"):
+    AM.decode_attention(q, k, v, valid, schedule="stream", merge=False)
   assert AM.kernel_supported(q, k, v) is None
   assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)
   odd = make_kv("nvfp4", (b, 150, kvh, hd), 1)
@@ -460,6 +469,38 @@ def test_mosaic_wrapper_emulated_matches_reference():
   q16 = jnp.zeros((b, 16 * kvh, hd), jnp.bfloat16)
   with pytest.raises(ValueError, match="1 to 2 fit"):
     AM.decode_attention(q16, k, v, valid, stages=3, merge=False)
+
+
+def test_stream_tables_cover_every_tile_once():
+  """`stream_tables` against a plain enumeration: rows' needed tiles (a row without visible
+  slots one empty unit) laid end to end and cut into runs of ceil(units / CTAs); each unit's
+  row, tile and flags; each row's first CTA and part count; part slots (row + CTA) unique.
+  Random ragged rows, fewer units than CTAs, one row over many CTAs."""
+  from trace_jax.kernels import attention_mgpu as AM
+  rng = np.random.default_rng(5)
+  cases = [(rng.integers(0, 9, 7), 8, 3), (np.array([3, 1, 0]), 3, 132),
+           (np.array([128]), 128, 132), (rng.integers(1, 17, 300), 16, 132)]
+  for kt, s_tiles, n_ctas in cases:
+    table, rows = (np.asarray(a) for a in AM.stream_tables(jnp.asarray(kt, jnp.int32), s_tiles,
+                                                           n_ctas))
+    units = [(r, t, t == max(k, 1) - 1, k == 0) for r, k in enumerate(kt) for t in range(max(k, 1))]
+    q = -(-len(units) // n_ctas)
+    seen, parts = [], {}
+    for c in range(n_ctas):
+      n = table[c, 0]
+      assert n == len(units[c * q:(c + 1) * q])
+      for e in table[c, 1:1 + n]:
+        r, t = e >> 13, (e >> 2) & 2047
+        seen.append((r, t, bool(e & 2), bool(e & 1)))
+        parts.setdefault(r, []).append(c)
+    assert seen == units
+    slots = set()
+    for r, cs in parts.items():
+      cs = sorted(set(cs))
+      assert cs == list(range(cs[0], cs[-1] + 1))  # consecutive CTAs
+      assert (rows[r] >> 8, rows[r] & 255) == (cs[0], len(cs))
+      slots |= {r + c for c in cs}
+    assert len(slots) == sum(len(set(cs)) for cs in parts.values())
 
 
 def test_mosaic_ptx_assembles(tmp_path):

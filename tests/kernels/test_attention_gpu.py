@@ -174,13 +174,14 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 # ------------------------------------------------------------------ Mosaic NVFP4 decode kernel
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau",
-                                             "merge", "out_dtype"))
+                                             "merge", "out_dtype", "schedule", "emulate"))
 def _mosaic(q, k, v, valid, splits=None, stages=None, overlap=False, lazy_tau=8.0, merge=True,
-            out_dtype=None):
+            out_dtype=None, schedule=None, emulate=False):
   from trace_jax.kernels import attention_mgpu
-  return attention_mgpu.decode_attention(q, k, v, valid, splits=splits, stages=stages,
-                                         overlap=overlap, lazy_tau=lazy_tau, merge=merge,
-                                         out_dtype=out_dtype)
+  return attention_mgpu.decode_attention(
+      q, k, v, valid, splits=splits, stages=stages, overlap=overlap, lazy_tau=lazy_tau,
+      merge=merge, out_dtype=out_dtype, schedule=schedule,
+      kernel_fn=attention_mgpu.emulate_stream_kernel if emulate else None)
 
 
 MOSAIC_TOL = 3e-2  # K unrounded in the kernel, bf16 in the reference: see attention_mgpu
@@ -244,3 +245,41 @@ def test_mosaic_in_kernel_merge_equals_xla_combine(g):
   assert not np.asarray(got[0][4]).any()  # no visible slot: zeros
   ref = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)  # (its row 4: uniform)
   assert relerr(_mosaic(q, k, v, lengths, splits=16)[:4], ref[:4]) < MOSAIC_TOL  # bf16 output
+
+
+@pytest.mark.parametrize("b,s,stages,g,lazy", [
+    (4, 8, 2, 8, 8.0), (5, 1000, 2, 8, 8.0), (1, 8192, 2, 8, 8.0), (3, 8192, 3, 5, None),
+    (200, 1024, 2, 16, 8.0), (140, 136, 1, 8, 8.0)])
+def test_mosaic_stream_schedule(b, s, stages, g, lazy):
+  """The stream schedule (one CTA per SM, each a run of (row, tile) units that crosses rows,
+  parts merged in the kernel) against the reference and against its jnp model, which follows
+  the same tables: ragged rows (lengths 1 to S, not multiples of the tile, hidden prefixes), a
+  row spread over every CTA (B 1 x 8k), more rows than CTAs (B 200, 140), the query-lane
+  paddings; float32 output, two calls in one program (the merge counters start at zero in
+  each), then bf16 output; a row without visible slots gives zeros."""
+  rng = np.random.default_rng(b * s + g)
+  k, v = make_kv("nvfp4", (b, s, 4, 128), b + 1), make_kv("nvfp4", (b, s, 4, 128), b + 2)
+  q = jax.random.normal(jax.random.key(b), (b, 4 * g, 128), jnp.float32).astype(jnp.bfloat16)
+  lengths = rng.integers(1, s + 1, b)
+  lengths[0], lengths[-1] = s, 1
+  valid = np.arange(s)[None, :] < lengths[:, None]
+  valid[1::3] &= np.arange(s)[None, :] >= (lengths[1::3] // 4)[:, None]  # hidden prefixes
+  if b > 2:
+    valid[b // 2] = False  # no visible slot
+  valid = jnp.asarray(valid)
+  f32 = jnp.float32
+  kw = dict(schedule="stream", stages=stages, lazy_tau=lazy)
+
+  @jax.jit
+  def twice(q, k, v, valid):
+    return (_mosaic(q, k, v, valid, out_dtype=f32, **kw),
+            _mosaic(q * 2, k, v, valid, out_dtype=f32, **kw))
+
+  ref = jax.jit(kernels.decode_attention_ref)
+  seen = valid.any(axis=1)
+  for got, qq in zip(twice(q, k, v, valid), (q, q * 2)):
+    assert relerr(got[seen], ref(qq, k, v, valid)[seen]) < MOSAIC_TOL
+    assert relerr(got, _mosaic(qq, k, v, valid, out_dtype=f32, emulate=True, **kw)) < 1e-2
+    assert not np.asarray(got[~seen]).any()
+  got = _mosaic(q, k, v, valid, **kw)
+  assert got.dtype == jnp.bfloat16 and relerr(got[seen], ref(q, k, v, valid)[seen]) < MOSAIC_TOL

@@ -105,15 +105,22 @@ _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla")) == "kernel"
 MERGE_UNROLL = 4  # splits whose partials the merging split loads at once
 # TMA pipeline stages, 38 KB each (`max_stages`). TRACE_JAX_ATTN_STAGES: another default (A/B)
-STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
+STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 2, minimum=1)
 
 
-def max_stages(gp: int, merge: bool) -> int:
+# The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
+# a run of (row, tile) units crossing rows) or "splits" (`mgpu_decode_kernel`: a CTA per row and
+# split of the cache). TRACE_JAX_ATTN_SCHEDULE: the other (A/B runs)
+SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "splits", ("stream", "splits"))
+
+
+def max_stages(gp: int, merge: bool, stream: bool = False) -> int:
   """The most pipeline stages that fit the H200's 227 KB of SMEM beside the kernel's buffers
-  (Mosaic's totals, deviceless compiles): with the in-kernel merge 158 KB with 2 stages at gp 8,
-  196 KB with 3 (212 at gp 16), 4 do not fit (235 KB); XLA's merge stages the partials through
-  SMEM too: 3 stages at gp 16 need 229 KB."""
-  return 2 if gp == 16 and not merge else 3
+  (Mosaic's totals, deviceless compiles): splits with the in-kernel merge 158 KB with 2 stages
+  at gp 8, 196 KB with 3 (212 at gp 16), 4 do not fit (235 KB); XLA's merge stages the partials
+  through SMEM too: 3 stages at gp 16 need 229 KB. The stream kernel's queries ride in each
+  stage (8 KB at gp 8, 16 at gp 16): 3 stages at gp 16 would need 244 KB."""
+  return 2 if gp == 16 and (stream or not merge) else 3
 
 
 def _phys_to_logical() -> np.ndarray:
@@ -352,23 +359,25 @@ def _raise_vote():
 
 
 @functools.cache
-def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits: int):
-  """inline_mgpu function: the split combine inside the kernel, by the last split to finish.
-  (o0, o1 float32 [64, gp] wgmma layout: this warpgroup's unnormalized O^T halves; m, l
-  float32 [gp]: its running max (log2 units) and sum; bi, si, need int32 scalars: batch row,
-  split, tiles the row needs; refs: part_o / part_ml (the partials, `mgpu_decode_kernel`'s
-  o / ml outputs), counts (a zeroed int32 semaphore a row and KV head), out `[B, H, 128]`
-  (logical head_dim order, `out_bits` 16: bf16, 32: float32)) -> nothing.
+def _split_merger(gp: int, heads: int, out_bits: int):
+  """inline_mgpu function: the combine of a row's parts (splits, or a stream CTA's segments)
+  inside the kernel, by the last part to finish. (o0, o1 float32 [64, gp] wgmma layout: this
+  warpgroup's unnormalized O^T halves; m, l float32 [gp]: its running max (log2 units) and
+  sum; bi, part, n_parts, slot0 int32 scalars: batch row, this part's index among the row's
+  n_parts, the partials slot of part 0 (part p's is slot0 + p); refs: part_o / part_ml (the
+  partials, float32 [slots, 4, 2, 64, gp] / [slots, 4, 2, gp] in any shape of that order),
+  counts (a zeroed int32 semaphore a row and KV head), out `[B, H, 128]` (logical head_dim
+  order, `out_bits` 16: bf16, 32: float32)) -> nothing.
 
-  A row with one live split (`n_live`) writes O / l from its registers. Otherwise each live
-  split stores its partials with plain global stores, fences (`fence.acq_rel.gpu`), and one
-  thread of the warpgroup counts it in with an atomic add; the split that sees the count reach
-  n_live - 1 (told to all 128 threads by `bar.red.or.pred`) reads every live split's partials
-  back (`ld.global.cg`: from L2, never a stale L1 line) in split order, so the result does not
-  depend on which split came last, and merges them online, MERGE_UNROLL splits a round: out =
-  sum w_s O_s / sum w_s l_s with w_s = 2**(m_s - max m) (0 where the sum is 0: a row with no
-  visible slot). Query lanes past `heads` are not written. The XLA combine this replaces read
-  every split's partials, live or not, in ~5 small kernels a layer."""
+  A row of one part writes O / l from its registers. Otherwise each part stores its partials
+  with plain global stores, fences (`fence.acq_rel.gpu`), and one thread of the warpgroup
+  counts it in with an atomic add; the part that sees the count reach n_parts - 1 (told to all
+  128 threads by `bar.red.or.pred`) reads every part's partials back (`ld.global.cg`: from L2,
+  never a stale L1 line) in part order, so the result does not depend on which part came
+  last, and merges them online, MERGE_UNROLL parts a round: out = sum w_s O_s / sum w_s l_s
+  with w_s = 2**(m_s - max m) (0 where the sum is 0: a row with no visible slot). Query lanes
+  past `heads` are not written. The XLA combine this replaces read every split's partials,
+  live or not, in ~5 small kernels a layer."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils
@@ -382,19 +391,18 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
   assert fa.WGMMA_LAYOUT.registers_shape((64, gp)) == (1, nb, 1, 1, 2, 1, 1, 1, 1)
   assert fa.WGMMA_LAYOUT.reduce((0,)).registers_shape((gp,)) == (nb, 1, 1)
 
-  @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, cols, cols, scalar, scalar, scalar, ref, ref, ref,
-                                ref))
-  def merge(ctx, o0, o1, m, l, bi, si, need, part_o, part_ml, counts, out):
+  @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, cols, cols, scalar, scalar, scalar, scalar, ref,
+                                ref, ref, ref))
+  def merge(ctx, o0, o1, m, l, bi, si, n_live, slot0, part_o, part_ml, counts, out):
     del ctx
     i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
                      ir.F32Type.get())
     index = ir.IndexType.get()
     c = lambda v: arith.constant(i32, v)  # noqa: E731
     add, mul = arith.addi, arith.muli
-    bi, si, need = (x.registers.flat[0] for x in (bi, si, need))
+    bi, si, n_live, slot0 = (x.registers.flat[0] for x in (bi, si, n_live, slot0))
     tid = mutils.thread_idx()
     wg, t = arith.divui(tid, c(128)), arith.remui(tid, c(128))
-    n_live = arith.maxsi(arith.divsi(add(need, c(split_tiles - 1)), c(split_tiles)), c(1))
     base = lambda r: llvm.ptrtoint(i64, mutils.memref_ptr(r))  # noqa: E731
     o_base, ml_base, cnt_base, out_base = map(base, (part_o, part_ml, counts, out))
 
@@ -413,7 +421,7 @@ def _split_merger(gp: int, heads: int, n_splits: int, split_tiles: int, out_bits
     mreg = [m.registers[cb, 0, 0] for cb in range(nb)]
     lreg = [l.registers[cb, 0, 0] for cb in range(nb)]
     split = lambda r: [vector.extract(r, [], [e]) for e in range(2)]  # noqa: E731
-    slot = lambda s: add(mul(add(mul(bi, c(n_splits)), s), c(KV_HEADS)), wg)  # noqa: E731
+    slot = lambda s: add(mul(add(slot0, s), c(KV_HEADS)), wg)  # noqa: E731
 
     def o_elem(s, j, k):  # register k of half j of split s
       row, col = pos[k]
@@ -548,6 +556,105 @@ def _bf16_smem(shape, swizzle: int):
       plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)))
 
 
+def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None,
+               overlap: bool):
+  """The kernels' work on one 64-token tile, shared by both schedules: (wg, q [gp, 128] SMEM
+  ref of this warpgroup's queries, the pipeline slot's tile refs, scratch refs, state) ->
+  state (m [gp] running max in log2 units, l [64, gp] per-thread partial sums, o0 / o1
+  [64, gp] unnormalized O^T halves)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax import lax
+
+  wgmma_layout = plgpu.Layout.WGMMA
+  decode, decode_stacked = _tile_decoder(), _tile_decoder(stacked=True)
+  col_max = _column_reducer("max", gp)
+  raise_vote = _raise_vote()
+
+  def step(wg, q, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem, red_smem,
+           vote_smem, carry):
+    m, l, o0, o1 = carry
+    valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
+    k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+                    plgpu.load(ks_s, (), layout=wgmma_layout))
+
+    def decode_v():  # V to SMEM (the last tile's PV wgmma, its reader, has completed)
+      v_smem[wg] = decode_stacked(
+          plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+          plgpu.load(vs_s, (), layout=wgmma_layout))
+
+    def s_scope(acc):
+      plgpu.wgmma(acc, k0, q.at[:, pl.ds(0, 64)].T)
+      plgpu.wgmma(acc, k1, q.at[:, pl.ds(64, 64)].T)
+      if overlap:
+        decode_v()
+      plgpu.wgmma_wait(0)
+      return acc[...]
+
+    s = pl.run_scoped(s_scope, plgpu.ACC((64, gp), jnp.float32))
+    s = _row_scaler(k_factor, gp)(s, kg_s)
+    s = s + ((valid - 1.0) * 1e30)[:, None]
+
+    def raise_max(args):  # the online softmax's step: the exact running max, state rescaled
+      m, l, o0, o1 = args
+      m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
+      corr = jnp.exp2(m - m_new)
+      return m_new, l * corr[None, :], o0 * corr[None, :], o1 * corr[None, :]
+
+    if lazy_tau is None:
+      m, l, o0, o1 = raise_max((m, l, o0, o1))
+    else:  # only when a score passes the running max by more than lazy_tau (see docstring)
+      raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
+      m, l, o0, o1 = lax.cond(vote_smem[wg] != 0, raise_max, lambda a: a, (m, l, o0, o1))
+    # scores in log2 units. Hidden slots carry -1e30, so their p is 0 once a visible slot has
+    # set m; before that (m still -1e30: hidden tiles first) s - m is 0 there and p 1, and
+    # that start is wiped by the first visible tile's corr = exp2(-1e30 - m) = 0 (or, in a
+    # part that sees none, its m of -1e30 drops it from the combine)
+    p = jnp.exp2(s - m[None, :])
+    l = l + p
+    p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
+    if not overlap:
+      decode_v()
+    plgpu.commit_smem()
+
+    def o_scope(accs):
+      plgpu.wgmma(accs[0], v_smem.at[wg, pl.ds(0, 64)].T, p_smem.at[wg].T)
+      plgpu.wgmma(accs[1], v_smem.at[wg, pl.ds(64, 64)].T, p_smem.at[wg].T)
+
+    # the wgmmas accumulate onto the (rescaled) output in place (a zeroed accumulator and an
+    # add after it cost 16 more instructions a tile)
+    o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
+    return m, l, o0, o1
+
+  return step
+
+
+def _initial_state(gp: int):
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  wgmma_layout = plgpu.Layout.WGMMA
+  zeros = plgpu.layout_cast(jnp.zeros((64, gp), jnp.float32), wgmma_layout)
+  return (plgpu.layout_cast(jnp.full((gp,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
+          zeros, zeros, zeros)
+
+
+def _scratch(gp: int):
+  """SMEM beside the pipeline's buffers: decoded V, P^T, reduction rows, vote flags."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  return dict(
+      v_smem=_bf16_smem((KV_HEADS, 128, 64), 128),  # [head_dim half x 64 tokens, 64]
+      p_smem=_bf16_smem((KV_HEADS, gp, 64), 128),  # P^T: V's swizzle, which wgmma needs
+      red_smem=plgpu.SMEM((KV_HEADS, red_elems(gp)), jnp.float32),  # per warpgroup
+      vote_smem=plgpu.SMEM((KV_HEADS,), jnp.int32))  # `_raise_vote`'s flags
+
+
+def _compiler_params():
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  # approx_math: exp2 as one `ex2.approx.ftz` (relative error ~2**-22; the probabilities are
+  # rounded to bf16 next) instead of the ~8-instruction accurate exp
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                              approx_math=True)
+
+
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
                                              "v_factor", "overlap", "lazy_tau", "heads",
                                              "out_dtype"))
@@ -555,14 +662,15 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
                        k_factor: float, v_factor: float, stages: int = 2,
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
                        heads: int | None = None, out_dtype=jnp.bfloat16):
-  """The raw kernel. kt int32 [B]: 64-token tiles each row needs (through its last visible
-  slot; later tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
+  """The raw kernel, split schedule: CTA (row, split) runs tiles [split * split_tiles, ...) of
+  its row. kt int32 [B]: 64-token tiles each row needs (through its last visible slot; later
+  tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
   [B, 4, gp, 128] (head_dim physical; gp the wgmma N side, 8 or 16: `query_lanes`); kc/vc
-  uint32 [B, S, 64]
-  (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg float32 [B, S, 4] (the
-  cache's own row scales g, read in place), times k_factor / v_factor in the kernel (2**8, K's
-  also times the softmax scale and log2(e): the softmax is `exp2` of scores in log2 units, and
-  the returned maxima are in those units); vf float32 [B, S_pad] (1: slot visible, 0 not).
+  uint32 [B, S, 64] (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg
+  float32 [B, S, 4] (the cache's own row scales g, read in place), times k_factor / v_factor
+  in the kernel (2**8, K's also times the softmax scale and log2(e): the softmax is `exp2` of
+  scores in log2 units, and the returned maxima are in those units); vf float32 [B, S_pad] (1:
+  slot visible, 0 not).
   The softmax denominator stays a per-thread [64, gp] partial (rescaled with the output) and is
   reduced across warps once per split, so a tile has one cross-warp reduction (the max), not
   two: 5-7% faster on the H200 than a reduction per tile (B 16/64 x S 8k/32k, 2026-11-30).
@@ -585,14 +693,12 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   _patch_register_pool()
 
   b = qp.shape[0]
-  wgmma_layout = plgpu.Layout.WGMMA
-  decode, decode_stacked = _tile_decoder(), _tile_decoder(stacked=True)
   gp = qp.shape[2]  # the N side: query heads per KV head, padded (`query_lanes`)
-  col_max, col_sum = _column_reducer("max", gp), _column_reducer("add", gp)
-  raise_vote = _raise_vote()
+  col_sum = _column_reducer("add", gp)
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap)
   if heads is not None:
     out_bits = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}[jnp.dtype(out_dtype)]
-    merger = _split_merger(gp, heads, n_splits, split_tiles, out_bits)
+    merger = _split_merger(gp, heads, out_bits)
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, *merged, q_smem, v_smem,
@@ -615,13 +721,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       wg = hoisted["wg"] = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      zeros = plgpu.layout_cast(jnp.zeros((64, gp), jnp.float32), wgmma_layout)
-      init = (plgpu.layout_cast(jnp.full((gp,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
-              zeros, zeros, zeros)
-      m, l, o0, o1 = eval_pipeline(init)
+      m, l, o0, o1 = eval_pipeline(_initial_state(gp))
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       if heads is not None:
-        merger(o0, o1, m, l, bi, si, need, o_gmem, ml_gmem, counts, out_gmem)
+        n_live = jnp.maximum((need + split_tiles - 1) // split_tiles, 1)
+        merger(o0, o1, m, l, bi, si, n_live, bi * n_splits, o_gmem, ml_gmem, counts, out_gmem)
         return
       ml_smem[wg, 0] = m
       ml_smem[wg, 1] = l
@@ -634,80 +738,28 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       plgpu.copy_smem_to_gmem(ml_smem.at[wg], ml_gmem.at[bi, si, wg])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def step(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       del idx
-      m, l, o0, o1 = carry
       wg = hoisted["wg"]
-      valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
-      k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
-                      plgpu.load(ks_s, (), layout=wgmma_layout))
+      return step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem,
+                  red_smem, vote_smem, carry)
 
-      def decode_v():  # V to SMEM (the last tile's PV wgmma, its reader, has completed)
-        v_smem[wg] = decode_stacked(
-            plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
-            plgpu.load(vs_s, (), layout=wgmma_layout))
-
-      def s_scope(acc):
-        plgpu.wgmma(acc, k0, q_smem.at[wg, :, pl.ds(0, 64)].T)
-        plgpu.wgmma(acc, k1, q_smem.at[wg, :, pl.ds(64, 64)].T)
-        if overlap:
-          decode_v()
-        plgpu.wgmma_wait(0)
-        return acc[...]
-
-      s = pl.run_scoped(s_scope, plgpu.ACC((64, gp), jnp.float32))
-      s = _row_scaler(k_factor, gp)(s, kg_s)
-      s = s + ((valid - 1.0) * 1e30)[:, None]
-
-      def raise_max(args):  # the online softmax's step: the exact running max, state rescaled
-        m, l, o0, o1 = args
-        m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
-        corr = jnp.exp2(m - m_new)
-        return m_new, l * corr[None, :], o0 * corr[None, :], o1 * corr[None, :]
-
-      if lazy_tau is None:
-        m, l, o0, o1 = raise_max((m, l, o0, o1))
-      else:  # only when a score passes the running max by more than lazy_tau (see docstring)
-        raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
-        m, l, o0, o1 = lax.cond(vote_smem[wg] != 0, raise_max, lambda a: a, (m, l, o0, o1))
-      # scores in log2 units. Hidden slots carry -1e30, so their p is 0 once a visible slot has
-      # set m; before that (m still -1e30: hidden tiles first) s - m is 0 there and p 1, and
-      # that start is wiped by the first visible tile's corr = exp2(-1e30 - m) = 0 (or, in a
-      # split that sees none, its m of -1e30 drops it from the combine)
-      p = jnp.exp2(s - m[None, :])
-      l = l + p
-      p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
-      if not overlap:
-        decode_v()
-      plgpu.commit_smem()
-
-      def o_scope(accs):
-        plgpu.wgmma(accs[0], v_smem.at[wg, pl.ds(0, 64)].T, p_smem.at[wg].T)
-        plgpu.wgmma(accs[1], v_smem.at[wg, pl.ds(64, 64)].T, p_smem.at[wg].T)
-
-      # the wgmmas accumulate onto the (rescaled) output in place (a zeroed accumulator and an
-      # add after it cost 16 more instructions a tile)
-      o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
-      return m, l, o0, o1
-
-    tile = lambda i: t0 + i  # noqa: E731
-    row = lambda i: (tile(i), 0)  # noqa: E731
+    row = lambda i: (t0 + i, 0)  # noqa: E731
     # the split's needed tiles only: a dynamic grid (a static one over split_tiles made the
     # row's last live split wait for an (L2) load of each tile past the row's end)
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        step, grid=(jnp.clip(need - t0, 0, split_tiles),), memory_registers=40,
+        body, grid=(jnp.clip(need - t0, 0, split_tiles),), memory_registers=40,
         in_specs=[plgpu.BlockSpec((TILE, 64), row), plgpu.BlockSpec((TILE, 64), row),
                   plgpu.BlockSpec((TILE, 8), row), plgpu.BlockSpec((TILE, 8), row),
                   plgpu.BlockSpec((TILE, KV_HEADS), row), plgpu.BlockSpec((TILE, KV_HEADS), row),
-                  plgpu.BlockSpec((TILE,), lambda i: (tile(i),))],
+                  plgpu.BlockSpec((TILE,), lambda i: (t0 + i,))],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
         compute_context=compute_context)
 
     # A split that starts at or past the row's last needed tile runs nothing and writes
     # nothing (the wrapper masks its partials): at rollout shapes the cache is sized for the
-    # longest context while the live one is short, and a pipeline over tiles it skips still
-    # waits for each tile's (L2) load. Split 0 always runs: a row without visible slots gets
-    # its zero state from it.
+    # longest context while the live one is short. Split 0 always runs: a row without visible
+    # slots gets its zero state from it.
     @pl.when((t0 < need) | (si == 0))
     def _():
       pipeline(kc_gmem.at[bi], vc_gmem.at[bi], ks_gmem.at[bi], vs_gmem.at[bi], kg_gmem.at[bi],
@@ -717,28 +769,197 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
               jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, gp), jnp.float32))
   if heads is not None:
     out_type += (jax.ShapeDtypeStruct((b, KV_HEADS * heads, HEAD_DIM), out_dtype),)
+  scratch = dict(_scratch(gp), q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
+                 q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS))
+  if heads is None:  # the partials' staging for TMA stores, only where XLA merges them (the
+    # in-kernel merge stores from registers): 8 KB at gp 8
+    scratch.update(o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
+                   ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32))
   return plgpu.kernel(
-      decode_attention_mosaic,
-      out_type=out_type,
-      grid=(b, n_splits), grid_names=("b", "s"),
-      num_threads=KV_HEADS + 1, thread_name="wg",
-      # approx_math: exp2 as one `ex2.approx.ftz` (relative error ~2**-22; the probabilities
-      # are rounded to bf16 next) instead of the ~8-instruction accurate exp
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      scratch_types=dict(
-          q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
-          v_smem=_bf16_smem((KV_HEADS, 128, 64), 128),  # [head_dim half x 64 tokens, 64]
-          p_smem=_bf16_smem((KV_HEADS, gp, 64), 128),  # P^T: V's swizzle, which wgmma needs
-          # the partials' staging for TMA stores, only where XLA merges them (the in-kernel
-          # merge stores from registers): 8 KB at gp 8, which a third pipeline stage needs
-          **({} if heads is not None else dict(
-              o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
-              ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32))),
-          red_smem=plgpu.SMEM((KV_HEADS, red_elems(gp)), jnp.float32),  # per warpgroup
-          vote_smem=plgpu.SMEM((KV_HEADS,), jnp.int32),  # `_raise_vote`'s flags
-          q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
+      decode_attention_mosaic, out_type=out_type, grid=(b, n_splits), grid_names=("b", "s"),
+      num_threads=KV_HEADS + 1, thread_name="wg", compiler_params=_compiler_params(),
+      scratch_types=scratch,
   )(kt, qp, kc, vc, ks, vs, kg, vg, vf)
+
+
+# Stream schedule: unit entries pack (row, tile, flags) into an int32
+_UNIT_ROW_SHIFT, _UNIT_TILE_SHIFT, _UNIT_TILE_MASK = 13, 2, (1 << 11) - 1
+_UNIT_LAST, _UNIT_EMPTY = 2, 1
+MAX_STREAM_TILES = _UNIT_TILE_MASK + 1  # 131,072 slots
+
+
+def stream_tables(kt, s_tiles: int, n_ctas: int):
+  """The stream schedule's work tables (XLA, a few small fusions a call, the same for every
+  layer): each row's needed tiles (`kt`; a row without visible slots one empty unit) laid end
+  to end, row after row, and cut into n_ctas runs of q = ceil(units / n_ctas) (the last runs
+  shorter or empty), so every CTA streams about the same number of tiles whatever the rows'
+  lengths. Returns (units int32 [n_ctas, W]: column 0 the CTA's unit count, then its units,
+  `(row << 13) | (tile << 2) | (last tile of the row << 1) | (empty)`; rows int32 [B]:
+  `first CTA of the row << 8 | CTAs that hold part of it`). A row's parts are consecutive
+  CTAs; part (row r, CTA c) has partials slot r + c (unique: rows and CTAs both advance)."""
+  b = kt.shape[0]
+  units = jnp.maximum(kt, 1)
+  end = jnp.cumsum(units)
+  start = end - units
+  q = (end[-1] + n_ctas - 1) // n_ctas
+  lo = jnp.minimum(jnp.arange(n_ctas) * q, end[-1])
+  count = jnp.minimum(lo + q, end[-1]) - lo
+  max_u = -(-b * max(s_tiles, 1) // n_ctas)  # >= q
+  width = -(-(max_u + 1) // 4) * 4  # 16-byte rows
+  u = jnp.minimum(lo[:, None] + jnp.arange(width - 1)[None, :], end[-1] - 1)
+  r = jnp.searchsorted(end, u, side="right", method="scan_unrolled").astype(jnp.int32)
+  t = u - start[r]
+  entry = ((r << _UNIT_ROW_SHIFT) | (t << _UNIT_TILE_SHIFT)
+           | jnp.where(t == units[r] - 1, _UNIT_LAST, 0) | jnp.where(kt[r] == 0, _UNIT_EMPTY, 0))
+  table = jnp.concatenate([count[:, None], entry], axis=1).astype(jnp.int32)
+  first, last = start // q, (end - 1) // q
+  return table, ((first << 8) | (last - first + 1)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
+                                             "heads", "out_dtype"))
+def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
+                       v_factor: float, heads: int, stages: int = 2,
+                       lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
+  """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
+  of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
+  length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
+  part (`_split_merger`: written out, or counted in and merged by the row's last part) and
+  start the next row's state. The queries ride in the pipeline with the tile (their row's,
+  an L2 hit after the first). No CTA is launched for splits past a row's live tiles, and the
+  tiles spread evenly over the SMs whatever the rows' lengths. Operands as
+  `mgpu_decode_kernel` (qp flattened to [B * 4, gp, 128]); returns (o float32
+  [B + n_ctas, 4, 2, 64, gp], ml float32 [B + n_ctas, 4, 2, gp]: the parts' partials,
+  scratch; the attention [B, 4 * heads, 128] in out_dtype, logical head_dim order)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax import lax
+  from trace_jax.kernels.fp4_mgpu import _patch_register_pool
+  _patch_register_pool()
+
+  b, n_ctas = rows.shape[0], units.shape[0]
+  gp = qp.shape[1]
+  col_sum = _column_reducer("add", gp)
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, False)
+  out_bits = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}[jnp.dtype(out_dtype)]
+  merger = _split_merger(gp, heads, out_bits)
+
+  def decode_attention_stream(units_gmem, rows_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem,
+                              vs_gmem, kg_gmem, vg_gmem, vf_gmem, o_gmem, ml_gmem, out_gmem,
+                              v_smem, p_smem, red_smem, vote_smem):
+    counts = pl.get_global(plgpu.SemaphoreType.REGULAR((b * KV_HEADS,)))  # zeroed each call
+    ci = lax.axis_index("c")
+    n = units_gmem[ci, 0]
+    entry = lambda i: units_gmem[ci, 1 + i]  # noqa: E731  (an L1 hit but once a 128 B line)
+    row_of = lambda e: e >> _UNIT_ROW_SHIFT  # noqa: E731
+    hoisted = {}
+
+    def compute_context(eval_pipeline):
+      hoisted["wg"] = lax.axis_index("wg")
+      eval_pipeline(_initial_state(gp))
+
+    def body(idx, q_s, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+      wg = hoisted["wg"]
+      e = entry(idx[0])
+      carry = lax.cond(
+          (e & _UNIT_EMPTY) == 0,
+          lambda c: step(wg, q_s.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem,
+                         p_smem, red_smem, vote_smem, c),
+          lambda c: c, carry)
+
+      def finish(state):  # the part ends: out or into the row's merge; the next row starts
+        m, l, o0, o1 = state
+        l = col_sum(l, red_smem.at[wg])
+        r = row_of(e)
+        info = rows_gmem[r]
+        first = info >> 8
+        merger(o0, o1, m, l, r, ci - first, info & 255, r + first, o_gmem, ml_gmem, counts,
+               out_gmem)
+        return _initial_state(gp)
+
+      return lax.cond(((e & _UNIT_LAST) != 0) | (idx[0] == n - 1), finish, lambda c: c, carry)
+
+    def tile_of(i):
+      e = entry(i)
+      return row_of(e), (e >> _UNIT_TILE_SHIFT) & _UNIT_TILE_MASK
+
+    spec = lambda cols: plgpu.BlockSpec(  # noqa: E731
+        (None, TILE, cols), lambda i: (*tile_of(i), 0))
+    q_spec = plgpu.BlockSpec(
+        (KV_HEADS, gp, HEAD_DIM), lambda i: (row_of(entry(i)), 0, 0),
+        transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        body, grid=(n,), memory_registers=40,
+        in_specs=[q_spec, spec(64), spec(64), spec(8), spec(8), spec(KV_HEADS), spec(KV_HEADS),
+                  plgpu.BlockSpec((None, TILE), tile_of)],
+        wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
+        compute_context=compute_context)
+    pipeline(q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem, vg_gmem, vf_gmem)
+
+  slots = b + n_ctas
+  out_type = (jax.ShapeDtypeStruct((slots, KV_HEADS, 2, 64, gp), jnp.float32),
+              jax.ShapeDtypeStruct((slots, KV_HEADS, 2, gp), jnp.float32),
+              jax.ShapeDtypeStruct((b, KV_HEADS * heads, HEAD_DIM), out_dtype))
+  return plgpu.kernel(
+      decode_attention_stream, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
+      num_threads=KV_HEADS + 1, thread_name="wg", compiler_params=_compiler_params(),
+      scratch_types=_scratch(gp),
+  )(units, rows, qp, kc, vc, ks, vs, kg, vg, vf)
+
+
+def _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_pad: int, k_factor: float,
+                       v_factor: float):
+  """The emulations' view of the cache: K / V decoded (`code * s * 2**-8`, float32) in the
+  kernel's physical head_dim order [B, S_pad, 4, 128]; the row factors as the kernel forms them
+  (g times the factor, rounded to float32) [B, 4, S_pad]; the validity row [B, S_pad]."""
+  b, s = kc.shape[:2]
+
+  def decode(codes, scales):
+    c8 = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(b, s, KV_HEADS, 64)
+    vals = e2m1.decode(e2m1.unpack_nibbles(c8)).astype(jnp.float32)  # [B, S, 4, 128]
+    sb = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(b, s, KV_HEADS, 8)
+    sv = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(jnp.float32)
+    x = vals * jnp.repeat(sv, 16, axis=-1) * 2.0 ** -ROW_SHIFT
+    return jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))[..., PHYS_TO_LOGICAL]
+
+  pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, s_pad - a.shape[-1])])  # noqa: E731
+  kg = pad(jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2))
+  vg = pad(jnp.swapaxes(vg * jnp.float32(v_factor), 1, 2))
+  return decode(kc, ks), decode(vc, vs), kg, vg, pad(vf)
+
+
+def _emulated_tile(qf, kt, vt, kgt, vgt, val, carry, lazy_tau):
+  """One 64-token tile of the kernels' online softmax, batched: qf [N, 4, gp, 128], kt / vt
+  [N, 64, 4, 128], kgt / vgt [N, 4, 64], val [N, 64]; state (m, l [N, 4, gp], o [N, 4, gp,
+  128]). The running max of a KV head rises only where one of its scores passes it by more
+  than `lazy_tau` (the kernel's vote is per warpgroup: a KV head's queries and tokens)."""
+  m, l, o = carry
+  hp = jax.lax.Precision.HIGHEST
+  sc = jnp.einsum("bhgd,bthd->bhgt", qf, kt.astype(jnp.bfloat16).astype(jnp.float32),
+                  precision=hp)
+  sc = sc * kgt[:, :, None, :] + ((val - 1.0) * 1e30)[:, None, None, :]
+  m_new = jnp.maximum(m, sc.max(-1))
+  if lazy_tau is not None:
+    rise = (sc > (m + lazy_tau)[..., None]).any(axis=(2, 3), keepdims=True)[..., 0]
+    m_new = jnp.where(rise, m_new, m)
+  p = jnp.exp2(sc - m_new[..., None])  # as the kernel: hidden slots via the -1e30 only
+  corr = jnp.exp2(m - m_new)
+  pb = (p * vgt[:, :, None, :]).astype(jnp.bfloat16).astype(jnp.float32)
+  pv = jnp.einsum("bhgt,bthd->bhgd", pb, vt.astype(jnp.bfloat16).astype(jnp.float32),
+                  precision=hp)
+  return m_new, l * corr + p.sum(-1), o * corr[..., None] + pv
+
+
+def _initial_emulated(n: int, gp: int):
+  return (jnp.full((n, KV_HEADS, gp), R.NEG, jnp.float32), jnp.zeros((n, KV_HEADS, gp)),
+          jnp.zeros((n, KV_HEADS, gp, HEAD_DIM)))
+
+
+def _to_kernel_layout(m, l, o):
+  """Emulated state -> the kernels' partials: o [..., 4, 2, 64, gp], ml [..., 4, 2, gp]."""
+  gp = o.shape[-2]
+  o = jnp.moveaxis(o.reshape(*o.shape[:-2], gp, 2, 64), -3, -1)
+  return o, jnp.stack([m, l], -2)
 
 
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
@@ -747,73 +968,84 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
                    out_dtype=jnp.bfloat16):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
-  softmax per 64-token tile (tiles at or past `kt` leave the state as it is; the running max of
-  a KV head rises only where one of its scores passes it by more than `lazy_tau`), and with
-  `heads` the merged output (`merge_partials`, the combine the in-kernel merge equals). Lets
-  CPU tests cover the plumbing around the kernel."""
+  softmax per 64-token tile (tiles at or past `kt` leave the state as it is), and with `heads`
+  the merged output (`merge_partials`, the combine the in-kernel merge equals). Lets CPU tests
+  cover the plumbing around the kernel."""
   del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
-  # the row factors as the kernel forms them: g times the factor, rounded to float32
-  kg = jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2)  # [B, 4, S]
-  vg = jnp.swapaxes(vg * jnp.float32(v_factor), 1, 2)
-  b, s = kc.shape[:2]
-  s_pad = n_splits * split_tiles * TILE
-
-  def decode(codes, scales):  # -> [B, S_pad, 4, 128] logical, `code * s * 2**-8` (f32)
-    c8 = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(b, s, KV_HEADS, 64)
-    vals = e2m1.decode(e2m1.unpack_nibbles(c8)).astype(jnp.float32)  # [B, S, 4, 128]
-    sb = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(b, s, KV_HEADS, 8)
-    sv = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(jnp.float32)
-    x = vals * jnp.repeat(sv, 16, axis=-1) * 2.0 ** -ROW_SHIFT
-    return jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
-
-  kx, vx = decode(kc, ks), decode(vc, vs)
-  kp = kx[..., PHYS_TO_LOGICAL]  # physical head_dim order, as the fragments hold it
-  vp = vx[..., PHYS_TO_LOGICAL]
-  pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, s_pad - a.shape[-1])])  # noqa: E731
-  kg, vg, vf = pad(kg), pad(vg), pad(vf)
+  b = kc.shape[0]
+  kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,
+                                          n_splits * split_tiles * TILE, k_factor, v_factor)
   qf = qp.astype(jnp.float32)  # [B, 4, gp, 128]
-  hp = jax.lax.Precision.HIGHEST
-
-  def tile(carry, i):
-    m, l, o = carry  # [B, 4, gp], [B, 4, gp], [B, 4, gp, 128]
-    sl = lambda a, ax: jax.lax.dynamic_slice_in_dim(a, i * TILE, TILE, ax)  # noqa: E731
-    kt, vt, val = sl(kp, 1), sl(vp, 1), sl(vf, 1)  # [B, 64, 4, 128], [B, 64]
-    sc = jnp.einsum("bhgd,bthd->bhgt", qf, kt.astype(jnp.bfloat16).astype(jnp.float32),
-                    precision=hp)
-    sc = sc * sl(kg, 2)[:, :, None, :] + ((val - 1.0) * 1e30)[:, None, None, :]
-    m_new = jnp.maximum(m, sc.max(-1))
-    if lazy_tau is not None:  # the vote is per warpgroup: a KV head's queries and tokens
-      rise = (sc > (m + lazy_tau)[..., None]).any(axis=(2, 3), keepdims=True)[..., 0]
-      m_new = jnp.where(rise, m_new, m)
-    p = jnp.exp2(sc - m_new[..., None])  # as the kernel: hidden slots via the -1e30 only
-    corr = jnp.exp2(m - m_new)
-    pb = (p * sl(vg, 2)[:, :, None, :]).astype(jnp.bfloat16).astype(jnp.float32)
-    pv = jnp.einsum("bhgt,bthd->bhgd", pb, vt.astype(jnp.bfloat16).astype(jnp.float32),
-                    precision=hp)
-    return m_new, l * corr + p.sum(-1), o * corr[..., None] + pv
-
-  gp = qp.shape[2]
-  init = (jnp.full((b, KV_HEADS, gp), R.NEG, jnp.float32), jnp.zeros((b, KV_HEADS, gp)),
-          jnp.zeros((b, KV_HEADS, gp, HEAD_DIM)))
-  os_, ms, ls = [], [], []
+  sl = lambda a, i, ax: jax.lax.dynamic_slice_in_dim(a, i * TILE, TILE, ax)  # noqa: E731
+  os_, mls = [], []
   for sp in range(n_splits):  # each split restarts the online softmax
-    carry = init
+    carry = _initial_emulated(b, qp.shape[2])
     for i in range(sp * split_tiles, (sp + 1) * split_tiles):
-      new = tile(carry, i)
+      new = _emulated_tile(qf, sl(kp, i, 1), sl(vp, i, 1), sl(kg, i, 2), sl(vg, i, 2),
+                           sl(vf, i, 1), carry, lazy_tau)
       carry = jax.tree.map(lambda a, b_: jnp.where(
           (i < kt).reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), new, carry)
-    m, l, o = carry
     # a split past the row's last needed tile is not written by the kernel: undefined, NaN here
     dead = ~live_splits(kt, split_tiles, n_splits)[:, sp]
-    m, l, o = (jnp.where(dead.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
-               for a in (m, l, o))
-    os_.append(o), ms.append(m), ls.append(l)
-  o = jnp.stack(os_, 1)  # [B, n, 4, gp, 128]
-  o = jnp.moveaxis(o.reshape(b, n_splits, KV_HEADS, gp, 2, 64), 3, -1)  # [B, n, 4, 2, 64, gp]
-  ml = jnp.stack([jnp.stack(ms, 1), jnp.stack(ls, 1)], 3)  # [B, n, 4, 2, gp]
+    o, ml = (jnp.where(dead.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
+             for a in _to_kernel_layout(*carry))
+    os_.append(o), mls.append(ml)
+  o, ml = jnp.stack(os_, 1), jnp.stack(mls, 1)  # [B, n, 4, 2, 64, gp], [B, n, 4, 2, gp]
   if heads is None:
     return o, ml
   return o, ml, merge_partials(kt, o, ml, split_tiles, n_splits, heads).astype(out_dtype)
+
+
+def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
+                          v_factor: float, heads: int, stages: int = 2,
+                          lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
+  """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
+  every CTA steps through its units (all CTAs at once, a scan over steps), skips empty ones,
+  and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
+  row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
+  writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
+  del stages
+  b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[1]
+  s_tiles = -(-kc.shape[1] // TILE)
+  kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
+                                          k_factor, v_factor)
+  qf = qp.astype(jnp.float32).reshape(b, KV_HEADS, gp, HEAD_DIM)
+  ctas = jnp.arange(n_ctas)
+  slots = b + n_ctas
+
+  def step(carry, i):
+    state, o_buf, ml_buf = carry
+    e = units[:, 1 + i]
+    r = e >> _UNIT_ROW_SHIFT
+    t = (e >> _UNIT_TILE_SHIFT) & _UNIT_TILE_MASK
+    on = i < units[:, 0]
+    tl = lambda a, ax: jax.vmap(  # noqa: E731  (each CTA's tile of its row)
+        lambda x, tt: jax.lax.dynamic_slice_in_dim(x, tt * TILE, TILE, ax - 1))(a[r], t)
+    new = _emulated_tile(qf[r], tl(kp, 1), tl(vp, 1), tl(kg, 2), tl(vg, 2), tl(vf, 1), state,
+                         lazy_tau)
+    work = on & ((e & _UNIT_EMPTY) == 0)
+    state = jax.tree.map(lambda a, b_: jnp.where(
+        work.reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), new, state)
+    done = on & (((e & _UNIT_LAST) != 0) | (i == units[:, 0] - 1))
+    o, ml = _to_kernel_layout(*state)
+    dest = jnp.where(done, r + ctas, slots)  # slot `slots`: dropped
+    o_buf = o_buf.at[dest].set(o, mode="drop")
+    ml_buf = ml_buf.at[dest].set(ml, mode="drop")
+    fresh = _initial_emulated(n_ctas, gp)
+    state = jax.tree.map(lambda a, b_: jnp.where(
+        done.reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), fresh, state)
+    return (state, o_buf, ml_buf), None
+
+  o_buf = jnp.full((slots, KV_HEADS, 2, 64, gp), jnp.nan, jnp.float32)
+  ml_buf = jnp.full((slots, KV_HEADS, 2, gp), jnp.nan, jnp.float32)
+  (_, o_buf, ml_buf), _ = jax.lax.scan(
+      step, (_initial_emulated(n_ctas, gp), o_buf, ml_buf), jnp.arange(units.shape[1] - 1))
+  first, n_parts = rows >> 8, rows & 255
+  part = jnp.arange(n_ctas)
+  live = part[None, :] < n_parts[:, None]  # [B, parts]
+  idx = jnp.where(live, jnp.arange(b)[:, None] + first[:, None] + part[None, :], 0)
+  out = _combine_parts(live, o_buf[idx], ml_buf[idx], heads)
+  return o_buf, ml_buf, out.astype(out_dtype)
 
 
 def merge_partials(kt, o, ml, split_tiles: int, n_splits: int, g: int) -> jax.Array:
@@ -827,7 +1059,13 @@ def merge_partials(kt, o, ml, split_tiles: int, n_splits: int, g: int) -> jax.Ar
   session 13.) Splits the kernel did not write drop out (selected away, never multiplied: their
   memory may hold NaN). Only the g real query-head lanes of the kernel's gp are read (GQA 8 at
   gp 16: half the partials' bytes; the slice fuses into the reduction)."""
-  live = live_splits(kt, split_tiles, n_splits)[:, :, None, None, None, None]  # [B, n, 1 x 4]
+  return _combine_parts(live_splits(kt, split_tiles, n_splits), o, ml, g)
+
+
+def _combine_parts(live, o, ml, g: int) -> jax.Array:
+  """Partials [B, n, 4, 2, 64, gp] / [B, n, 4, 2, gp] of the parts marked live [B, n] ->
+  float32 `[B, 4 x g, 128]`, logical order (`merge_partials`)."""
+  live = live[:, :, None, None, None, None]  # [B, n, 1 x 4]
   # the kernel's maxima are in log2 units (its scores carry log2(e)): back to natural ones
   m = jnp.where(live, ml[:, :, :, None, None, 0, :g] * LN2, R.NEG)  # [B, n, 4, 1, 1, g]
   l = jnp.where(live, ml[:, :, :, None, None, 1, :g], 0.0)
@@ -879,12 +1117,13 @@ def default_splits(b: int, s: int) -> int:
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
                      splits: int | None = None, stages: int | None = None, overlap: bool = False,
                      lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
-                     kernel_fn=None) -> jax.Array:
+                     schedule: str | None = None, kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
-  (codes, scales, row scales) in place. overlap: see `mgpu_decode_kernel`. merge: the split
-  combine in the kernel (else XLA's, after it). kernel_fn replaces the kernel (tests pass
-  `emulate_kernel`)."""
+  (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
+  splits, overlap, or XLA's merge ask for the split kernel). overlap: see
+  `mgpu_decode_kernel`. merge: the split combine in the kernel (else XLA's, after it).
+  kernel_fn replaces the kernel (tests pass `emulate_kernel` / `emulate_stream_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
   if why:
@@ -892,7 +1131,18 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   out_dtype = out_dtype or q.dtype
   scale = hd ** -0.5 if scale is None else scale
   g = h // kvh
-  fit = max_stages(query_lanes(g), merge)
+  if schedule is None:
+    schedule = "splits" if splits or overlap or not merge else SCHEDULE
+  if schedule not in ("stream", "splits"):
+    raise ValueError(f"Mosaic decode attention kernel: unknown schedule {schedule!r}")
+  stream = schedule == "stream"
+  if stream and (splits or overlap or not merge):
+    raise ValueError("Mosaic decode attention kernel: the stream schedule merges in the kernel "
+                     "and takes no splits or overlap")
+  if stream and -(-s // TILE) > MAX_STREAM_TILES:
+    raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
+                     f"to {MAX_STREAM_TILES * TILE} slots, not {s}")
+  fit = max_stages(query_lanes(g), merge, stream)
   if stages is None:
     stages = min(STAGES, fit)
   if not 1 <= stages <= fit:
@@ -917,6 +1167,13 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   last = s - jnp.argmax(allowed[:, ::-1], axis=1)  # one past the last visible slot
   kt = jnp.where(jnp.any(allowed, axis=1), (last + TILE - 1) // TILE, 0).astype(jnp.int32)
   kernel_dtype = jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else jnp.bfloat16
+  if stream:
+    units, rows = stream_tables(kt, tiles, min(NUM_SMS, b * tiles))
+    res = (kernel_fn or mgpu_stream_kernel)(
+        units, rows, qp.reshape(b * kvh, *qp.shape[2:]), kc, vc, ks, vs, kg, vg, vf,
+        stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
+        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype)
+    return res[2].astype(out_dtype)
   res = (kernel_fn or mgpu_decode_kernel)(
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
       stages=stages, overlap=overlap, lazy_tau=lazy_tau,
