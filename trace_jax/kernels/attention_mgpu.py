@@ -111,16 +111,15 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 2, minimum=1)
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
 # a run of (row, tile) units crossing rows) or "splits" (`mgpu_decode_kernel`: a CTA per row and
 # split of the cache). TRACE_JAX_ATTN_SCHEDULE: the other (A/B runs)
-SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "splits", ("stream", "splits"))
+SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "splits"))
 
 
-def max_stages(gp: int, merge: bool, stream: bool = False) -> int:
-  """The most pipeline stages that fit the H200's 227 KB of SMEM beside the kernel's buffers
-  (Mosaic's totals, deviceless compiles): splits with the in-kernel merge 158 KB with 2 stages
-  at gp 8, 196 KB with 3 (212 at gp 16), 4 do not fit (235 KB); XLA's merge stages the partials
-  through SMEM too: 3 stages at gp 16 need 229 KB. The stream kernel's queries ride in each
-  stage (8 KB at gp 8, 16 at gp 16): 3 stages at gp 16 would need 244 KB."""
-  return 2 if gp == 16 and (stream or not merge) else 3
+def max_stages(gp: int, merge: bool) -> int:
+  """The most pipeline stages that fit the H200's 227 KB of SMEM beside the kernels' buffers
+  (Mosaic's totals, deviceless compiles): with the in-kernel merge 158 KB with 2 stages at gp 8,
+  196 KB with 3 (212 at gp 16), 4 do not fit (235 KB); XLA's merge stages the partials through
+  SMEM too: 3 stages at gp 16 need 229 KB."""
+  return 2 if gp == 16 and not merge else 3
 
 
 def _phys_to_logical() -> np.ndarray:
@@ -825,10 +824,9 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
   length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
   part (`_split_merger`: written out, or counted in and merged by the row's last part) and
-  start the next row's state. The queries ride in the pipeline with the tile (their row's,
-  an L2 hit after the first). No CTA is launched for splits past a row's live tiles, and the
-  tiles spread evenly over the SMs whatever the rows' lengths. Operands as
-  `mgpu_decode_kernel` (qp flattened to [B * 4, gp, 128]); returns (o float32
+  start the next row's state, its queries fetched (TMA) while the part is merged. No CTA is
+  launched for splits past a row's live tiles, and the tiles spread evenly over the SMs
+  whatever the rows' lengths. Operands as `mgpu_decode_kernel`; returns (o float32
   [B + n_ctas, 4, 2, 64, gp], ml float32 [B + n_ctas, 4, 2, gp]: the parts' partials,
   scratch; the attention [B, 4 * heads, 128] in out_dtype, logical head_dim order)."""
   import jax.experimental.pallas as pl
@@ -838,7 +836,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   _patch_register_pool()
 
   b, n_ctas = rows.shape[0], units.shape[0]
-  gp = qp.shape[1]
+  gp = qp.shape[2]
   col_sum = _column_reducer("add", gp)
   step = _tile_step(gp, k_factor, v_factor, lazy_tau, False)
   out_bits = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}[jnp.dtype(out_dtype)]
@@ -846,7 +844,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
 
   def decode_attention_stream(units_gmem, rows_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem,
                               vs_gmem, kg_gmem, vg_gmem, vf_gmem, o_gmem, ml_gmem, out_gmem,
-                              v_smem, p_smem, red_smem, vote_smem):
+                              q_smem, v_smem, p_smem, red_smem, vote_smem, q_bar):
     counts = pl.get_global(plgpu.SemaphoreType.REGULAR((b * KV_HEADS,)))  # zeroed each call
     ci = lax.axis_index("c")
     n = units_gmem[ci, 0]
@@ -854,47 +852,64 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
     row_of = lambda e: e >> _UNIT_ROW_SHIFT  # noqa: E731
     hoisted = {}
 
+    def fetch_q(r):
+      wg = hoisted["wg"]
+      plgpu.copy_gmem_to_smem(q_gmem.at[r, wg], q_smem.at[wg], q_bar.at[wg])
+
     def compute_context(eval_pipeline):
-      hoisted["wg"] = lax.axis_index("wg")
+      hoisted["wg"] = wg = lax.axis_index("wg")
+
+      @pl.when(n > 0)
+      def _():
+        fetch_q(row_of(entry(0)))
+        plgpu.barrier_wait(q_bar.at[wg])
+
       eval_pipeline(_initial_state(gp))
 
-    def body(idx, q_s, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       wg = hoisted["wg"]
       e = entry(idx[0])
       carry = lax.cond(
           (e & _UNIT_EMPTY) == 0,
-          lambda c: step(wg, q_s.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem,
+          lambda c: step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem,
                          p_smem, red_smem, vote_smem, c),
           lambda c: c, carry)
 
       def finish(state):  # the part ends: out or into the row's merge; the next row starts
         m, l, o0, o1 = state
-        l = col_sum(l, red_smem.at[wg])
         r = row_of(e)
+        more = idx[0] < n - 1
+        # the next row's queries (this part's last S wgmma, their reader, has completed)
+        pl.when(more)(lambda: fetch_q(r + 1))
+        l = col_sum(l, red_smem.at[wg])
         info = rows_gmem[r]
         first = info >> 8
         merger(o0, o1, m, l, r, ci - first, info & 255, r + first, o_gmem, ml_gmem, counts,
                out_gmem)
+        pl.when(more)(lambda: plgpu.barrier_wait(q_bar.at[wg]))
         return _initial_state(gp)
 
       return lax.cond(((e & _UNIT_LAST) != 0) | (idx[0] == n - 1), finish, lambda c: c, carry)
 
+    # one load of the unit a step for all the specs' index maps (each map is called with the
+    # step's same index tracer; the loads are not merged otherwise)
+    memo = {}
+
     def tile_of(i):
-      e = entry(i)
-      return row_of(e), (e >> _UNIT_TILE_SHIFT) & _UNIT_TILE_MASK
+      if id(i) not in memo:
+        e = entry(i)
+        memo[id(i)] = (i, (row_of(e), (e >> _UNIT_TILE_SHIFT) & _UNIT_TILE_MASK))
+      return memo[id(i)][1]
 
     spec = lambda cols: plgpu.BlockSpec(  # noqa: E731
         (None, TILE, cols), lambda i: (*tile_of(i), 0))
-    q_spec = plgpu.BlockSpec(
-        (KV_HEADS, gp, HEAD_DIM), lambda i: (row_of(entry(i)), 0, 0),
-        transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(n,), memory_registers=40,
-        in_specs=[q_spec, spec(64), spec(64), spec(8), spec(8), spec(KV_HEADS), spec(KV_HEADS),
+        in_specs=[spec(64), spec(64), spec(8), spec(8), spec(KV_HEADS), spec(KV_HEADS),
                   plgpu.BlockSpec((None, TILE), tile_of)],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
         compute_context=compute_context)
-    pipeline(q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem, vg_gmem, vf_gmem)
+    pipeline(kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem, vg_gmem, vf_gmem)
 
   slots = b + n_ctas
   out_type = (jax.ShapeDtypeStruct((slots, KV_HEADS, 2, 64, gp), jnp.float32),
@@ -903,7 +918,8 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   return plgpu.kernel(
       decode_attention_stream, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
       num_threads=KV_HEADS + 1, thread_name="wg", compiler_params=_compiler_params(),
-      scratch_types=_scratch(gp),
+      scratch_types=dict(_scratch(gp), q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
+                         q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
   )(units, rows, qp, kc, vc, ks, vs, kg, vg, vf)
 
 
@@ -1005,11 +1021,11 @@ def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_fact
   row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
   writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
   del stages
-  b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[1]
+  b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
                                           k_factor, v_factor)
-  qf = qp.astype(jnp.float32).reshape(b, KV_HEADS, gp, HEAD_DIM)
+  qf = qp.astype(jnp.float32)
   ctas = jnp.arange(n_ctas)
   slots = b + n_ctas
 
@@ -1142,7 +1158,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream and -(-s // TILE) > MAX_STREAM_TILES:
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
                      f"to {MAX_STREAM_TILES * TILE} slots, not {s}")
-  fit = max_stages(query_lanes(g), merge, stream)
+  fit = max_stages(query_lanes(g), merge)
   if stages is None:
     stages = min(STAGES, fit)
   if not 1 <= stages <= fit:
@@ -1170,7 +1186,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream:
     units, rows = stream_tables(kt, tiles, min(NUM_SMS, b * tiles))
     res = (kernel_fn or mgpu_stream_kernel)(
-        units, rows, qp.reshape(b * kvh, *qp.shape[2:]), kc, vc, ks, vs, kg, vg, vf,
+        units, rows, qp, kc, vc, ks, vs, kg, vg, vf,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
         v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype)
     return res[2].astype(out_dtype)
