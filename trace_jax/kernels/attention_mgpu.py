@@ -9,10 +9,17 @@ defined by `attention_ref.decode_attention_ref`.
 Design (one query token per sequence, GQA with 4 KV heads, head_dim 128, G <= 16 query heads
 per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other shapes use
 `attention_pallas`):
-- grid (batch row, split of the sequence); a CTA holds 4 compute warpgroups, one per KV head,
-  and a TMA warpgroup (`emit_pipeline_warp_specialized`) streaming 64-token tiles of the cache
-  in place (`[B, S, KVH, ...]`): codes (64 x 256 B), scale bytes (64 x 32 B), the row scales
-  g (64 x 4 float32), and a per-call validity row.
+- a CTA holds 4 compute warpgroups, one per KV head, and a TMA warpgroup
+  (`emit_pipeline_warp_specialized`) streaming 64-token tiles of the cache in place
+  (`[B, S, KVH, ...]`): codes (64 x 256 B), scale bytes (64 x 32 B), the row scales g (64 x 4
+  float32), and a per-call validity row. Two schedules of the tiles over the SMs: stream (the
+  default, `mgpu_stream_kernel`): one CTA per SM, the rows' needed tiles laid end to end and cut
+  into equal runs (`stream_tables`), each CTA's run one pipeline that crosses rows, finishing a
+  row's part at its last tile; splits (`mgpu_decode_kernel`): grid (batch row, split of the
+  cache), a split's needed tiles one pipeline. At rollout shapes (cache sized for the longest
+  context, the live one shorter) splits launch CTAs that exit at once and leave waves of
+  unequal length: on the H200 at B 276, 8k cache, 1536 live, 146.8 us a kernel with splits,
+  119.7 with the stream schedule (session 21).
 - K step, swap-AB: S^T[64 tokens, gp heads] = K (registers) @ q^T (SMEM). A warpgroup loads
   its head's codes as uint32 `[64, 16]` in the wgmma layout: a thread gets rows r, r+8 and
   words (2c, 2c+1), (2c+8, 2c+9) = one 16-element block of each 64-wide head_dim half
@@ -41,13 +48,13 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   and the wgmma descriptors computed in the loop (H200, B 16 x 8k: 51.4 us kernel); 518 with
   the exact max every tile (38.4 us); 495 on a tile that leaves the lazy max as it is (45 more
   where it rises), 272 of them the nibble decode (17 a word).
-- per split: unnormalized O^T, running max and sum. A row with one live split writes its
-  normalized output; otherwise the last live split of a row to finish merges them all
-  (`_split_merger`: plain global stores, a fence and an atomic count, reads from L2) and writes
-  the output in logical head_dim order. (TRACE_JAX_ATTN_MERGE=xla: the partials go out and
-  `merge_partials` (`attention_pallas.combine_splits`) merges them after the kernel, splits
-  past the live tiles masked out: ~5 more small kernels a call, reading every split's
-  partials, live or not.)
+- per part of a row (a split, or a stream CTA's share of the row): unnormalized O^T, running
+  max and sum. A row of one part writes its normalized output; otherwise the last part of a
+  row to finish merges them all (`_split_merger`: plain global stores, a fence and an atomic
+  count, reads from L2) and writes the output in logical head_dim order.
+  (TRACE_JAX_ATTN_MERGE=xla, split schedule: the partials go out and `merge_partials`
+  (`attention_pallas.combine_splits`) merges them after the kernel, splits past the live tiles
+  masked out: ~5 more small kernels a call, reading every split's partials, live or not.)
 
 Mosaic constraints behind this shape (jax 0.11.2, found by lowering for CUDA on CPU): a
 wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided slice does not
@@ -110,7 +117,8 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 2, minimum=1)
 
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
 # a run of (row, tile) units crossing rows) or "splits" (`mgpu_decode_kernel`: a CTA per row and
-# split of the cache). TRACE_JAX_ATTN_SCHEDULE: the other (A/B runs)
+# split of the cache). Stream: the 48-layer FP4 decode step at 8k capacity 19.93 -> 18.17 ms on
+# the H200 (session 21). TRACE_JAX_ATTN_SCHEDULE: the other (A/B runs)
 SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "splits"))
 
 
@@ -1111,12 +1119,12 @@ MAX_SPLIT_TILES = int_setting("TRACE_JAX_ATTN_MAX_SPLIT_TILES", 16, minimum=1)
 
 
 def default_splits(b: int, s: int) -> int:
-  """Splits for one full wave of CTAs (one CTA fits an SM: ~200 KB of SMEM), the most with
-  b x splits <= NUM_SMS, and at least enough that no split spans more than MAX_SPLIT_TILES
-  tiles. A CTA's tile rate, not HBM, bounds this kernel, so splits over many CTAs win, and a
-  wave that is barely started costs a whole one; but a rollout's cache is sized for its longest
-  context and the live one is shorter (splits past it exit at once), so long splits leave the
-  live tiles to a few CTAs. H200 sweeps, kernel us (bench_attention): all slots live, B=16 x 8k
+  """The split schedule's splits: for one full wave of CTAs (one CTA fits an SM: ~160 KB of
+  SMEM), the most with b x splits <= NUM_SMS, and at least enough that no split spans more than
+  MAX_SPLIT_TILES tiles. A CTA's tile rate, not HBM, bounds this kernel, so splits over many
+  CTAs win, and a wave that is barely started costs a whole one; but a rollout's cache is sized
+  for its longest context and the live one is shorter (splits past it exit at once), so long
+  splits leave the live tiles to a few CTAs. H200 sweeps, kernel us (bench_attention): all slots live, B=16 x 8k
   51.2 with 8 splits (128 CTAs), 54.6 with 16, 63.0 with 32; B=64 x 1k 28.8 with 2, 33.6 with 4
   (session 12). Cache 8k, L slots live (`--live`, session 13): B=276, L=1536: 380 with 1 split
   (the one-wave rule), 197 with 8, 196 with 16, 239 with 32; B=64, L=1536: 91 with 2 (rule),
