@@ -1119,21 +1119,21 @@ MAX_SPLIT_TILES = int_setting("TRACE_JAX_ATTN_MAX_SPLIT_TILES", 16, minimum=1)
 
 
 def default_splits(b: int, s: int) -> int:
-  """The split schedule's splits: for one full wave of CTAs (one CTA fits an SM: ~160 KB of
-  SMEM), the most with b x splits <= NUM_SMS, and at least enough that no split spans more than
-  MAX_SPLIT_TILES tiles. A CTA's tile rate, not HBM, bounds this kernel, so splits over many
-  CTAs win, and a wave that is barely started costs a whole one; but a rollout's cache is sized
-  for its longest context and the live one is shorter (splits past it exit at once), so long
-  splits leave the live tiles to a few CTAs. H200 sweeps, kernel us (bench_attention): all
-  slots live, B=16 x 8k 51.2 with 8 splits (128 CTAs), 54.6 with 16, 63.0 with 32; B=64 x 1k
-  28.8 with 2, 33.6 with 4 (session 12). Cache 8k, L slots live (`--live`, session 13): B=276, L=1536: 380 with 1 split
-  (the one-wave rule), 197 with 8, 196 with 16, 239 with 32; B=64, L=1536: 91 with 2 (rule),
-  57 with 16; B=16, L=2048: 48 with 8 (rule), 28 with 16, 24 with 32; B=64 x 1k, L=768: 28 with
-  2, 32 with 4. The combine reads every split's partials, live or not (16 KB a row and split
-  at GQA 8): at the 8k-capacity shape (B 276, live context <= 768, 12 layers) splits of <= 16
-  tiles (8 splits) made the whole decode step 7.20 -> 6.19 ms against <= 8 (16 splits;
-  session 15). (Since session 20 the kernel merges the live splits itself; the sweep of split
-  counts at the capacity shape still favours 8: call 165.1 us, 170.6 with 16, 216.5 with 32.)"""
+  """The split schedule's splits: for one full wave of CTAs (one CTA fits an SM: ~160 KB of SMEM),
+  the most with b x splits <= NUM_SMS, and at least enough that no split spans more than
+  MAX_SPLIT_TILES tiles. A CTA's tile rate, not HBM, bounds this kernel, so splits over many CTAs
+  win, and a wave that is barely started costs a whole one; but a rollout's cache is sized for its
+  longest context and the live one is shorter (splits past it exit at once), so long splits leave
+  the live tiles to a few CTAs. H200 sweeps, kernel us (bench_attention): all slots live, B=16 x 8k
+  51.2 with 8 splits (128 CTAs), 54.6 with 16, 63.0 with 32; B=64 x 1k 28.8 with 2, 33.6 with 4
+  (session 12). Cache 8k, L slots live (`--live`, session 13): B=276, L=1536: 380 with 1 split (the
+  one-wave rule), 197 with 8, 196 with 16, 239 with 32; B=64, L=1536: 91 with 2 (rule), 57 with 16;
+  B=16, L=2048: 48 with 8 (rule), 28 with 16, 24 with 32; B=64 x 1k, L=768: 28 with 2, 32 with 4.
+  The combine reads every split's partials, live or not (16 KB a row and split at GQA 8): at the
+  8k-capacity shape (B 276, live context <= 768, 12 layers) splits of <= 16 tiles (8 splits) made
+  the whole decode step 7.20 -> 6.19 ms against <= 8 (16 splits; session 15). (Since session 20 the
+  kernel merges the live splits itself; the sweep of split counts at the capacity shape still
+  favours 8: call 165.1 us, 170.6 with 16, 216.5 with 32.)"""
   tiles = -(-s // TILE)
   return max(1, min(tiles, max(NUM_SMS // b, -(-tiles // MAX_SPLIT_TILES))))
 
