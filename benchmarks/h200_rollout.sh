@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -45,6 +45,7 @@ attention_side_rows() {
   [ $1 = xla_merge ] && envs=TRACE_JAX_ATTN_MERGE=xla
   [ $1 = stages2 ] && envs=TRACE_JAX_ATTN_STAGES=2
   [ $1 = stream ] && envs=TRACE_JAX_ATTN_SCHEDULE=stream
+  [ $1 = splits ] && envs=TRACE_JAX_ATTN_SCHEDULE=splits
   env $envs PYTHONPATH=/tmp/site:$root timeout -k 5 $3 python3 benchmarks/bench_attention.py \
     --what decode --formats $2 --batches 16,64 --contexts 8192,32768 --budget_s $4 \
     --out $OUT/bench_attention_$1.json ${LIVE:+--live $LIVE} 2>&1 | grep -v "^I1\|^W1" \
@@ -412,6 +413,16 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s22a ]; then
+  # (written in session 21, not yet run) the stream schedule as it landed (each part's queries
+  # fetched once; s21b measured the form that loaded them with every tile): decode rows with
+  # the split schedule and the stream one (full rows: the attention bar's), then the 8k-capacity
+  # FP4 row (s20b)
+  for side in splits new; do
+    LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=20 \
+      attention_side_rows $side nvfp4_mosaic ${BENCH_TIMEOUT:-130} $(( ${BENCH_TIMEOUT:-130} - 35 ))
+  done
+  CAP_TIMEOUT=${CAP_TIMEOUT:-300} bash $0 s20b_inner
 elif [ "$stage" = s21c ]; then
   # (session 21) the stream schedule (now the default) with each part's queries fetched once
   # (s21b: with every tile): its GPU tests, then if they pass the 8k-capacity rows, FP4 then

@@ -805,6 +805,9 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
   `first CTA of the row << 8 | CTAs that hold part of it`). A row's parts are consecutive
   CTAs; part (row r, CTA c) has partials slot r + c (unique: rows and CTAs both advance)."""
   b = kt.shape[0]
+  # the packings' ranges: a part count and first CTA in 8 bits, rows in the entry's 18
+  assert n_ctas < 256 and b < 1 << (31 - _UNIT_ROW_SHIFT), (n_ctas, b)
+  assert s_tiles <= MAX_STREAM_TILES, s_tiles
   units = jnp.maximum(kt, 1)
   end = jnp.cumsum(units)
   start = end - units
@@ -1163,9 +1166,10 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream and (splits or overlap or not merge):
     raise ValueError("Mosaic decode attention kernel: the stream schedule merges in the kernel "
                      "and takes no splits or overlap")
-  if stream and -(-s // TILE) > MAX_STREAM_TILES:
+  if stream and (-(-s // TILE) > MAX_STREAM_TILES or b >= 1 << (31 - _UNIT_ROW_SHIFT)):
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
-                     f"to {MAX_STREAM_TILES * TILE} slots, not {s}")
+                     f"to {MAX_STREAM_TILES * TILE} slots and fewer than "
+                     f"{1 << (31 - _UNIT_ROW_SHIFT)} rows, not {s} x {b}")
   fit = max_stages(query_lanes(g), merge)
   if stages is None:
     stages = min(STAGES, fit)
