@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import platform
 import subprocess
@@ -23,11 +24,47 @@ def git_commit() -> str:
     return "unknown"
 
 
+def source_tree(path: str | None = None) -> str:
+  """The git tree id of a source directory (default: this package), computed from its files the
+  way git does (blobs `sha1("blob <size>\\0" + bytes)`, trees of `<mode> <name>\\0<raw id>`
+  entries in git's order), so a result made from a copy without `.git` (a GPU machine's) still
+  names its sources: `git rev-parse <commit>:trace_jax` gives the same id for the commit that
+  holds them. Caches (`__pycache__`, `*.pyc`) are left out, as git's ignore rules do."""
+  path = path or os.path.dirname(os.path.abspath(__file__))
+
+  def obj(kind: bytes, data: bytes) -> bytes:
+    return hashlib.sha1(kind + b" " + str(len(data)).encode() + b"\0" + data).digest()
+
+  def tree(d: str) -> bytes | None:
+    entries = []
+    for name in os.listdir(d):
+      full = os.path.join(d, name)
+      if name == "__pycache__" or name.endswith(".pyc") or os.path.islink(full):
+        continue
+      if os.path.isdir(full):
+        sub = tree(full)
+        if sub is not None:  # git keeps no empty trees
+          entries.append((name + "/", b"40000 " + name.encode(), sub))
+      else:
+        with open(full, "rb") as f:
+          blob = obj(b"blob", f.read())
+        mode = b"100755" if os.access(full, os.X_OK) else b"100644"
+        entries.append((name, mode + b" " + name.encode(), blob))
+    if not entries:
+      return None
+    entries.sort(key=lambda e: e[0].encode())  # git sorts a tree's names as if dirs end in "/"
+    return obj(b"tree", b"".join(head + b"\0" + raw for _, head, raw in entries))
+
+  top = tree(path)
+  return top.hex() if top is not None else "empty"
+
+
 def run_info() -> dict:
   import jax
   dev = jax.devices()[0]
   return dict(date=datetime.date.today().isoformat(), device=str(dev),
               device_kind=dev.device_kind,
               platform=platform.platform(), jax_version=jax.__version__,
-              git_commit=git_commit(), command=" ".join([sys.executable] + sys.argv),
+              git_commit=git_commit(), source_tree=source_tree(),
+              command=" ".join([sys.executable] + sys.argv),
               xla_flags=os.environ.get("XLA_FLAGS", ""))

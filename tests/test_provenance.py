@@ -1,0 +1,41 @@
+"""trace_jax.provenance: the source-tree fingerprint against git's own tree id."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from trace_jax import provenance
+
+
+def _git(cwd, *args):
+  return subprocess.check_output(["git", *args], cwd=cwd, text=True).strip()
+
+
+def test_source_tree_is_gits_tree_id(tmp_path):
+  """A directory with nested and executable files and names that sort differently as files
+  and as directories (git orders a directory `foo` as `foo/`): `source_tree` equals the tree
+  id git records for it, and caches added afterwards do not change it."""
+  if shutil.which("git") is None:
+    pytest.skip("git not installed")
+  root = tmp_path / "src"
+  (root / "foo").mkdir(parents=True)
+  (root / "foo" / "inner.py").write_text("x = 1\n")
+  (root / "foo.py").write_text("import foo\n")
+  (root / "foo-bar").write_bytes(b"\x00\xff binary")
+  (root / "run.sh").write_text("#!/bin/sh\n")
+  os.chmod(root / "run.sh", 0o755)
+  (root / "empty").mkdir()  # git keeps no empty directories
+  _git(root, "init", "-q")
+  _git(root, "add", "-A")
+  _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+  want = _git(root, "rev-parse", "HEAD^{tree}")
+  assert provenance.source_tree(str(root / "foo")) == _git(root, "rev-parse", "HEAD:foo")
+  shutil.rmtree(root / ".git")
+  assert provenance.source_tree(str(root)) == want
+  (root / "foo" / "__pycache__").mkdir()
+  (root / "foo" / "__pycache__" / "inner.cpython-311.pyc").write_bytes(b"cache")
+  assert provenance.source_tree(str(root)) == want
+  (root / "foo.py").write_text("import foo  # changed\n")
+  assert provenance.source_tree(str(root)) != want
