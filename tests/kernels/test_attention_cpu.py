@@ -475,14 +475,16 @@ def test_stream_tables_cover_every_tile_once():
   """`stream_tables` against a plain enumeration: rows' needed tiles (a row without visible
   slots one empty unit) laid end to end and cut into runs of ceil(units / CTAs); each unit's
   row, tile and flags; each row's first CTA and part count; part slots (row + CTA) unique.
-  Random ragged rows, fewer units than CTAs, one row over many CTAs."""
+  Random ragged rows, fewer units than CTAs, one row over many CTAs; the large shapes take the
+  tables' other arithmetic (binary search, cumsum)."""
   from trace_jax.kernels import attention_mgpu as AM
   rng = np.random.default_rng(5)
   cases = [(rng.integers(0, 9, 7), 8, 3), (np.array([3, 1, 0]), 3, 132),
-           (np.array([128]), 128, 132), (rng.integers(1, 17, 300), 16, 132)]
+           (np.array([128]), 128, 132), (rng.integers(1, 17, 300), 16, 132),
+           (rng.integers(0, 300, 200), 512, 132), (rng.integers(0, 2, 5000), 1, 132)]
+  tables = jax.jit(AM.stream_tables, static_argnums=(1, 2))
   for kt, s_tiles, n_ctas in cases:
-    table, rows = (np.asarray(a) for a in AM.stream_tables(jnp.asarray(kt, jnp.int32), s_tiles,
-                                                           n_ctas))
+    table, rows = (np.asarray(a) for a in tables(jnp.asarray(kt, jnp.int32), s_tiles, n_ctas))
     units = [(r, t, t == max(k, 1) - 1, k == 0) for r, k in enumerate(kt) for t in range(max(k, 1))]
     q = -(-len(units) // n_ctas)
     seen, parts = [], {}

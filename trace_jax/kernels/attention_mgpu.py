@@ -809,15 +809,24 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
   assert n_ctas < 256 and b < 1 << (31 - _UNIT_ROW_SHIFT), (n_ctas, b)
   assert s_tiles <= MAX_STREAM_TILES, s_tiles
   units = jnp.maximum(kt, 1)
-  end = jnp.cumsum(units)
+  # sums and counts as masked reductions, not cumsum and searchsorted: 5 small XLA kernels
+  # where those made 8 (launches dominate at these sizes); cumsum and a binary search where
+  # the compares (rows x rows, units x rows) would pass 2**24
+  ar = jnp.arange(b)
+  end = (jnp.sum(jnp.where(ar[None, :] <= ar[:, None], units[None, :], 0), axis=1)
+         if b * b <= 1 << 24 else jnp.cumsum(units))
+  total = end[-1]
   start = end - units
-  q = (end[-1] + n_ctas - 1) // n_ctas
-  lo = jnp.minimum(jnp.arange(n_ctas) * q, end[-1])
-  count = jnp.minimum(lo + q, end[-1]) - lo
+  q = (total + n_ctas - 1) // n_ctas
+  lo = jnp.minimum(jnp.arange(n_ctas) * q, total)
+  count = jnp.minimum(lo + q, total) - lo
   max_u = -(-b * max(s_tiles, 1) // n_ctas)  # >= q
   width = -(-(max_u + 1) // 4) * 4  # 16-byte rows
-  u = jnp.minimum(lo[:, None] + jnp.arange(width - 1)[None, :], end[-1] - 1)
-  r = jnp.searchsorted(end, u, side="right", method="scan_unrolled").astype(jnp.int32)
+  u = jnp.minimum(lo[:, None] + jnp.arange(width - 1)[None, :], total - 1)
+  if n_ctas * (width - 1) * b <= 1 << 24:
+    r = jnp.sum(end[None, None, :] <= u[:, :, None], axis=-1, dtype=jnp.int32)  # rows ending <= u
+  else:
+    r = jnp.searchsorted(end, u, side="right", method="scan_unrolled").astype(jnp.int32)
   t = u - start[r]
   entry = ((r << _UNIT_ROW_SHIFT) | (t << _UNIT_TILE_SHIFT)
            | jnp.where(t == units[r] - 1, _UNIT_LAST, 0) | jnp.where(kt[r] == 0, _UNIT_EMPTY, 0))
