@@ -62,8 +62,8 @@ wgmma-layout load of a column block of a 2-D SMEM ref works, of a 3-D strided sl
 not ("cannot apply swizzle to non-contiguous refs"), hence the row scales are read per thread
 through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, was 4-7%
 slower per call on the H200); wgmma with both operands in SMEM needs equal swizzles, and
-swizzles of 16 B are refused (hence P^T); SMEM holds 3 pipeline stages (~38 KB each) beside
-~80 KB of buffers (`max_stages`).
+swizzles of 16 B are refused (hence P^T); SMEM has room for 3 pipeline stages (~38 KB each)
+beside ~80 KB of buffers (`max_stages`); 2 by default, a third measured no faster (session 21).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
