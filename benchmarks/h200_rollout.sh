@@ -51,6 +51,14 @@ attention_side_rows() {
     --out $OUT/bench_attention_$1.json ${LIVE:+--live $LIVE} 2>&1 | grep -v "^I1\|^W1" \
     | grep -v "splits64\|splits4 " | tail -${ROWS_SHOWN:-8} | sed "s/^/[$1] /"
 }
+# attention_side_rows for each of SIDES (quoted list) over the full rows and the rollout-shaped
+# live rows (LIVE), ROWS lines shown each, TIMEOUT seconds each (no row starts in the last 35)
+attention_ab() {
+  for side in $1; do
+    LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=$2 \
+      attention_side_rows $side nvfp4_mosaic $3 $(( $3 - 35 ))
+  done
+}
 # the 12-layer decode step at HF's B 1 load (prompt 64, 128 new) profiled kernel by kernel
 # without command buffers (with them the profiler sees graphs): POLICY NAME TIMEOUT LINES
 b1_profile() {
@@ -418,10 +426,7 @@ elif [ "$stage" = s22a ]; then
   # fetched once; s21b measured the form that loaded them with every tile): decode rows with
   # the split schedule and the stream one (full rows: the attention bar's), then the 8k-capacity
   # FP4 row (s20b)
-  for side in splits new; do
-    LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=20 \
-      attention_side_rows $side nvfp4_mosaic ${BENCH_TIMEOUT:-130} $(( ${BENCH_TIMEOUT:-130} - 35 ))
-  done
+  attention_ab "splits new" 20 ${BENCH_TIMEOUT:-130}
   CAP_TIMEOUT=${CAP_TIMEOUT:-300} bash $0 s20b_inner
 elif [ "$stage" = s21c ]; then
   # (session 21) the stream schedule (now the default) with each part's queries fetched once
@@ -438,20 +443,14 @@ elif [ "$stage" = s21b ]; then
   # tile) units crossing rows): the Mosaic attention GPU tests (both schedules), then decode
   # rows with the split schedule (new) and the stream one (stream); live rows carry both
   gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-200}
-  for side in new stream; do
-    LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=20 \
-      attention_side_rows $side nvfp4_mosaic ${BENCH_TIMEOUT:-150} $(( ${BENCH_TIMEOUT:-150} - 35 ))
-  done
+  attention_ab "new stream" 20 ${BENCH_TIMEOUT:-150}
 elif [ "$stage" = s21a ]; then
   # (session 21) the decode attention with 3 TMA stages (SMEM has had room for them since the
   # kernel's buffers shrank) and a dynamic pipeline grid (a split loads its needed tiles only):
   # the Mosaic attention GPU tests, then decode rows: old (ab_old: 2 stages, static grid),
   # stages2 (this tree with 2 stages: the dynamic grid alone), new (3 stages)
   gpu_tests tests/kernels/test_attention_gpu.py mosaic attn_mosaic ${MOSAIC_TIMEOUT:-120}
-  for side in old stages2 new; do
-    LIVE=${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} ROWS_SHOWN=16 \
-      attention_side_rows $side nvfp4_mosaic ${BENCH_TIMEOUT:-140} $(( ${BENCH_TIMEOUT:-140} - 35 ))
-  done
+  attention_ab "old stages2 new" 16 ${BENCH_TIMEOUT:-140}
 elif [ "$stage" = s20a ]; then
   # (session 20) the split combine inside the attention kernel (the last live split of a row
   # merges the others through L2): the Mosaic attention GPU tests, then decode rows with XLA's

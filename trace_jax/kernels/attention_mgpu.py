@@ -110,7 +110,7 @@ _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 # The split combine: in the kernel, by the last split of a row to finish (`_split_merger`), or
 # TRACE_JAX_ATTN_MERGE=xla: as XLA ops after the kernel (the A/B side).
 MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla")) == "kernel"
-MERGE_UNROLL = 4  # splits whose partials the merging split loads at once
+MERGE_UNROLL = 4  # parts whose partials the merging part loads at once
 # TMA pipeline stages, 38 KB each (`max_stages`). TRACE_JAX_ATTN_STAGES: another default (A/B)
 STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 2, minimum=1)
 
@@ -366,7 +366,7 @@ def _raise_vote():
 
 
 @functools.cache
-def _split_merger(gp: int, heads: int, out_bits: int):
+def _split_merger(gp: int, heads: int, out_dtype):
   """inline_mgpu function: the combine of a row's parts (splits, or a stream CTA's segments)
   inside the kernel, by the last part to finish. (o0, o1 float32 [64, gp] wgmma layout: this
   warpgroup's unnormalized O^T halves; m, l float32 [gp]: its running max (log2 units) and
@@ -374,7 +374,7 @@ def _split_merger(gp: int, heads: int, out_bits: int):
   n_parts, the partials slot of part 0 (part p's is slot0 + p); refs: part_o / part_ml (the
   partials, float32 [slots, 4, 2, 64, gp] / [slots, 4, 2, gp] in any shape of that order),
   counts (a zeroed int32 semaphore a row and KV head), out `[B, H, 128]` (logical head_dim
-  order, `out_bits` 16: bf16, 32: float32)) -> nothing.
+  order, out_dtype bfloat16 or float32)) -> nothing.
 
   A row of one part writes O / l from its registers. Otherwise each part stores its partials
   with plain global stores, fences (`fence.acq_rel.gpu`), and one thread of the warpgroup
@@ -391,6 +391,7 @@ def _split_merger(gp: int, heads: int, out_bits: int):
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, llvm, scf, vector
 
+  out_bits = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}[jnp.dtype(out_dtype)]
   wgmma, cols = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
   scalar = plgpu.Layout.WG_SPLAT
   ref = plgpu.RefType()
@@ -400,14 +401,14 @@ def _split_merger(gp: int, heads: int, out_bits: int):
 
   @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, cols, cols, scalar, scalar, scalar, scalar, ref,
                                 ref, ref, ref))
-  def merge(ctx, o0, o1, m, l, bi, si, n_live, slot0, part_o, part_ml, counts, out):
+  def merge(ctx, o0, o1, m, l, bi, part, n_parts, slot0, part_o, part_ml, counts, out):
     del ctx
     i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
                      ir.F32Type.get())
     index = ir.IndexType.get()
     c = lambda v: arith.constant(i32, v)  # noqa: E731
     add, mul = arith.addi, arith.muli
-    bi, si, n_live, slot0 = (x.registers.flat[0] for x in (bi, si, n_live, slot0))
+    bi, part, n_parts, slot0 = (x.registers.flat[0] for x in (bi, part, n_parts, slot0))
     tid = mutils.thread_idx()
     wg, t = arith.divui(tid, c(128)), arith.remui(tid, c(128))
     base = lambda r: llvm.ptrtoint(i64, mutils.memref_ptr(r))  # noqa: E731
@@ -430,7 +431,7 @@ def _split_merger(gp: int, heads: int, out_bits: int):
     split = lambda r: [vector.extract(r, [], [e]) for e in range(2)]  # noqa: E731
     slot = lambda s: add(mul(add(slot0, s), c(KV_HEADS)), wg)  # noqa: E731
 
-    def o_elem(s, j, k):  # register k of half j of split s
+    def o_elem(s, j, k):  # register k of half j of part s
       row, col = pos[k]
       return add(mul(add(mul(add(mul(slot(s), c(2)), c(j)), c(64)), row), c(gp)), col)
 
@@ -480,16 +481,16 @@ def _split_merger(gp: int, heads: int, out_bits: int):
       return asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
 
     def merge_from_memory():
-      # One online pass over the live splits, MERGE_UNROLL at a time, so that a group's loads
+      # One online pass over the parts, MERGE_UNROLL at a time, so that a group's loads
       # are in flight together (each round waits on L2 once): per lane, M the running max,
-      # the sums rescaled by 2**(M_old - M) as it rises. Splits past n_live (the last group's
-      # tail) load split n_live - 1 again and weigh 0.
+      # the sums rescaled by 2**(M_old - M) as it rises. Parts past n_parts (the last group's
+      # tail) load part n_parts - 1 again and weigh 0.
       zero, neg = arith.constant(f32, 0.0), arith.constant(f32, R.NEG)
       n_o = 2 * len(pos) * 2  # halves x registers x 2 lanes
       # acc: the sums l (lane 2 cb + e), then O (half j, register k = 2 cb + ri, lane e)
       lane_of = list(range(2 * nb)) + [2 * (k // 2) + e for j in range(2)
                                        for k in range(len(pos)) for e in range(2)]
-      lo, hi, step = (arith.index_cast(index, v) for v in (c(0), n_live, c(MERGE_UNROLL)))
+      lo, hi, step = (arith.index_cast(index, v) for v in (c(0), n_parts, c(MERGE_UNROLL)))
       loop = scf.ForOp(lo, hi, step, [neg] * (2 * nb) + [zero] * (2 * nb + n_o))
       with ir.InsertionPoint(loop.body):
         s0 = arith.index_cast(i32, loop.induction_variable)
@@ -498,8 +499,8 @@ def _split_merger(gp: int, heads: int, out_bits: int):
         group = []
         for u in range(MERGE_UNROLL):
           s = add(s0, c(u))
-          valid = arith.cmpi(arith.CmpIPredicate.slt, s, n_live)
-          s = arith.minsi(s, arith.subi(n_live, c(1)))
+          valid = arith.cmpi(arith.CmpIPredicate.slt, s, n_parts)
+          s = arith.minsi(s, arith.subi(n_parts, c(1)))
           ms, ls = [], []
           for cb in range(nb):
             ms += load2(addr(ml_base, ml_elem(s, 0, cb), 4))
@@ -525,19 +526,19 @@ def _split_merger(gp: int, heads: int, out_bits: int):
                  for k in range(len(pos))] for j in range(2)]
       write_out(o_vals, l_vals)
 
-    multi = arith.cmpi(arith.CmpIPredicate.sgt, n_live, c(1))
+    multi = arith.cmpi(arith.CmpIPredicate.sgt, n_parts, c(1))
     branch = scf.IfOp(multi, [], has_else=True)
     with ir.InsertionPoint(branch.then_block):
       for j in range(2):
         for k, reg in enumerate(regs[j]):
-          store2(addr(o_base, o_elem(si, j, k), 4), split(reg), c(1))
+          store2(addr(o_base, o_elem(part, j, k), 4), split(reg), c(1))
       first_row = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, pos[0][0], c(0)))
       for cb in range(nb):  # the lanes' max and sum: once, by the threads holding row 0
-        store2(addr(ml_base, ml_elem(si, 0, cb), 4), split(mreg[cb]), first_row)
-        store2(addr(ml_base, ml_elem(si, 1, cb), 4), split(lreg[cb]), first_row)
+        store2(addr(ml_base, ml_elem(part, 0, cb), 4), split(mreg[cb]), first_row)
+        store2(addr(ml_base, ml_elem(part, 1, cb), 4), split(lreg[cb]), first_row)
       bar = mutils.warpgroup_barrier_idx(sync=False)
       last = asm(i32, [t, addr(cnt_base, add(mul(bi, c(KV_HEADS)), wg), 4), bar,
-                       arith.subi(n_live, c(1))],
+                       arith.subi(n_parts, c(1))],
                  "{\n.reg .pred p, q;\n.reg .b32 old;\nfence.acq_rel.gpu;\n"
                  "bar.sync $3, 128;\nsetp.eq.u32 p, $1, 0;\nmov.b32 old, 0xffffffff;\n"
                  "@p atom.acq_rel.gpu.global.add.u32 old, [$2], 1;\n"
@@ -645,9 +646,12 @@ def _initial_state(gp: int):
 
 
 def _scratch(gp: int):
-  """SMEM beside the pipeline's buffers: decoded V, P^T, reduction rows, vote flags."""
+  """SMEM beside the pipeline's buffers: queries and their TMA barriers, decoded V, P^T,
+  reduction rows, vote flags."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   return dict(
+      q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
+      q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS),
       v_smem=_bf16_smem((KV_HEADS, 128, 64), 128),  # [head_dim half x 64 tokens, 64]
       p_smem=_bf16_smem((KV_HEADS, gp, 64), 128),  # P^T: V's swizzle, which wgmma needs
       red_smem=plgpu.SMEM((KV_HEADS, red_elems(gp)), jnp.float32),  # per warpgroup
@@ -704,8 +708,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   col_sum = _column_reducer("add", gp)
   step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap)
   if heads is not None:
-    out_bits = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}[jnp.dtype(out_dtype)]
-    merger = _split_merger(gp, heads, out_bits)
+    merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
   def decode_attention_mosaic(kt_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem,
                               vg_gmem, vf_gmem, o_gmem, ml_gmem, *merged, q_smem, v_smem,
@@ -718,6 +721,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
     si = lax.axis_index("s")
     t0 = si * split_tiles
     need = kt_gmem[bi]  # tiles this row needs
+    # splits that start before the row's last needed tile, and split 0 (`live_splits`)
+    n_live = jnp.maximum((need + split_tiles - 1) // split_tiles, 1)
 
     # the warpgroup index, taken once before the pipeline's loop: read inside each step (a
     # warp shuffle) it kept every wgmma descriptor's arithmetic in the loop (~70 uniform-datapath
@@ -731,7 +736,6 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       m, l, o0, o1 = eval_pipeline(_initial_state(gp))
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       if heads is not None:
-        n_live = jnp.maximum((need + split_tiles - 1) // split_tiles, 1)
         merger(o0, o1, m, l, bi, si, n_live, bi * n_splits, o_gmem, ml_gmem, counts, out_gmem)
         return
       ml_smem[wg, 0] = m
@@ -767,7 +771,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
     # nothing (the wrapper masks its partials): at rollout shapes the cache is sized for the
     # longest context while the live one is short. Split 0 always runs: a row without visible
     # slots gets its zero state from it.
-    @pl.when((t0 < need) | (si == 0))
+    @pl.when(si < n_live)
     def _():
       pipeline(kc_gmem.at[bi], vc_gmem.at[bi], ks_gmem.at[bi], vs_gmem.at[bi], kg_gmem.at[bi],
                vg_gmem.at[bi], vf_gmem.at[bi])
@@ -776,8 +780,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
               jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, gp), jnp.float32))
   if heads is not None:
     out_type += (jax.ShapeDtypeStruct((b, KV_HEADS * heads, HEAD_DIM), out_dtype),)
-  scratch = dict(_scratch(gp), q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
-                 q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS))
+  scratch = _scratch(gp)
   if heads is None:  # the partials' staging for TMA stores, only where XLA merges them (the
     # in-kernel merge stores from registers): 8 KB at gp 8
     scratch.update(o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
@@ -793,6 +796,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
 _UNIT_ROW_SHIFT, _UNIT_TILE_SHIFT, _UNIT_TILE_MASK = 13, 2, (1 << 11) - 1
 _UNIT_LAST, _UNIT_EMPTY = 2, 1
 MAX_STREAM_TILES = _UNIT_TILE_MASK + 1  # 131,072 slots
+
+
+def _unit_row_tile(e):
+  """A unit entry's (row, tile), for the kernel's scalars and the model's arrays alike."""
+  return e >> _UNIT_ROW_SHIFT, (e >> _UNIT_TILE_SHIFT) & _UNIT_TILE_MASK
 
 
 def stream_tables(kt, s_tiles: int, n_ctas: int):
@@ -859,8 +867,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   gp = qp.shape[2]
   col_sum = _column_reducer("add", gp)
   step = _tile_step(gp, k_factor, v_factor, lazy_tau, False)
-  out_bits = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}[jnp.dtype(out_dtype)]
-  merger = _split_merger(gp, heads, out_bits)
+  merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
   def decode_attention_stream(units_gmem, rows_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem,
                               vs_gmem, kg_gmem, vg_gmem, vf_gmem, o_gmem, ml_gmem, out_gmem,
@@ -869,7 +876,6 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
     ci = lax.axis_index("c")
     n = units_gmem[ci, 0]
     entry = lambda i: units_gmem[ci, 1 + i]  # noqa: E731  (an L1 hit but once a 128 B line)
-    row_of = lambda e: e >> _UNIT_ROW_SHIFT  # noqa: E731
     hoisted = {}
 
     def fetch_q(r):
@@ -881,7 +887,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
 
       @pl.when(n > 0)
       def _():
-        fetch_q(row_of(entry(0)))
+        fetch_q(_unit_row_tile(entry(0))[0])
         plgpu.barrier_wait(q_bar.at[wg])
 
       eval_pipeline(_initial_state(gp))
@@ -897,7 +903,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
 
       def finish(state):  # the part ends: out or into the row's merge; the next row starts
         m, l, o0, o1 = state
-        r = row_of(e)
+        r = _unit_row_tile(e)[0]
         more = idx[0] < n - 1
         # the next row's queries (this part's last S wgmma, their reader, has completed)
         pl.when(more)(lambda: fetch_q(r + 1))
@@ -917,8 +923,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
 
     def tile_of(i):
       if id(i) not in memo:
-        e = entry(i)
-        memo[id(i)] = (i, (row_of(e), (e >> _UNIT_TILE_SHIFT) & _UNIT_TILE_MASK))
+        memo[id(i)] = (i, _unit_row_tile(entry(i)))
       return memo[id(i)][1]
 
     spec = lambda cols: plgpu.BlockSpec(  # noqa: E731
@@ -938,8 +943,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   return plgpu.kernel(
       decode_attention_stream, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
       num_threads=KV_HEADS + 1, thread_name="wg", compiler_params=_compiler_params(),
-      scratch_types=dict(_scratch(gp), q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
-                         q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS)),
+      scratch_types=_scratch(gp),
   )(units, rows, qp, kc, vc, ks, vs, kg, vg, vf)
 
 
@@ -986,6 +990,12 @@ def _emulated_tile(qf, kt, vt, kgt, vgt, val, carry, lazy_tau):
   return m_new, l * corr + p.sum(-1), o * corr[..., None] + pv
 
 
+def _where_rows(mask, a, b):
+  """Per row (axis 0) of every array of the pytrees a and b: a where mask, else b."""
+  return jax.tree.map(
+      lambda x, y: jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, y), a, b)
+
+
 def _initial_emulated(n: int, gp: int):
   return (jnp.full((n, KV_HEADS, gp), R.NEG, jnp.float32), jnp.zeros((n, KV_HEADS, gp)),
           jnp.zeros((n, KV_HEADS, gp, HEAD_DIM)))
@@ -1019,12 +1029,11 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
     for i in range(sp * split_tiles, (sp + 1) * split_tiles):
       new = _emulated_tile(qf, sl(kp, i, 1), sl(vp, i, 1), sl(kg, i, 2), sl(vg, i, 2),
                            sl(vf, i, 1), carry, lazy_tau)
-      carry = jax.tree.map(lambda a, b_: jnp.where(
-          (i < kt).reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), new, carry)
+      carry = _where_rows(i < kt, new, carry)
     # a split past the row's last needed tile is not written by the kernel: undefined, NaN here
     dead = ~live_splits(kt, split_tiles, n_splits)[:, sp]
-    o, ml = (jnp.where(dead.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
-             for a in _to_kernel_layout(*carry))
+    part = _to_kernel_layout(*carry)
+    o, ml = _where_rows(dead, jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), part), part)
     os_.append(o), mls.append(ml)
   o, ml = jnp.stack(os_, 1), jnp.stack(mls, 1)  # [B, n, 4, 2, 64, gp], [B, n, 4, 2, gp]
   if heads is None:
@@ -1052,24 +1061,20 @@ def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_fact
   def step(carry, i):
     state, o_buf, ml_buf = carry
     e = units[:, 1 + i]
-    r = e >> _UNIT_ROW_SHIFT
-    t = (e >> _UNIT_TILE_SHIFT) & _UNIT_TILE_MASK
+    r, t = _unit_row_tile(e)
     on = i < units[:, 0]
     tl = lambda a, ax: jax.vmap(  # noqa: E731  (each CTA's tile of its row)
         lambda x, tt: jax.lax.dynamic_slice_in_dim(x, tt * TILE, TILE, ax - 1))(a[r], t)
     new = _emulated_tile(qf[r], tl(kp, 1), tl(vp, 1), tl(kg, 2), tl(vg, 2), tl(vf, 1), state,
                          lazy_tau)
     work = on & ((e & _UNIT_EMPTY) == 0)
-    state = jax.tree.map(lambda a, b_: jnp.where(
-        work.reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), new, state)
+    state = _where_rows(work, new, state)
     done = on & (((e & _UNIT_LAST) != 0) | (i == units[:, 0] - 1))
     o, ml = _to_kernel_layout(*state)
     dest = jnp.where(done, r + ctas, slots)  # slot `slots`: dropped
     o_buf = o_buf.at[dest].set(o, mode="drop")
     ml_buf = ml_buf.at[dest].set(ml, mode="drop")
-    fresh = _initial_emulated(n_ctas, gp)
-    state = jax.tree.map(lambda a, b_: jnp.where(
-        done.reshape((-1,) + (1,) * (a.ndim - 1)), a, b_), fresh, state)
+    state = _where_rows(done, _initial_emulated(n_ctas, gp), state)
     return (state, o_buf, ml_buf), None
 
   o_buf = jnp.full((slots, KV_HEADS, 2, 64, gp), jnp.nan, jnp.float32)
