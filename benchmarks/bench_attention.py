@@ -145,6 +145,9 @@ def main():
   ap.add_argument("--live", default="",
                   help="rollout-shaped decode rows BxSxL (cache S slots, L live), e.g. "
                        "276x8192x1536,64x8192x1536: Mosaic split counts and the bf16 kernel")
+  ap.add_argument("--live_kernels", default="splits,stream,bf16",
+                  help="which kernels the --live rows run: Mosaic split counts, its stream "
+                       "schedule, the bf16-KV kernel")
   ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
   ap.add_argument("--dry", action="store_true",
                   help="CPU with jax-cuda13-plugin: only lower every kernel for cuda")
@@ -428,7 +431,8 @@ def main():
     mask = jnp.asarray(mask)
     tiles = -(-s // attention_mgpu.TILE)
     dm = attention_mgpu.default_splits(b, s)
-    for fmt in ("nvfp4", "bf16"):
+    live_kernels = set(args.live_kernels.split(","))
+    for fmt in ("nvfp4", "bf16") if "bf16" in live_kernels else ("nvfp4",):
       key, kq, kk, kv = jax.random.split(key, 4)
       k, v = make_kv(fmt, (b, s, KVH, HD), kk), make_kv(fmt, (b, s, KVH, HD), kv)
       q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
@@ -444,8 +448,10 @@ def main():
       else:
         mosaic = functools.partial(kernels.decode_attention, use_kernel="mosaic")
         cfgs = [(f"mosaic_splits{n}", mosaic, dict(splits=n))
-                for n in sorted({dm, *(tiles // t for t in (32, 16, 8, 4, 2) if tiles >= t)})]
-        cfgs.append(("mosaic_stream", mosaic, dict(schedule="stream")))
+                for n in sorted({dm, *(tiles // t for t in (32, 16, 8, 4, 2) if tiles >= t)})
+                if "splits" in live_kernels]
+        if "stream" in live_kernels:
+          cfgs.append(("mosaic_stream", mosaic, dict(schedule="stream")))
       for tag, fn, cfg in cfgs:
         name = f"live_B{b}_S{s}_L{live}_{fmt}_{tag}"
         sweep_row("decode_live", name, fn, cfg, q, kvs, mask, want, "decode_attention")

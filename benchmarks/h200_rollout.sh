@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -46,9 +46,16 @@ attention_side_rows() {
   [ $1 = stages2 ] && envs=TRACE_JAX_ATTN_STAGES=2
   [ $1 = stream ] && envs=TRACE_JAX_ATTN_SCHEDULE=stream
   [ $1 = splits ] && envs=TRACE_JAX_ATTN_SCHEDULE=splits
+  # (session 22) Mosaic's automatic warpgroup barriers around SMEM stores back on; 3 stages;
+  # odd warpgroups started 600 / 1200 ns late (with 3 stages: the slack a lag needs)
+  [ $1 = auto_barriers ] && envs=TRACE_JAX_ATTN_AUTO_BARRIERS=on
+  [ $1 = stages3 ] && envs=TRACE_JAX_ATTN_STAGES=3
+  [ $1 = stagger600 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=600"
+  [ $1 = stagger1200 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=1200"
   env $envs PYTHONPATH=/tmp/site:$root timeout -k 5 $3 python3 benchmarks/bench_attention.py \
     --what decode --formats $2 --batches 16,64 --contexts 8192,32768 --budget_s $4 \
-    --out $OUT/bench_attention_$1.json ${LIVE:+--live $LIVE} 2>&1 | grep -v "^I1\|^W1" \
+    --out $OUT/bench_attention_$1.json ${LIVE:+--live $LIVE} \
+    ${LIVE_KERNELS:+--live_kernels $LIVE_KERNELS} 2>&1 | grep -v "^I1\|^W1" \
     | grep -v "splits64\|splits4 " | tail -${ROWS_SHOWN:-8} | sed "s/^/[$1] /"
 }
 # attention_side_rows for each of SIDES (quoted list) over the full rows and the rollout-shaped
@@ -421,6 +428,15 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s22b ]; then
+  # (session 22) the decode attention without Mosaic's automatic barriers around SMEM stores
+  # (4 warpgroup barriers a tile fewer): its GPU tests, then decode rows (full rows and the
+  # stream schedule's live rows) of auto_barriers (the landed kernel), new, stages3, and
+  # stagger600 / stagger1200 (odd warpgroups started late)
+  gpu_tests tests/kernels/test_attention_gpu.py "stream or mosaic_kernel_vs" attn_nobar \
+    ${MOSAIC_TIMEOUT:-150}
+  LIVE_KERNELS=stream attention_ab "auto_barriers new stages3 stagger600 stagger1200" 8 \
+    ${BENCH_TIMEOUT:-90}
 elif [ "$stage" = s22a ]; then
   # (written in session 21, not yet run) the stream schedule as it landed (each part's queries
   # fetched once; s21b measured the form that loaded them with every tile): decode rows with

@@ -113,6 +113,10 @@ MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "x
 MERGE_UNROLL = 4  # parts whose partials the merging part loads at once
 # TMA pipeline stages, 38 KB each (`max_stages`). TRACE_JAX_ATTN_STAGES: another default (A/B)
 STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 2, minimum=1)
+# (A/B, session 22) odd warpgroups start this many ns late, so the warpgroups sharing an SM
+# sub-partition are in different phases of the tile (decode vs softmax and wgmma waits)
+STAGGER_NS = int_setting("TRACE_JAX_ATTN_STAGGER", 0, minimum=0)
+AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off")) == "on"
 
 
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
@@ -363,6 +367,28 @@ def _raise_vote():
     memref.store(flag, flags, [wg])
 
   return vote
+
+
+@functools.cache
+def _nanosleep(ns: int):
+  """inline_mgpu function: () -> None, the calling threads sleep ~ns nanoseconds."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm
+
+  @plgpu.inline_mgpu()
+  def sleep(ctx):
+    del ctx
+    llvm.inline_asm(ir.IntegerType.get_signless(32), [],
+                    f"mov.u32 $0, 0;\nnanosleep.u32 {int(ns)};", "=r", has_side_effects=True)
+
+  return sleep
+
+
+def _stagger(wg):
+  import jax.experimental.pallas as pl
+  if STAGGER_NS:
+    pl.when(wg % 2 == 1)(_nanosleep(STAGGER_NS))
 
 
 @functools.cache
@@ -658,12 +684,12 @@ def _scratch(gp: int):
       vote_smem=plgpu.SMEM((KV_HEADS,), jnp.int32))  # `_raise_vote`'s flags
 
 
-def _compiler_params():
+def _compiler_params(auto_barriers: bool):
   import jax.experimental.pallas.mosaic_gpu as plgpu
   # approx_math: exp2 as one `ex2.approx.ftz` (relative error ~2**-22; the probabilities are
   # rounded to bf16 next) instead of the ~8-instruction accurate exp
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                              approx_math=True)
+                              approx_math=True, unsafe_no_auto_barriers=not auto_barriers)
 
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
@@ -733,6 +759,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       wg = hoisted["wg"] = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
+      _stagger(wg)
       m, l, o0, o1 = eval_pipeline(_initial_state(gp))
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       if heads is not None:
@@ -787,8 +814,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
                    ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32))
   return plgpu.kernel(
       decode_attention_mosaic, out_type=out_type, grid=(b, n_splits), grid_names=("b", "s"),
-      num_threads=KV_HEADS + 1, thread_name="wg", compiler_params=_compiler_params(),
-      scratch_types=scratch,
+      num_threads=KV_HEADS + 1, thread_name="wg",
+      compiler_params=_compiler_params(AUTO_BARRIERS or heads is None), scratch_types=scratch,
   )(kt, qp, kc, vc, ks, vs, kg, vg, vf)
 
 
@@ -890,6 +917,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         fetch_q(_unit_row_tile(entry(0))[0])
         plgpu.barrier_wait(q_bar.at[wg])
 
+      _stagger(wg)
       eval_pipeline(_initial_state(gp))
 
     def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
@@ -942,8 +970,8 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
               jax.ShapeDtypeStruct((b, KV_HEADS * heads, HEAD_DIM), out_dtype))
   return plgpu.kernel(
       decode_attention_stream, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
-      num_threads=KV_HEADS + 1, thread_name="wg", compiler_params=_compiler_params(),
-      scratch_types=_scratch(gp),
+      num_threads=KV_HEADS + 1, thread_name="wg",
+      compiler_params=_compiler_params(AUTO_BARRIERS), scratch_types=_scratch(gp),
   )(units, rows, qp, kc, vc, ks, vs, kg, vg, vf)
 
 
