@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -47,11 +47,13 @@ attention_side_rows() {
   [ $1 = stream ] && envs=TRACE_JAX_ATTN_SCHEDULE=stream
   [ $1 = splits ] && envs=TRACE_JAX_ATTN_SCHEDULE=splits
   # (session 22) Mosaic's automatic warpgroup barriers around SMEM stores back on; 3 stages;
-  # odd warpgroups started 600 / 1200 ns late (with 3 stages: the slack a lag needs)
+  # odd warpgroups started 600 / 1200 ns late (with 3 stages: the slack a lag needs); early
+  # release (the slot's codes and scales released once in registers). The stagger and early
+  # release settings were removed after s22b / s22c (no faster): those sides need a028067 /
+  # d5e988d
   [ $1 = auto_barriers ] && envs=TRACE_JAX_ATTN_AUTO_BARRIERS=on
   [ $1 = stages3 ] && envs=TRACE_JAX_ATTN_STAGES=3
   [ $1 = late_release ] && envs=TRACE_JAX_ATTN_EARLY_RELEASE=off
-  [ $1 = stages2 ] && envs=TRACE_JAX_ATTN_STAGES=2
   [ $1 = stagger600_er ] && envs=TRACE_JAX_ATTN_STAGGER=600
   [ $1 = stagger600 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=600"
   [ $1 = stagger1200 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=1200"
@@ -431,6 +433,12 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s22d ]; then
+  # (session 22) the landed form (no automatic barriers, 3 stages): the split schedule's GPU
+  # tests (s22b/c ran the stream ones), then the 8k-capacity rows, FP4 then BF16, in one run
+  gpu_tests tests/kernels/test_attention_gpu.py "mosaic_kernel_splits or in_kernel_merge" \
+    attn_splits ${MOSAIC_TIMEOUT:-130}
+  CAP_TIMEOUT=${CAP_TIMEOUT:-300} BF16_TIMEOUT=${BF16_TIMEOUT:-160} bash $0 s15c_inner
 elif [ "$stage" = s22c ]; then
   # (session 22) the slot's codes and scales released once in registers (the tile's start),
   # 3 stages by default: GPU tests, then decode rows of late_release (s22b's stages3 side),

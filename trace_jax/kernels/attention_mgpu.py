@@ -115,12 +115,15 @@ MERGE_UNROLL = 4  # parts whose partials the merging part loads at once
 # barriers a third stage pays (H200, session 22: B 64 x 32k 496.8 -> 468.4 us a kernel; with
 # them it did not, session 21). TRACE_JAX_ATTN_STAGES: another default (A/B)
 STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
-# (A/B, session 22) odd warpgroups start this many ns late, so the warpgroups sharing an SM
-# sub-partition are in different phases of the tile (decode vs softmax and wgmma waits)
-STAGGER_NS = int_setting("TRACE_JAX_ATTN_STAGGER", 0, minimum=0)
-# (A/B, session 22) the compute warpgroups release a slot's codes and scales once they are in
-# registers (the tile's start), its row scales after use, instead of at the tile's end
-EARLY_RELEASE = choice_setting("TRACE_JAX_ATTN_EARLY_RELEASE", "on", ("on", "off")) == "on"
+# Mosaic brackets each SMEM store of a warpgroup with warpgroup barriers (earlier reads done
+# before, the writes done after). These kernels need none of them: their stores (P^T, decoded V)
+# are read only by wgmma, after `commit_smem` (a fence and a barrier, always emitted), and are
+# overwritten only after their reader, the last tile's PV wgmma, has been waited by every warp;
+# the cross-warp reductions bring their own barriers; each thread releases a pipeline slot
+# itself (mbarrier arrive with release order). Off: 8 -> 4 barriers a tile, kernels 2-3%
+# shorter on the H200 (session 22). The split kernel with XLA's merge keeps them (its partials
+# go out through an SMEM buffer rewritten after a single thread's TMA wait).
+# TRACE_JAX_ATTN_AUTO_BARRIERS=on: back on (A/B)
 AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off")) == "on"
 
 
@@ -375,28 +378,6 @@ def _raise_vote():
 
 
 @functools.cache
-def _nanosleep(ns: int):
-  """inline_mgpu function: () -> None, the calling threads sleep ~ns nanoseconds."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  from jaxlib.mlir import ir
-  from jaxlib.mlir.dialects import llvm
-
-  @plgpu.inline_mgpu()
-  def sleep(ctx):
-    del ctx
-    llvm.inline_asm(ir.IntegerType.get_signless(32), [],
-                    f"mov.u32 $0, 0;\nnanosleep.u32 {int(ns)};", "=r", has_side_effects=True)
-
-  return sleep
-
-
-def _stagger(wg):
-  import jax.experimental.pallas as pl
-  if STAGGER_NS:
-    pl.when(wg % 2 == 1)(_nanosleep(STAGGER_NS))
-
-
-@functools.cache
 def _split_merger(gp: int, heads: int, out_dtype):
   """inline_mgpu function: the combine of a row's parts (splits, or a stream CTA's segments)
   inside the kernel, by the last part to finish. (o0, o1 float32 [64, gp] wgmma layout: this
@@ -611,24 +592,16 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
   raise_vote = _raise_vote()
 
   def step(wg, q, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem, red_smem,
-           vote_smem, carry, consumed=None):
+           vote_smem, carry):
     m, l, o0, o1 = carry
-    release = (lambda *refs: [plgpu.barrier_arrive(r) for r in refs]) if consumed else (
-        lambda *refs: None)
-    load_codes = lambda ref: plgpu.load(  # noqa: E731
-        ref.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout)
-    load_scales = lambda ref: plgpu.load(ref, (), layout=wgmma_layout)  # noqa: E731
     valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
-    k0, k1 = decode(load_codes(kc_s), load_scales(ks_s))
-    if consumed:  # V's codes and scales to registers now: the slot's big buffers are released
-      # at the tile's start (more tiles in flight than the slots), its row scales after use
-      v_words = (load_codes(vc_s), load_scales(vs_s))
-      kc_c, vc_c, ks_c, vs_c, kg_c, vg_c, vf_c = consumed
-      release(kc_c, vc_c, ks_c, vs_c, vf_c)
+    k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+                    plgpu.load(ks_s, (), layout=wgmma_layout))
 
     def decode_v():  # V to SMEM (the last tile's PV wgmma, its reader, has completed)
-      v_smem[wg] = decode_stacked(*(v_words if consumed else (load_codes(vc_s),
-                                                               load_scales(vs_s))))
+      v_smem[wg] = decode_stacked(
+          plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+          plgpu.load(vs_s, (), layout=wgmma_layout))
 
     def s_scope(acc):
       plgpu.wgmma(acc, k0, q.at[:, pl.ds(0, 64)].T)
@@ -640,8 +613,6 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
 
     s = pl.run_scoped(s_scope, plgpu.ACC((64, gp), jnp.float32))
     s = _row_scaler(k_factor, gp)(s, kg_s)
-    if consumed:
-      release(kg_c)
     s = s + ((valid - 1.0) * 1e30)[:, None]
 
     def raise_max(args):  # the online softmax's step: the exact running max, state rescaled
@@ -662,8 +633,6 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     p = jnp.exp2(s - m[None, :])
     l = l + p
     p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
-    if consumed:
-      release(vg_c)
     if not overlap:
       decode_v()
     plgpu.commit_smem()
@@ -776,7 +745,6 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       wg = hoisted["wg"] = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      _stagger(wg)
       m, l, o0, o1 = eval_pipeline(_initial_state(gp))
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       if heads is not None:
@@ -793,12 +761,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       plgpu.copy_smem_to_gmem(ml_smem.at[wg], ml_gmem.at[bi, si, wg])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, *rest):
-      *consumed, carry = rest  # (the slot's barriers with EARLY_RELEASE)
+    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       del idx
       wg = hoisted["wg"]
       return step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem,
-                  red_smem, vote_smem, carry, consumed)
+                  red_smem, vote_smem, carry)
 
     row = lambda i: (t0 + i, 0)  # noqa: E731
     # the split's needed tiles only: a dynamic grid (a static one over split_tiles made the
@@ -810,7 +777,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
                   plgpu.BlockSpec((TILE, KV_HEADS), row), plgpu.BlockSpec((TILE, KV_HEADS), row),
                   plgpu.BlockSpec((TILE,), lambda i: (t0 + i,))],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
-        compute_context=compute_context, manual_consumed_barriers=EARLY_RELEASE)
+        compute_context=compute_context)
 
     # A split that starts at or past the row's last needed tile runs nothing and writes
     # nothing (the wrapper masks its partials): at rollout shapes the cache is sized for the
@@ -935,24 +902,16 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         fetch_q(_unit_row_tile(entry(0))[0])
         plgpu.barrier_wait(q_bar.at[wg])
 
-      _stagger(wg)
       eval_pipeline(_initial_state(gp))
 
-    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, *rest):
-      *consumed, carry = rest  # (the slot's barriers with EARLY_RELEASE)
+    def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       wg = hoisted["wg"]
       e = entry(idx[0])
-
-      def skip(c):  # an empty unit reads nothing: its slot goes back at once
-        for r in consumed:
-          plgpu.barrier_arrive(r)
-        return c
-
       carry = lax.cond(
           (e & _UNIT_EMPTY) == 0,
           lambda c: step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem,
-                         p_smem, red_smem, vote_smem, c, consumed),
-          skip, carry)
+                         p_smem, red_smem, vote_smem, c),
+          lambda c: c, carry)
 
       def finish(state):  # the part ends: out or into the row's merge; the next row starts
         m, l, o0, o1 = state
@@ -986,7 +945,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         in_specs=[spec(64), spec(64), spec(8), spec(8), spec(KV_HEADS), spec(KV_HEADS),
                   plgpu.BlockSpec((None, TILE), tile_of)],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
-        compute_context=compute_context, manual_consumed_barriers=EARLY_RELEASE)
+        compute_context=compute_context)
     pipeline(kc_gmem, vc_gmem, ks_gmem, vs_gmem, kg_gmem, vg_gmem, vf_gmem)
 
   slots = b + n_ctas
