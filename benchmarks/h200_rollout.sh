@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -433,6 +433,15 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s22e ]; then
+  # (session 22) the attention bar's rows in one run: bf16 KV (the Pallas kernel) beside the
+  # landed Mosaic FP4-KV kernel, full rows and the stream schedule's live rows
+  timeout -k 5 ${BENCH_TIMEOUT:-220} python3 benchmarks/bench_attention.py --what decode \
+    --formats bf16,nvfp4_mosaic --batches 16,64 --contexts 8192,32768 \
+    --live 276x8192x1536,64x8192x1536,16x8192x2048 --live_kernels stream,bf16 \
+    --budget_s $(( ${BENCH_TIMEOUT:-220} - 35 )) --out $OUT/bench_attention_bar.json 2>&1 \
+    | grep -v "^I1\|^W1" | tail -16
+  rm -f $OUT/*.png
 elif [ "$stage" = s22d ]; then
   # (session 22) the landed form (no automatic barriers, 3 stages): the split schedule's GPU
   # tests (s22b/c ran the stream ones), then the 8k-capacity rows, FP4 then BF16, in one run
