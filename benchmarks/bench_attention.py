@@ -287,7 +287,9 @@ def main():
           q, k, v)
       if why:
         raise ValueError(why)
-    cfg = (dict(splits=attention_mgpu.default_splits(b, s)) if variant
+    m = attention_mgpu  # the Mosaic kernel runs its defaults (settings: TRACE_JAX_ATTN_*)
+    cfg = (dict(schedule=m.SCHEDULE, stages=m.STAGES, auto_barriers=m.AUTO_BARRIERS,
+                splits=m.default_splits(b, s) if m.SCHEDULE == "splits" else None) if variant
            else attention_pallas.default_config(b, KVH, s, data_fmt.endswith("fp4")))
     kv_bytes = nbytes(k) + nbytes(v)
     row.update(kv_bytes=kv_bytes, config=cfg)
