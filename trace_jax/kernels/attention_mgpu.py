@@ -19,7 +19,8 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   cache), a split's needed tiles one pipeline. At rollout shapes (cache sized for the longest
   context, the live one shorter) splits launch CTAs that exit at once and leave waves of
   unequal length: on the H200 at B 276, 8k cache, 1536 live, 146.8 us a kernel with splits,
-  119.7 with the stream schedule (session 21).
+  119.7 with the stream schedule (session 21), 108.3 with 3 stages and no automatic barriers
+  (session 22).
 - K step, swap-AB: S^T[64 tokens, gp heads] = K (registers) @ q^T (SMEM). A warpgroup loads
   its head's codes as uint32 `[64, 16]` in the wgmma layout: a thread gets rows r, r+8 and
   words (2c, 2c+1), (2c+8, 2c+9) = one 16-element block of each 64-wide head_dim half
@@ -63,7 +64,8 @@ not ("cannot apply swizzle to non-contiguous refs"), hence the row scales are re
 through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, was 4-7%
 slower per call on the H200); wgmma with both operands in SMEM needs equal swizzles, and
 swizzles of 16 B are refused (hence P^T); SMEM has room for 3 pipeline stages (~38 KB each)
-beside ~80 KB of buffers (`max_stages`); 2 by default, a third measured no faster (session 21).
+beside ~80 KB of buffers (`max_stages`), the default (a third stage paid only once Mosaic's
+automatic barriers around SMEM stores were off: `AUTO_BARRIERS`, session 22).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
