@@ -33,9 +33,9 @@ Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 
 
 --sweep: launch configurations (tile, splits, warps, stages) of the decode kernels (Pallas, and
 Mosaic splits/stages) at B=16/S=8k and B=64/S=1k (the RL rollout's shape) and of the prefill
-kernel at B=16/T=2048, NVFP4 and bf16
-KV, each checked against the reference and timed the same way (kernel rows only). Each variant runs in try/except (errors are recorded); a watchdog
-ends a hung run; variants stop at --budget_s of total time.
+kernel at B=16/T=2048, NVFP4 and bf16 KV, each checked against the reference and timed the same
+way (kernel rows only). Each variant runs in try/except (errors are recorded); a watchdog ends a
+hung run; variants stop at --budget_s of total time.
 """
 
 from __future__ import annotations
