@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -55,6 +55,7 @@ attention_side_rows() {
   [ $1 = stages3 ] && envs=TRACE_JAX_ATTN_STAGES=3
   [ $1 = late_release ] && envs=TRACE_JAX_ATTN_EARLY_RELEASE=off
   [ $1 = stagger600_er ] && envs=TRACE_JAX_ATTN_STAGGER=600
+  [ $1 = splits_defer ] && envs="TRACE_JAX_ATTN_SCHEDULE=splits TRACE_JAX_ATTN_DEFER_PV=on"
   [ $1 = stagger600 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=600"
   [ $1 = stagger1200 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=1200"
   env $envs PYTHONPATH=/tmp/site:$root timeout -k 5 $3 python3 benchmarks/bench_attention.py \
@@ -433,6 +434,17 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s23a ]; then
+  # (written in session 22, not yet run) the split kernel's PV products left in flight into the
+  # next tile (TRACE_JAX_ATTN_DEFER_PV): its GPU tests (bit-equal to the kernel that waits),
+  # then decode rows of splits, splits_defer and new (the stream schedule), live rows by split
+  # count for the split sides
+  gpu_tests tests/kernels/test_attention_gpu.py "deferred_pv" attn_defer ${MOSAIC_TIMEOUT:-120}
+  for side in splits splits_defer; do
+    LIVE_KERNELS=splits attention_ab $side 20 ${BENCH_TIMEOUT:-140}
+  done
+  LIVE_KERNELS=stream attention_ab new 8 ${BENCH_TIMEOUT:-95}
+  rm -f $OUT/*.png
 elif [ "$stage" = s22e ]; then
   # (session 22) the attention bar's rows in one run: bf16 KV (the Pallas kernel) beside the
   # landed Mosaic FP4-KV kernel, full rows and the stream schedule's live rows

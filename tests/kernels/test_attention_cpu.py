@@ -356,16 +356,18 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
     if fmt == "nvfp4":  # the Mosaic kernels (layouts, inline PTX): split schedule (V decode
-      # overlapped; both N sides, G 8 here, then 16; merges) and stream schedule
+      # overlapped; both N sides, G 8 here, then 16; merges; PV products left in flight) and
+      # stream schedule
       from trace_jax.kernels import attention_mgpu as AM
-      for overlap, heads, lazy, merge, schedule in (
-          (False, h, 8.0, True, "splits"), (True, h, 8.0, True, None),
-          (False, 16 * kvh, 8.0, True, "splits"), (False, h, None, True, "splits"),
-          (False, h, 8.0, False, None), (False, h, 8.0, True, "stream"),
-          (False, 16 * kvh, None, True, "stream")):
+      for overlap, heads, lazy, merge, schedule, defer in (
+          (False, h, 8.0, True, "splits", False), (True, h, 8.0, True, None, False),
+          (False, 16 * kvh, 8.0, True, "splits", False), (False, h, None, True, "splits", False),
+          (False, h, 8.0, False, None, False), (False, h, 8.0, True, "stream", False),
+          (False, 16 * kvh, None, True, "stream", False), (False, h, 8.0, True, "splits", True),
+          (False, 16 * kvh, None, False, "splits", True)):
         lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap,
-                                            lazy_tau=lazy, merge=merge,
-                                            schedule=schedule)).trace(
+                                            lazy_tau=lazy, merge=merge, schedule=schedule,
+                                            defer_pv=defer)).trace(
             sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()

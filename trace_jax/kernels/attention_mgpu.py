@@ -127,6 +127,9 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
 # go out through an SMEM buffer rewritten after a single thread's TMA wait).
 # TRACE_JAX_ATTN_AUTO_BARRIERS=on: back on (A/B)
 AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off")) == "on"
+# (A/B, written in session 22, not yet run on a GPU) the split kernel's PV products left in
+# flight into the next tile (`mgpu_decode_kernel`'s defer_pv)
+DEFER_PV = choice_setting("TRACE_JAX_ATTN_DEFER_PV", "off", ("on", "off")) == "on"
 
 
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
@@ -594,8 +597,13 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
   raise_vote = _raise_vote()
 
   def step(wg, q, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem, red_smem,
-           vote_smem, carry):
-    m, l, o0, o1 = carry
+           vote_smem, carry, o_acc=None):
+    # o_acc: the output's halves as wgmma accumulators that live across tiles (carry (m, l)):
+    # the tile's PV products stay in flight until the next tile's S wait
+    if o_acc is None:
+      m, l, o0, o1 = carry
+    else:
+      m, l = carry
     valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
     k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                     plgpu.load(ks_s, (), layout=wgmma_layout))
@@ -623,7 +631,23 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
       corr = jnp.exp2(m - m_new)
       return m_new, l * corr[None, :], o0 * corr[None, :], o1 * corr[None, :]
 
-    if lazy_tau is None:
+    if o_acc is not None:  # the rescale outside the cond: an accumulator read or write in a
+      # branch makes ptxas serialize every wgmma (C7518); 8 multiplies a tile by 1 instead
+      def raise_ml(args):
+        m, l, _ = args
+        m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
+        corr = jnp.exp2(m - m_new)
+        return m_new, l * corr[None, :], corr
+
+      args = (m, l, jnp.ones_like(m))
+      if lazy_tau is None:
+        m, l, corr = raise_ml(args)
+      else:
+        raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
+        m, l, corr = lax.cond(vote_smem[wg] != 0, raise_ml, lambda a: a, args)
+      for acc in o_acc:  # (the S wait above has completed the last tile's PV products)
+        acc[...] = acc[...] * corr[None, :]
+    elif lazy_tau is None:
       m, l, o0, o1 = raise_max((m, l, o0, o1))
     else:  # only when a score passes the running max by more than lazy_tau (see docstring)
       raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
@@ -643,6 +667,9 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
       plgpu.wgmma(accs[0], v_smem.at[wg, pl.ds(0, 64)].T, p_smem.at[wg].T)
       plgpu.wgmma(accs[1], v_smem.at[wg, pl.ds(64, 64)].T, p_smem.at[wg].T)
 
+    if o_acc is not None:
+      o_scope(o_acc)  # left in flight
+      return m, l
     # the wgmmas accumulate onto the (rescaled) output in place (a zeroed accumulator and an
     # add after it cost 16 more instructions a tile)
     o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
@@ -682,11 +709,12 @@ def _compiler_params(auto_barriers: bool):
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
                                              "v_factor", "overlap", "lazy_tau", "heads",
-                                             "out_dtype"))
+                                             "out_dtype", "defer_pv"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
-                       heads: int | None = None, out_dtype=jnp.bfloat16):
+                       heads: int | None = None, out_dtype=jnp.bfloat16,
+                       defer_pv: bool = False):
   """The raw kernel, split schedule: CTA (row, split) runs tiles [split * split_tiles, ...) of
   its row. kt int32 [B]: 64-token tiles each row needs (through its last visible slot; later
   tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
@@ -704,6 +732,13 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   intact (it serializes the wgmmas where it cannot). No faster on the H200 (session 12: 54.8 vs
   54.6 us at B 16 x 8k), so off; kept as a tested variant.
   lazy_tau: the running max's slack in log2 units (module docstring), None: exact every tile.
+  defer_pv: O accumulates in wgmma accumulators that live across the pipeline's steps; a tile's
+  PV products stay in flight until the next tile's S wait (which the V and P stores and the
+  rescale follow), overlapping the next tile's K decode, instead of being waited at the tile's
+  end; the rescale leaves the lazy max's branch (a multiply by 1 where the max stays): ptxas
+  serializes every wgmma when an accumulator is read or written in a branch while products may
+  be in flight (C7515 / C7518, seen in the stream kernel, whose part ends are branches). 563
+  instructions a tile against 560. Not yet timed (`DEFER_PV`).
   Returns (o float32 [B, n_splits, 4, 2, 64, gp]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, gp]: running max (log2 units) and sum). A split s > 0 with
   s * split_tiles >= kt is neither run nor written: its partials are undefined (see
@@ -747,7 +782,18 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       wg = hoisted["wg"] = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      m, l, o0, o1 = eval_pipeline(_initial_state(gp))
+      if defer_pv:
+        def with_accumulators(o0_acc, o1_acc):
+          hoisted["o"] = o = (o0_acc, o1_acc)
+          for acc, x in zip(o, _initial_state(gp)[2:]):
+            acc[...] = x
+          m, l = eval_pipeline(_initial_state(gp)[:2])
+          return m, l, o0_acc[...], o1_acc[...]  # (the reads wait for the last products)
+
+        m, l, o0, o1 = pl.run_scoped(with_accumulators, plgpu.ACC((64, gp), jnp.float32),
+                                     plgpu.ACC((64, gp), jnp.float32))
+      else:
+        m, l, o0, o1 = eval_pipeline(_initial_state(gp))
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       if heads is not None:
         merger(o0, o1, m, l, bi, si, n_live, bi * n_splits, o_gmem, ml_gmem, counts, out_gmem)
@@ -767,7 +813,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       del idx
       wg = hoisted["wg"]
       return step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem,
-                  red_smem, vote_smem, carry)
+                  red_smem, vote_smem, carry, hoisted.get("o"))
 
     row = lambda i: (t0 + i, 0)  # noqa: E731
     # the split's needed tiles only: a dynamic grid (a static one over split_tiles made the
@@ -1025,13 +1071,14 @@ def _to_kernel_layout(m, l, o):
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
                    lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
-                   out_dtype=jnp.bfloat16):
+                   out_dtype=jnp.bfloat16, defer_pv: bool = False):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is), and with `heads`
   the merged output (`merge_partials`, the combine the in-kernel merge equals). Lets CPU tests
   cover the plumbing around the kernel."""
-  del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
+  del stages, overlap, defer_pv  # (the order of the softmax sum and of the kernel's work, and
+  # when it waits for its products, are not modelled)
   b = kc.shape[0]
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,
                                           n_splits * split_tiles * TILE, k_factor, v_factor)
@@ -1172,7 +1219,8 @@ def default_splits(b: int, s: int) -> int:
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
                      splits: int | None = None, stages: int | None = None, overlap: bool = False,
                      lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
-                     schedule: str | None = None, kernel_fn=None) -> jax.Array:
+                     schedule: str | None = None, defer_pv: bool | None = None,
+                     kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
@@ -1194,6 +1242,10 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream and (splits or overlap or not merge):
     raise ValueError("Mosaic decode attention kernel: the stream schedule merges in the kernel "
                      "and takes no splits or overlap")
+  defer_pv = DEFER_PV and not stream if defer_pv is None else defer_pv
+  if defer_pv and (stream or overlap):
+    raise ValueError("Mosaic decode attention kernel: defer_pv is the split schedule's, "
+                     "without overlap")
   if stream and (-(-s // TILE) > MAX_STREAM_TILES or b >= 1 << (31 - _UNIT_ROW_SHIFT)):
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
                      f"to {MAX_STREAM_TILES * TILE} slots and fewer than "
@@ -1234,7 +1286,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
       stages=stages, overlap=overlap, lazy_tau=lazy_tau,
       k_factor=float(2 ** ROW_SHIFT * scale * LOG2E), v_factor=float(2 ** ROW_SHIFT),
-      heads=g if merge else None, out_dtype=kernel_dtype)
+      heads=g if merge else None, out_dtype=kernel_dtype, defer_pv=defer_pv)
   if merge:
     return res[2].astype(out_dtype)
   o, ml = res
