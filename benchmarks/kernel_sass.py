@@ -18,7 +18,10 @@ loop itself. A conditional inside the loop counts with both of its sides (the at
 max: 540 in all, 495 on a tile that keeps the max). Seen with it (session 19): the dense FP4
 matmul's step (kb 4, one row) is 423 instructions, 86 of them uniform-datapath arithmetic of the
 wgmma descriptors of the pipelined activation slots (taking the warpgroup index out of the loop,
-which removed the attention's, changes nothing there: 422).
+which removed the attention's, changes nothing there: 422). ptxas's performance warnings are
+printed too (session 22: wgmma accumulators touched in a branch while products may be in flight
+made ptxas serialize every wgmma, C7515 / C7518, at an instruction count within 2% of the
+unserialized loop).
 """
 
 from __future__ import annotations
@@ -72,12 +75,19 @@ def report(sass_path: str, listing: bool) -> dict:
   uniform = sum(v for k, v in ops.items() if k.startswith("U"))
   print(f"  uniform datapath {uniform}, barriers {ops.get('BAR', 0)}, wgmma {ops.get('HGMMA', 0)}")
   ptxas = sass_path.rsplit(".", 1)[0] + ".ptxas"
+  warnings = []
   if os.path.exists(ptxas):
     with open(ptxas) as f:
-      print("  " + " ".join(ln.split(":", 1)[1].strip() for ln in f if "Used" in ln))
+      lines = f.read().splitlines()
+    print("  " + " ".join(ln.split(":", 1)[1].strip() for ln in lines if "Used" in ln))
+    # e.g. C7515 / C7518: every wgmma serialized (an accumulator touched in a branch while
+    # products may be in flight), which no instruction count shows
+    warnings = [ln.split(":", 1)[1].strip() for ln in lines if "Performance Loss" in ln]
+    for w in warnings:
+      print("  PTXAS: " + w)
   if listing:
     print("\n".join(loop))
-  return dict(instructions=len(body), opcodes=dict(ops))
+  return dict(instructions=len(body), opcodes=dict(ops), ptxas_warnings=warnings)
 
 
 def main():

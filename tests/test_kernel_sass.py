@@ -36,3 +36,18 @@ def test_main_loop_is_the_shortest_loop_with_a_wgmma():
   assert loop[0] == ".L_x_1:" and body[-1].startswith("@P2 BRA")
   ops = collections.Counter(kernel_sass.opcode(t) for t in body)
   assert ops == {"PRMT": 1, "HGMMA": 1, "BRA": 2, "UIADD3": 1}
+
+
+def test_report_carries_ptxas_performance_warnings(tmp_path):
+  """ptxas's serialization warnings (which no instruction count shows) come back with the loop's
+  counts; the register line is not taken for one."""
+  sass = tmp_path / "k.sass_ctrl"
+  sass.write_text(_SASS)
+  warn = ("(C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+          "to program dependence on compiler-inserted WG.DP in divergent path")
+  (tmp_path / "k.ptxas").write_text(
+      f"ptxas info    : Used 96 registers, used 16 barriers\nptxas info    : {warn}\n")
+  got = kernel_sass.report(str(sass), listing=False)
+  assert got["instructions"] == 5 and got["ptxas_warnings"] == [warn]
+  (tmp_path / "k.ptxas").write_text("ptxas info    : Used 96 registers\n")
+  assert kernel_sass.report(str(sass), listing=False)["ptxas_warnings"] == []
