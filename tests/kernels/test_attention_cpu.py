@@ -460,6 +460,9 @@ def test_mosaic_wrapper_emulated_matches_reference():
   assert relerr(got, want) < 1e-2
   with pytest.raises(ValueError, match="stream schedule merges"):
     AM.decode_attention(q, k, v, valid, schedule="stream", merge=False)
+  for kw in (dict(schedule="stream"), dict(splits=2, overlap=True)):
+    with pytest.raises(ValueError, match="defer_pv is the split schedule's"):
+      AM.decode_attention(q, k, v, valid, defer_pv=True, **kw)
   assert AM.kernel_supported(q, k, v) is None
   assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)
   odd = make_kv("nvfp4", (b, 150, kvh, hd), 1)

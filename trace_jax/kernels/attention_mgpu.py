@@ -1224,8 +1224,9 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
-  splits, overlap, or XLA's merge ask for the split kernel). overlap: see
-  `mgpu_decode_kernel`. merge: the split combine in the kernel (else XLA's, after it).
+  splits, overlap, or XLA's merge ask for the split kernel). overlap, defer_pv: see
+  `mgpu_decode_kernel` (defer_pv's default `DEFER_PV` where the split kernel runs without
+  overlap). merge: the split combine in the kernel (else XLA's, after it).
   kernel_fn replaces the kernel (tests pass `emulate_kernel` / `emulate_stream_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
@@ -1242,7 +1243,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream and (splits or overlap or not merge):
     raise ValueError("Mosaic decode attention kernel: the stream schedule merges in the kernel "
                      "and takes no splits or overlap")
-  defer_pv = DEFER_PV and not stream if defer_pv is None else defer_pv
+  defer_pv = DEFER_PV and not (stream or overlap) if defer_pv is None else defer_pv
   if defer_pv and (stream or overlap):
     raise ValueError("Mosaic decode attention kernel: defer_pv is the split schedule's, "
                      "without overlap")
