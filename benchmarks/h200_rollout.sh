@@ -56,6 +56,7 @@ attention_side_rows() {
   [ $1 = late_release ] && envs=TRACE_JAX_ATTN_EARLY_RELEASE=off
   [ $1 = stagger600_er ] && envs=TRACE_JAX_ATTN_STAGGER=600
   [ $1 = splits_defer ] && envs="TRACE_JAX_ATTN_SCHEDULE=splits TRACE_JAX_ATTN_DEFER_PV=on"
+  [ $1 = defer ] && envs=TRACE_JAX_ATTN_DEFER_PV=on
   [ $1 = stagger600 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=600"
   [ $1 = stagger1200 ] && envs="TRACE_JAX_ATTN_STAGES=3 TRACE_JAX_ATTN_STAGGER=1200"
   env $envs PYTHONPATH=/tmp/site:$root timeout -k 5 $3 python3 benchmarks/bench_attention.py \
@@ -435,15 +436,15 @@ elif [ "$stage" = s19a ]; then
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
 elif [ "$stage" = s23a ]; then
-  # (written in session 22, not yet run) the split kernel's PV products left in flight into the
-  # next tile (TRACE_JAX_ATTN_DEFER_PV): its GPU tests (bit-equal to the kernel that waits),
-  # then decode rows of splits, splits_defer and new (the stream schedule), live rows by split
-  # count for the split sides
-  gpu_tests tests/kernels/test_attention_gpu.py "deferred_pv" attn_defer ${MOSAIC_TIMEOUT:-120}
+  # (written in session 22, not yet run) both kernels' PV products left in flight into the
+  # next tile (TRACE_JAX_ATTN_DEFER_PV): their GPU tests (bit-equal to the kernels that wait),
+  # then decode rows of new (the stream default) and defer, then splits and splits_defer (live
+  # rows by split count)
+  gpu_tests tests/kernels/test_attention_gpu.py "deferred_pv" attn_defer ${MOSAIC_TIMEOUT:-150}
+  LIVE_KERNELS=stream attention_ab "new defer" 8 ${BENCH_TIMEOUT:-95}
   for side in splits splits_defer; do
-    LIVE_KERNELS=splits attention_ab $side 20 ${BENCH_TIMEOUT:-140}
+    LIVE_KERNELS=splits attention_ab $side 20 ${BENCH_TIMEOUT:-120}
   done
-  LIVE_KERNELS=stream attention_ab new 8 ${BENCH_TIMEOUT:-95}
   rm -f $OUT/*.png
 elif [ "$stage" = s22e ]; then
   # (session 22) the attention bar's rows in one run: bf16 KV (the Pallas kernel) beside the

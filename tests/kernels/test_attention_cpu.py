@@ -364,7 +364,8 @@ def _lower_all(sds, b, s, kvh, h, hd):
           (False, 16 * kvh, 8.0, True, "splits", False), (False, h, None, True, "splits", False),
           (False, h, 8.0, False, None, False), (False, h, 8.0, True, "stream", False),
           (False, 16 * kvh, None, True, "stream", False), (False, h, 8.0, True, "splits", True),
-          (False, 16 * kvh, None, False, "splits", True)):
+          (False, 16 * kvh, None, False, "splits", True), (False, h, 8.0, True, "stream", True),
+          (False, 16 * kvh, None, True, "stream", True)):
         lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap,
                                             lazy_tau=lazy, merge=merge, schedule=schedule,
                                             defer_pv=defer)).trace(
@@ -460,9 +461,8 @@ def test_mosaic_wrapper_emulated_matches_reference():
   assert relerr(got, want) < 1e-2
   with pytest.raises(ValueError, match="stream schedule merges"):
     AM.decode_attention(q, k, v, valid, schedule="stream", merge=False)
-  for kw in (dict(schedule="stream"), dict(splits=2, overlap=True)):
-    with pytest.raises(ValueError, match="defer_pv is the split schedule's"):
-      AM.decode_attention(q, k, v, valid, defer_pv=True, **kw)
+  with pytest.raises(ValueError, match="defer_pv stores V while products may be in flight"):
+    AM.decode_attention(q, k, v, valid, defer_pv=True, splits=2, overlap=True)
   assert AM.kernel_supported(q, k, v) is None
   assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)
   odd = make_kv("nvfp4", (b, 150, kvh, hd), 1)

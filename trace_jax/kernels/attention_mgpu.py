@@ -127,8 +127,8 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
 # go out through an SMEM buffer rewritten after a single thread's TMA wait).
 # TRACE_JAX_ATTN_AUTO_BARRIERS=on: back on (A/B)
 AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off")) == "on"
-# (A/B, written in session 22, not yet run on a GPU) the split kernel's PV products left in
-# flight into the next tile (`mgpu_decode_kernel`'s defer_pv)
+# (A/B, written in session 22, not yet run on a GPU) both kernels' PV products left in flight
+# into the next tile (`mgpu_decode_kernel`'s and `mgpu_stream_kernel`'s defer_pv)
 DEFER_PV = choice_setting("TRACE_JAX_ATTN_DEFER_PV", "off", ("on", "off")) == "on"
 
 
@@ -597,9 +597,11 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
   raise_vote = _raise_vote()
 
   def step(wg, q, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem, red_smem,
-           vote_smem, carry, o_acc=None):
+           vote_smem, carry, o_acc=None, after_s=None, mask_p=False):
     # o_acc: the output's halves as wgmma accumulators that live across tiles (carry (m, l)):
-    # the tile's PV products stay in flight until the next tile's S wait
+    # the tile's PV products stay in flight until the next tile's S wait, after which
+    # after_s() runs (the last tile's products complete). mask_p: hidden slots' p is 0 (not
+    # only wiped by a later rescale), so a part that sees no slot keeps l = 0
     if o_acc is None:
       m, l, o0, o1 = carry
     else:
@@ -622,6 +624,8 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
       return acc[...]
 
     s = pl.run_scoped(s_scope, plgpu.ACC((64, gp), jnp.float32))
+    if after_s is not None:
+      after_s()
     s = _row_scaler(k_factor, gp)(s, kg_s)
     s = s + ((valid - 1.0) * 1e30)[:, None]
 
@@ -657,6 +661,8 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     # that start is wiped by the first visible tile's corr = exp2(-1e30 - m) = 0 (or, in a
     # part that sees none, its m of -1e30 drops it from the combine)
     p = jnp.exp2(s - m[None, :])
+    if mask_p:
+      p = p * valid[:, None]
     l = l + p
     p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
     if not overlap:
@@ -737,8 +743,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   rescale follow), overlapping the next tile's K decode, instead of being waited at the tile's
   end; the rescale leaves the lazy max's branch (a multiply by 1 where the max stays): ptxas
   serializes every wgmma when an accumulator is read or written in a branch while products may
-  be in flight (C7515 / C7518, seen in the stream kernel, whose part ends are branches). 563
-  instructions a tile against 560. Not yet timed (`DEFER_PV`).
+  be in flight (C7515 / C7518; `kernel_sass.py` prints them). 563 instructions a tile against
+  560. Not yet timed (`DEFER_PV`).
   Returns (o float32 [B, n_splits, 4, 2, 64, gp]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, gp]: running max (log2 units) and sum). A split s > 0 with
   s * split_tiles >= kt is neither run nor written: its partials are undefined (see
@@ -904,17 +910,20 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
-                                             "heads", "out_dtype"))
+                                             "heads", "out_dtype", "defer_pv"))
 def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                        v_factor: float, heads: int, stages: int = 2,
-                       lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
+                       lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
+                       defer_pv: bool = False):
   """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
   of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
   length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
   part (`_split_merger`: written out, or counted in and merged by the row's last part) and
   start the next row's state, its queries fetched (TMA) while the part is merged. No CTA is
   launched for splits past a row's live tiles, and the tiles spread evenly over the SMs
-  whatever the rows' lengths. Operands as `mgpu_decode_kernel`; returns (o float32
+  whatever the rows' lengths. defer_pv: O in wgmma accumulators across units, a tile's PV
+  products in flight until the next unit's S wait (`deferred_body` says how the part ends
+  avoid branches around accumulators). Operands as `mgpu_decode_kernel`; returns (o float32
   [B + n_ctas, 4, 2, 64, gp], ml float32 [B + n_ctas, 4, 2, gp]: the parts' partials,
   scratch; the attention [B, 4 * heads, 128] in out_dtype, logical head_dim order)."""
   import jax.experimental.pallas as pl
@@ -950,7 +959,58 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         fetch_q(_unit_row_tile(entry(0))[0])
         plgpu.barrier_wait(q_bar.at[wg])
 
-      eval_pipeline(_initial_state(gp))
+      if not defer_pv:
+        eval_pipeline(_initial_state(gp))
+        return
+
+      def with_accumulators(o0_acc, o1_acc):
+        hoisted["o"] = o = (o0_acc, o1_acc)
+        m0, l0, zeros, _ = _initial_state(gp)
+        for acc in o:
+          acc[...] = zeros
+        *_, m, l = eval_pipeline((m0, l0, m0, jnp.zeros_like(m0)))
+        o0, o1 = (acc[...] for acc in o)  # (waits for the run's last products)
+        pl.when(n > 0)(lambda: merge_part(o0, o1, m, l, entry(n - 1)))
+
+      pl.run_scoped(with_accumulators, plgpu.ACC((64, gp), jnp.float32),
+                    plgpu.ACC((64, gp), jnp.float32))
+
+    def merge_part(o0, o1, m, l, e):  # l reduced over the warpgroup
+      r = _unit_row_tile(e)[0]
+      info = rows_gmem[r]
+      first = info >> 8
+      merger(o0, o1, m, l, r, ci - first, info & 255, r + first, o_gmem, ml_gmem, counts,
+             out_gmem)
+
+    def deferred_body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
+      """defer_pv: no branch holds a wgmma or an accumulator access (ptxas would serialize every
+      wgmma): every unit runs the tile (an empty one's hidden slots add nothing, `mask_p`); a
+      part that ends hands its (m, l) on, and the next unit merges it once its S wait has
+      completed the part's last products; the accumulators are not reset, the next part's
+      first visible tile raises the max from -1e30 and rescales them by 0 (a part that sees no
+      slot keeps m -1e30 and l 0: weight 0 in the merge, zeros alone)."""
+      wg, o_acc, i = hoisted["wg"], hoisted["o"], idx[0]
+      e = entry(i)
+      m, l, m_prev, l_prev = carry
+      e_prev = entry(jnp.maximum(i - 1, 0))
+      prev_ended = (i > 0) & ((e_prev & _UNIT_LAST) != 0)
+      pl.when(prev_ended)(lambda: plgpu.barrier_wait(q_bar.at[wg]))  # this row's queries
+
+      def after_s():
+        o0, o1 = (acc[...] for acc in o_acc)
+        pl.when(prev_ended)(lambda: merge_part(o0, o1, m_prev, l_prev, e_prev))
+
+      m, l = step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem,
+                  red_smem, vote_smem, (m, l), o_acc, after_s=after_s, mask_p=True)
+
+      def end_part(args):  # the next row's queries (their reader, this S wgmma, completed)
+        m, l, _, _ = args
+        pl.when(i < n - 1)(lambda: fetch_q(_unit_row_tile(e)[0] + 1))
+        m0, l0 = _initial_state(gp)[:2]
+        return m0, l0, m, col_sum(l, red_smem.at[wg])
+
+      return lax.cond(((e & _UNIT_LAST) != 0) | (i == n - 1), end_part, lambda a: a,
+                      (m, l, m_prev, l_prev))
 
     def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       wg = hoisted["wg"]
@@ -989,7 +1049,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
     spec = lambda cols: plgpu.BlockSpec(  # noqa: E731
         (None, TILE, cols), lambda i: (*tile_of(i), 0))
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        body, grid=(n,), memory_registers=40,
+        deferred_body if defer_pv else body, grid=(n,), memory_registers=40,
         in_specs=[spec(64), spec(64), spec(8), spec(8), spec(KV_HEADS), spec(KV_HEADS),
                   plgpu.BlockSpec((None, TILE), tile_of)],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
@@ -1104,13 +1164,14 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 
 def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                           v_factor: float, heads: int, stages: int = 2,
-                          lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
+                          lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
+                          defer_pv: bool = False):
   """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
   every CTA steps through its units (all CTAs at once, a scan over steps), skips empty ones,
   and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
   row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
   writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
-  del stages
+  del stages, defer_pv  # (when the kernel waits for its products is not modelled)
   b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
@@ -1225,7 +1286,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
   splits, overlap, or XLA's merge ask for the split kernel). overlap, defer_pv: see
-  `mgpu_decode_kernel` (defer_pv's default `DEFER_PV` where the split kernel runs without
+  `mgpu_decode_kernel` and `mgpu_stream_kernel` (defer_pv's default `DEFER_PV`, without
   overlap). merge: the split combine in the kernel (else XLA's, after it).
   kernel_fn replaces the kernel (tests pass `emulate_kernel` / `emulate_stream_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
@@ -1243,10 +1304,10 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream and (splits or overlap or not merge):
     raise ValueError("Mosaic decode attention kernel: the stream schedule merges in the kernel "
                      "and takes no splits or overlap")
-  defer_pv = DEFER_PV and not (stream or overlap) if defer_pv is None else defer_pv
-  if defer_pv and (stream or overlap):
-    raise ValueError("Mosaic decode attention kernel: defer_pv is the split schedule's, "
-                     "without overlap")
+  defer_pv = DEFER_PV and not overlap if defer_pv is None else defer_pv
+  if defer_pv and overlap:
+    raise ValueError("Mosaic decode attention kernel: defer_pv stores V while products may be "
+                     "in flight with overlap: one or the other")
   if stream and (-(-s // TILE) > MAX_STREAM_TILES or b >= 1 << (31 - _UNIT_ROW_SHIFT)):
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
                      f"to {MAX_STREAM_TILES * TILE} slots and fewer than "
@@ -1281,7 +1342,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     res = (kernel_fn or mgpu_stream_kernel)(
         units, rows, qp, kc, vc, ks, vs, kg, vg, vf,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
-        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype)
+        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, defer_pv=defer_pv)
     return res[2].astype(out_dtype)
   res = (kernel_fn or mgpu_decode_kernel)(
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
