@@ -988,7 +988,9 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
       part that ends hands its (m, l) on, and the next unit merges it once its S wait has
       completed the part's last products; the accumulators are not reset, the next part's
       first visible tile raises the max from -1e30 and rescales them by 0 (a part that sees no
-      slot keeps m -1e30 and l 0: weight 0 in the merge, zeros alone)."""
+      slot keeps m -1e30 and l 0: weight 0 in the merge, zeros alone). Like the waiting
+      kernel's hidden slots before a visible one, an empty row's first tile is read and must
+      hold finite values (a zero-initialized cache does)."""
       wg, o_acc, i = hoisted["wg"], hoisted["o"], idx[0]
       e = entry(i)
       m, l, m_prev, l_prev = carry
