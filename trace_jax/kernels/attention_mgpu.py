@@ -629,33 +629,31 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     s = _row_scaler(k_factor, gp)(s, kg_s)
     s = s + ((valid - 1.0) * 1e30)[:, None]
 
-    def raise_max(args):  # the online softmax's step: the exact running max, state rescaled
-      m, l, o0, o1 = args
+    def raise_ml(args):  # the online softmax's step: the exact running max; (m, l, corr)
+      m, l, _ = args
       m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
       corr = jnp.exp2(m - m_new)
-      return m_new, l * corr[None, :], o0 * corr[None, :], o1 * corr[None, :]
+      return m_new, l * corr[None, :], corr
+
+    def raise_max(args):  # the same, the output rescaled with the sums
+      m, l, o0, o1 = args
+      m, l, corr = raise_ml((m, l, None))
+      return m, l, o0 * corr[None, :], o1 * corr[None, :]
+
+    def maybe(rise, state):  # rise: exactly every tile, or lazily (see docstring)
+      if lazy_tau is None:
+        return rise(state)
+      # only when a score passes the running max by more than lazy_tau
+      raise_vote(s - (state[0] + lazy_tau)[None, :], vote_smem)
+      return lax.cond(vote_smem[wg] != 0, rise, lambda a: a, state)
 
     if o_acc is not None:  # the rescale outside the cond: an accumulator read or write in a
       # branch makes ptxas serialize every wgmma (C7518); 8 multiplies a tile by 1 instead
-      def raise_ml(args):
-        m, l, _ = args
-        m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
-        corr = jnp.exp2(m - m_new)
-        return m_new, l * corr[None, :], corr
-
-      args = (m, l, jnp.ones_like(m))
-      if lazy_tau is None:
-        m, l, corr = raise_ml(args)
-      else:
-        raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
-        m, l, corr = lax.cond(vote_smem[wg] != 0, raise_ml, lambda a: a, args)
+      m, l, corr = maybe(raise_ml, (m, l, jnp.ones_like(m)))
       for acc in o_acc:  # (the S wait above has completed the last tile's PV products)
         acc[...] = acc[...] * corr[None, :]
-    elif lazy_tau is None:
-      m, l, o0, o1 = raise_max((m, l, o0, o1))
-    else:  # only when a score passes the running max by more than lazy_tau (see docstring)
-      raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
-      m, l, o0, o1 = lax.cond(vote_smem[wg] != 0, raise_max, lambda a: a, (m, l, o0, o1))
+    else:
+      m, l, o0, o1 = maybe(raise_max, (m, l, o0, o1))
     # scores in log2 units. Hidden slots carry -1e30, so their p is 0 once a visible slot has
     # set m; before that (m still -1e30: hidden tiles first) s - m is 0 there and p 1, and
     # that start is wiped by the first visible tile's corr = exp2(-1e30 - m) = 0 (or, in a
@@ -690,6 +688,21 @@ def _initial_state(gp: int):
   zeros = plgpu.layout_cast(jnp.zeros((64, gp), jnp.float32), wgmma_layout)
   return (plgpu.layout_cast(jnp.full((gp,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
           zeros, zeros, zeros)
+
+
+def _with_output_accumulators(gp: int, hoisted: dict, run):
+  """defer_pv: run(o) inside a scope that holds the output's two halves as zeroed wgmma
+  accumulators, also left in hoisted["o"] for the pipeline's body; returns run's result."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  def scope(*o):
+    hoisted["o"] = o
+    for acc in o:
+      acc[...] = _initial_state(gp)[2]
+    return run(o)
+
+  return pl.run_scoped(scope, *(plgpu.ACC((64, gp), jnp.float32) for _ in range(2)))
 
 
 def _scratch(gp: int):
@@ -789,15 +802,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       if defer_pv:
-        def with_accumulators(o0_acc, o1_acc):
-          hoisted["o"] = o = (o0_acc, o1_acc)
-          for acc, x in zip(o, _initial_state(gp)[2:]):
-            acc[...] = x
+        def run(o):
           m, l = eval_pipeline(_initial_state(gp)[:2])
-          return m, l, o0_acc[...], o1_acc[...]  # (the reads wait for the last products)
+          return m, l, *(acc[...] for acc in o)  # (the reads wait for the last products)
 
-        m, l, o0, o1 = pl.run_scoped(with_accumulators, plgpu.ACC((64, gp), jnp.float32),
-                                     plgpu.ACC((64, gp), jnp.float32))
+        m, l, o0, o1 = _with_output_accumulators(gp, hoisted, run)
       else:
         m, l, o0, o1 = eval_pipeline(_initial_state(gp))
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
@@ -963,17 +972,16 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         eval_pipeline(_initial_state(gp))
         return
 
-      def with_accumulators(o0_acc, o1_acc):
-        hoisted["o"] = o = (o0_acc, o1_acc)
-        m0, l0, zeros, _ = _initial_state(gp)
-        for acc in o:
-          acc[...] = zeros
+      def run(o):
+        m0, l0 = _initial_state(gp)[:2]
         *_, m, l = eval_pipeline((m0, l0, m0, jnp.zeros_like(m0)))
         o0, o1 = (acc[...] for acc in o)  # (waits for the run's last products)
         pl.when(n > 0)(lambda: merge_part(o0, o1, m, l, entry(n - 1)))
 
-      pl.run_scoped(with_accumulators, plgpu.ACC((64, gp), jnp.float32),
-                    plgpu.ACC((64, gp), jnp.float32))
+      _with_output_accumulators(gp, hoisted, run)
+
+    def ends_part(e, i):  # a row's last unit, or the run's
+      return ((e & _UNIT_LAST) != 0) | (i == n - 1)
 
     def merge_part(o0, o1, m, l, e):  # l reduced over the warpgroup
       r = _unit_row_tile(e)[0]
@@ -1011,8 +1019,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         m0, l0 = _initial_state(gp)[:2]
         return m0, l0, m, col_sum(l, red_smem.at[wg])
 
-      return lax.cond(((e & _UNIT_LAST) != 0) | (i == n - 1), end_part, lambda a: a,
-                      (m, l, m_prev, l_prev))
+      return lax.cond(ends_part(e, i), end_part, lambda a: a, (m, l, m_prev, l_prev))
 
     def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       wg = hoisted["wg"]
@@ -1029,15 +1036,11 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         more = idx[0] < n - 1
         # the next row's queries (this part's last S wgmma, their reader, has completed)
         pl.when(more)(lambda: fetch_q(r + 1))
-        l = col_sum(l, red_smem.at[wg])
-        info = rows_gmem[r]
-        first = info >> 8
-        merger(o0, o1, m, l, r, ci - first, info & 255, r + first, o_gmem, ml_gmem, counts,
-               out_gmem)
+        merge_part(o0, o1, m, col_sum(l, red_smem.at[wg]), e)
         pl.when(more)(lambda: plgpu.barrier_wait(q_bar.at[wg]))
         return _initial_state(gp)
 
-      return lax.cond(((e & _UNIT_LAST) != 0) | (idx[0] == n - 1), finish, lambda c: c, carry)
+      return lax.cond(ends_part(e, idx[0]), finish, lambda c: c, carry)
 
     # one load of the unit a step for all the specs' index maps (each map is called with the
     # step's same index tracer; the loads are not merged otherwise)
