@@ -289,7 +289,6 @@ def main():
         raise ValueError(why)
     m = attention_mgpu  # the Mosaic kernel runs its defaults (settings: TRACE_JAX_ATTN_*)
     cfg = (dict(schedule=m.SCHEDULE, stages=m.STAGES, auto_barriers=m.AUTO_BARRIERS,
-                defer_pv=m.DEFER_PV,
                 splits=m.default_splits(b, s) if m.SCHEDULE == "splits" else None) if variant
            else attention_pallas.default_config(b, KVH, s, data_fmt.endswith("fp4")))
     kv_bytes = nbytes(k) + nbytes(v)

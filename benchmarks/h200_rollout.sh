@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -50,7 +50,7 @@ attention_side_rows() {
   # odd warpgroups started 600 / 1200 ns late (with 3 stages: the slack a lag needs); early
   # release (the slot's codes and scales released once in registers). The stagger and early
   # release settings were removed after s22b / s22c (no faster): those sides need a028067 /
-  # d5e988d
+  # d5e988d; deferred PV products (defer, splits_defer) were removed after s23a (slower): a40d25d
   [ $1 = auto_barriers ] && envs=TRACE_JAX_ATTN_AUTO_BARRIERS=on
   [ $1 = stages3 ] && envs=TRACE_JAX_ATTN_STAGES=3
   [ $1 = late_release ] && envs=TRACE_JAX_ATTN_EARLY_RELEASE=off
@@ -435,11 +435,32 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s23b ]; then
+  # (session 23) Nsight Compute's counters for each Mosaic kernel (issue slots, pipes, warp
+  # stall reasons, stall samples per SASS instruction): what bounds them. Reports and CSV
+  # exports under $OUT (ncu_CASE.*); a compact summary in the log
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  echo "ncu: $NCU $($NCU --version 2>&1 | tail -1)"
+  for case in ${NCU_CASES:-attn_b64_32k gemv grouped256 qproj1 attn_b16_8k}; do
+    timeout -k 5 ${NCU_TIMEOUT:-150} $NCU --clock-control none --kernel-name regex:mosaic_gpu \
+      --launch-skip 1 --launch-count 1 --set full --import-source no -f -o $OUT/ncu_$case \
+      python3 benchmarks/ncu_kernels.py $case > $OUT/ncu_$case.log 2>&1
+    echo "$case ncu rc=$?"; grep -v "^I1\|^W1" $OUT/ncu_$case.log | grep "relerr\|==ERR\|==WARN\|rror" | head -4
+    [ -f $OUT/ncu_$case.ncu-rep ] || continue
+    for page in details raw; do
+      $NCU -i $OUT/ncu_$case.ncu-rep --page $page --csv > $OUT/ncu_${case}_$page.csv 2>&1
+    done
+    $NCU -i $OUT/ncu_$case.ncu-rep --page source --csv --print-source sass \
+      > $OUT/ncu_${case}_sass.csv 2>&1
+    grep -E '"(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Executed Ipc Active|Registers Per Thread)"' \
+      $OUT/ncu_${case}_details.csv | awk -F'","' '{print "  " $(NF-2) " = " $NF " " $(NF-1)}' \
+      | tr -d '"' | head -14
+  done
 elif [ "$stage" = s23a ]; then
-  # (written in session 22, not yet run) both kernels' PV products left in flight into the
-  # next tile (TRACE_JAX_ATTN_DEFER_PV): their GPU tests (bit-equal to the kernels that wait),
-  # then decode rows of new (the stream default) and defer, then splits and splits_defer (live
-  # rows by split count)
+  # (written in session 22, run in session 23 on a40d25d, then removed: 2-10% slower) both
+  # kernels' PV products left in flight into the next tile (TRACE_JAX_ATTN_DEFER_PV): their GPU
+  # tests, then decode rows of new (the stream default) and defer, then splits and splits_defer
+  # (live rows by split count)
   gpu_tests tests/kernels/test_attention_gpu.py "deferred_pv" attn_defer ${MOSAIC_TIMEOUT:-150}
   LIVE_KERNELS=stream attention_ab "new defer" 8 ${BENCH_TIMEOUT:-95}
   for side in splits splits_defer; do

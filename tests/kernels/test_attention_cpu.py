@@ -356,19 +356,16 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
     if fmt == "nvfp4":  # the Mosaic kernels (layouts, inline PTX): split schedule (V decode
-      # overlapped; both N sides, G 8 here, then 16; merges; PV products left in flight) and
-      # stream schedule
+      # overlapped; both N sides, G 8 here, then 16; merges) and stream schedule
       from trace_jax.kernels import attention_mgpu as AM
-      for overlap, heads, lazy, merge, schedule, defer in (
-          (False, h, 8.0, True, "splits", False), (True, h, 8.0, True, None, False),
-          (False, 16 * kvh, 8.0, True, "splits", False), (False, h, None, True, "splits", False),
-          (False, h, 8.0, False, None, False), (False, h, 8.0, True, "stream", False),
-          (False, 16 * kvh, None, True, "stream", False), (False, h, 8.0, True, "splits", True),
-          (False, 16 * kvh, None, False, "splits", True), (False, h, 8.0, True, "stream", True),
-          (False, 16 * kvh, None, True, "stream", True)):
+      for overlap, heads, lazy, merge, schedule in (
+          (False, h, 8.0, True, "splits"), (True, h, 8.0, True, None),
+          (False, 16 * kvh, 8.0, True, "splits"), (False, h, None, True, "splits"),
+          (False, h, 8.0, False, None), (False, h, 8.0, True, "stream"),
+          (False, 16 * kvh, None, True, "stream")):
         lowered = jax.jit(functools.partial(AM.decode_attention, overlap=overlap,
-                                            lazy_tau=lazy, merge=merge, schedule=schedule,
-                                            defer_pv=defer)).trace(
+                                            lazy_tau=lazy, merge=merge,
+                                            schedule=schedule)).trace(
             sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
@@ -461,8 +458,6 @@ def test_mosaic_wrapper_emulated_matches_reference():
   assert relerr(got, want) < 1e-2
   with pytest.raises(ValueError, match="stream schedule merges"):
     AM.decode_attention(q, k, v, valid, schedule="stream", merge=False)
-  with pytest.raises(ValueError, match="defer_pv stores V while products may be in flight"):
-    AM.decode_attention(q, k, v, valid, defer_pv=True, splits=2, overlap=True)
   assert AM.kernel_supported(q, k, v) is None
   assert "format" in AM.kernel_supported(q, make_kv("mxfp4", (b, s, kvh, hd), 1), v)
   odd = make_kv("nvfp4", (b, 150, kvh, hd), 1)

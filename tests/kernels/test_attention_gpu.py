@@ -176,11 +176,11 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau",
                                              "merge", "out_dtype", "schedule", "emulate"))
 def _mosaic(q, k, v, valid, splits=None, stages=None, overlap=False, lazy_tau=8.0, merge=True,
-            out_dtype=None, schedule=None, emulate=False, defer_pv=None):
+            out_dtype=None, schedule=None, emulate=False):
   from trace_jax.kernels import attention_mgpu
   return attention_mgpu.decode_attention(
       q, k, v, valid, splits=splits, stages=stages, overlap=overlap, lazy_tau=lazy_tau,
-      merge=merge, out_dtype=out_dtype, schedule=schedule, defer_pv=defer_pv,
+      merge=merge, out_dtype=out_dtype, schedule=schedule,
       kernel_fn=attention_mgpu.emulate_stream_kernel if emulate else None)
 
 
@@ -219,56 +219,6 @@ def test_mosaic_kernel_splits_and_stages(splits, stages, overlap, g, lazy):
   got = _mosaic(q, k, v, lengths, splits=splits, stages=stages, overlap=overlap, lazy_tau=lazy)
   want = jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)
   assert relerr(got, want) < MOSAIC_TOL
-
-
-@pytest.mark.parametrize("splits,stages,g,lazy,merge", [
-    (1, 3, 8, 8.0, True), (3, 2, 5, None, True), (64, 1, 16, 8.0, True), (3, 2, 8, 8.0, False)])
-def test_mosaic_splits_deferred_pv(splits, stages, g, lazy, merge):
-  """The split kernel with each tile's PV products left in flight into the next tile
-  (`defer_pv`): the same output, bit for bit, as the kernel that waits for them at each tile's
-  end (the same products in the same order; the rescale by 1 where the max stays is exact), and
-  the reference's within tolerance; ragged rows (1000 slots, lengths 1000, 17, 1), a row without
-  visible slots, in-kernel and XLA merges."""
-  b, s = 4, 1000
-  k, v = make_kv("nvfp4", (b, s, 4, 128), 11), make_kv("nvfp4", (b, s, 4, 128), 12)
-  q = jax.random.normal(jax.random.key(13), (b, 4 * g, 128), jnp.float32).astype(jnp.bfloat16)
-  valid = np.arange(s)[None, :] < np.asarray([1000, 17, 1, 500])[:, None]
-  valid[3] = False
-  valid = jnp.asarray(valid)
-  kw = dict(splits=splits, stages=stages, lazy_tau=lazy, merge=merge, out_dtype=jnp.float32)
-  deferred = _mosaic(q, k, v, valid, defer_pv=True, **kw)
-  waited = _mosaic(q, k, v, valid, defer_pv=False, **kw)
-  np.testing.assert_array_equal(np.asarray(deferred), np.asarray(waited))
-  want = jax.jit(kernels.decode_attention_ref)(q, k, v, valid)
-  assert relerr(deferred[:3], want[:3]) < MOSAIC_TOL
-
-
-@pytest.mark.parametrize("b,s,stages,g,lazy", [
-    (5, 1000, 3, 8, 8.0), (3, 8192, 2, 5, None), (140, 136, 1, 16, 8.0)])
-def test_mosaic_stream_deferred_pv(b, s, stages, g, lazy):
-  """The stream kernel with each tile's PV products left in flight into the next unit
-  (`defer_pv`: parts merged after the next unit's S wait, accumulators reset by the next part's
-  first rescale, hidden slots' p masked, empty units computed): the same output, bit for bit,
-  as the kernel that waits at each tile's end, and the reference's within tolerance; ragged
-  rows with hidden prefixes (tiles before the first visible slot), more rows than CTAs (B 140),
-  rows without visible slots (zeros)."""
-  rng = np.random.default_rng(b + s + g)
-  k, v = make_kv("nvfp4", (b, s, 4, 128), b + 3), make_kv("nvfp4", (b, s, 4, 128), b + 4)
-  q = jax.random.normal(jax.random.key(b + 1), (b, 4 * g, 128), jnp.float32).astype(jnp.bfloat16)
-  lengths = rng.integers(1, s + 1, b)
-  lengths[0] = s
-  valid = np.arange(s)[None, :] < lengths[:, None]
-  valid[1::3] &= np.arange(s)[None, :] >= (lengths[1::3] // 2)[:, None]  # hidden prefixes
-  valid[2::7] = False  # no visible slot
-  valid = jnp.asarray(valid)
-  kw = dict(schedule="stream", stages=stages, lazy_tau=lazy, out_dtype=jnp.float32)
-  deferred = _mosaic(q, k, v, valid, defer_pv=True, **kw)
-  waited = _mosaic(q, k, v, valid, defer_pv=False, **kw)
-  np.testing.assert_array_equal(np.asarray(deferred), np.asarray(waited))
-  seen = valid.any(axis=1)
-  want = jax.jit(kernels.decode_attention_ref)(q, k, v, valid)
-  assert relerr(deferred[seen], want[seen]) < MOSAIC_TOL
-  assert not np.asarray(deferred[~seen]).any()
 
 
 @pytest.mark.parametrize("g", [5, 8, 16])

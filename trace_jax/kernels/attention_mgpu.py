@@ -127,9 +127,6 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
 # go out through an SMEM buffer rewritten after a single thread's TMA wait).
 # TRACE_JAX_ATTN_AUTO_BARRIERS=on: back on (A/B)
 AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off")) == "on"
-# (A/B, written in session 22, not yet run on a GPU) both kernels' PV products left in flight
-# into the next tile (`mgpu_decode_kernel`'s and `mgpu_stream_kernel`'s defer_pv)
-DEFER_PV = choice_setting("TRACE_JAX_ATTN_DEFER_PV", "off", ("on", "off")) == "on"
 
 
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
@@ -597,15 +594,8 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
   raise_vote = _raise_vote()
 
   def step(wg, q, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem, red_smem,
-           vote_smem, carry, o_acc=None, after_s=None, mask_p=False):
-    # o_acc: the output's halves as wgmma accumulators that live across tiles (carry (m, l)):
-    # the tile's PV products stay in flight until the next tile's S wait, after which
-    # after_s() runs (the last tile's products complete). mask_p: hidden slots' p is 0 (not
-    # only wiped by a later rescale), so a part that sees no slot keeps l = 0
-    if o_acc is None:
-      m, l, o0, o1 = carry
-    else:
-      m, l = carry
+           vote_smem, carry):
+    m, l, o0, o1 = carry
     valid = plgpu.load(vf_s, (), layout=wgmma_layout.reduce(1))
     k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                     plgpu.load(ks_s, (), layout=wgmma_layout))
@@ -624,43 +614,25 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
       return acc[...]
 
     s = pl.run_scoped(s_scope, plgpu.ACC((64, gp), jnp.float32))
-    if after_s is not None:
-      after_s()
     s = _row_scaler(k_factor, gp)(s, kg_s)
     s = s + ((valid - 1.0) * 1e30)[:, None]
 
-    def raise_ml(args):  # the online softmax's step: the exact running max; (m, l, corr)
-      m, l, _ = args
+    def raise_max(args):  # the online softmax's step: the exact running max, state rescaled
+      m, l, o0, o1 = args
       m_new = jnp.maximum(m, col_max(s, red_smem.at[wg]))
       corr = jnp.exp2(m - m_new)
-      return m_new, l * corr[None, :], corr
+      return m_new, l * corr[None, :], o0 * corr[None, :], o1 * corr[None, :]
 
-    def raise_max(args):  # the same, the output rescaled with the sums
-      m, l, o0, o1 = args
-      m, l, corr = raise_ml((m, l, None))
-      return m, l, o0 * corr[None, :], o1 * corr[None, :]
-
-    def maybe(rise, state):  # rise: exactly every tile, or lazily (see docstring)
-      if lazy_tau is None:
-        return rise(state)
-      # only when a score passes the running max by more than lazy_tau
-      raise_vote(s - (state[0] + lazy_tau)[None, :], vote_smem)
-      return lax.cond(vote_smem[wg] != 0, rise, lambda a: a, state)
-
-    if o_acc is not None:  # the rescale outside the cond: an accumulator read or write in a
-      # branch makes ptxas serialize every wgmma (C7518); 8 multiplies a tile by 1 instead
-      m, l, corr = maybe(raise_ml, (m, l, jnp.ones_like(m)))
-      for acc in o_acc:  # (the S wait above has completed the last tile's PV products)
-        acc[...] = acc[...] * corr[None, :]
-    else:
-      m, l, o0, o1 = maybe(raise_max, (m, l, o0, o1))
+    if lazy_tau is None:
+      m, l, o0, o1 = raise_max((m, l, o0, o1))
+    else:  # only when a score passes the running max by more than lazy_tau (see docstring)
+      raise_vote(s - (m + lazy_tau)[None, :], vote_smem)
+      m, l, o0, o1 = lax.cond(vote_smem[wg] != 0, raise_max, lambda a: a, (m, l, o0, o1))
     # scores in log2 units. Hidden slots carry -1e30, so their p is 0 once a visible slot has
     # set m; before that (m still -1e30: hidden tiles first) s - m is 0 there and p 1, and
     # that start is wiped by the first visible tile's corr = exp2(-1e30 - m) = 0 (or, in a
     # part that sees none, its m of -1e30 drops it from the combine)
     p = jnp.exp2(s - m[None, :])
-    if mask_p:
-      p = p * valid[:, None]
     l = l + p
     p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
     if not overlap:
@@ -671,9 +643,6 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
       plgpu.wgmma(accs[0], v_smem.at[wg, pl.ds(0, 64)].T, p_smem.at[wg].T)
       plgpu.wgmma(accs[1], v_smem.at[wg, pl.ds(64, 64)].T, p_smem.at[wg].T)
 
-    if o_acc is not None:
-      o_scope(o_acc)  # left in flight
-      return m, l
     # the wgmmas accumulate onto the (rescaled) output in place (a zeroed accumulator and an
     # add after it cost 16 more instructions a tile)
     o0, o1 = pl.run_state(o_scope)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
@@ -688,21 +657,6 @@ def _initial_state(gp: int):
   zeros = plgpu.layout_cast(jnp.zeros((64, gp), jnp.float32), wgmma_layout)
   return (plgpu.layout_cast(jnp.full((gp,), R.NEG, jnp.float32), wgmma_layout.reduce(0)),
           zeros, zeros, zeros)
-
-
-def _with_output_accumulators(gp: int, hoisted: dict, run):
-  """defer_pv: run(o) inside a scope that holds the output's two halves as zeroed wgmma
-  accumulators, also left in hoisted["o"] for the pipeline's body; returns run's result."""
-  import jax.experimental.pallas as pl
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-
-  def scope(*o):
-    hoisted["o"] = o
-    for acc in o:
-      acc[...] = _initial_state(gp)[2]
-    return run(o)
-
-  return pl.run_scoped(scope, *(plgpu.ACC((64, gp), jnp.float32) for _ in range(2)))
 
 
 def _scratch(gp: int):
@@ -728,12 +682,11 @@ def _compiler_params(auto_barriers: bool):
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
                                              "v_factor", "overlap", "lazy_tau", "heads",
-                                             "out_dtype", "defer_pv"))
+                                             "out_dtype"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
-                       heads: int | None = None, out_dtype=jnp.bfloat16,
-                       defer_pv: bool = False):
+                       heads: int | None = None, out_dtype=jnp.bfloat16):
   """The raw kernel, split schedule: CTA (row, split) runs tiles [split * split_tiles, ...) of
   its row. kt int32 [B]: 64-token tiles each row needs (through its last visible slot; later
   tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
@@ -751,13 +704,6 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   intact (it serializes the wgmmas where it cannot). No faster on the H200 (session 12: 54.8 vs
   54.6 us at B 16 x 8k), so off; kept as a tested variant.
   lazy_tau: the running max's slack in log2 units (module docstring), None: exact every tile.
-  defer_pv: O accumulates in wgmma accumulators that live across the pipeline's steps; a tile's
-  PV products stay in flight until the next tile's S wait (which the V and P stores and the
-  rescale follow), overlapping the next tile's K decode, instead of being waited at the tile's
-  end; the rescale leaves the lazy max's branch (a multiply by 1 where the max stays): ptxas
-  serializes every wgmma when an accumulator is read or written in a branch while products may
-  be in flight (C7515 / C7518; `kernel_sass.py` prints them). 563 instructions a tile against
-  560. Not yet timed (`DEFER_PV`).
   Returns (o float32 [B, n_splits, 4, 2, 64, gp]: unnormalized O^T per head_dim half,
   ml float32 [B, n_splits, 4, 2, gp]: running max (log2 units) and sum). A split s > 0 with
   s * split_tiles >= kt is neither run nor written: its partials are undefined (see
@@ -801,14 +747,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       wg = hoisted["wg"] = lax.axis_index("wg")
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, wg], q_smem.at[wg], q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      if defer_pv:
-        def run(o):
-          m, l = eval_pipeline(_initial_state(gp)[:2])
-          return m, l, *(acc[...] for acc in o)  # (the reads wait for the last products)
-
-        m, l, o0, o1 = _with_output_accumulators(gp, hoisted, run)
-      else:
-        m, l, o0, o1 = eval_pipeline(_initial_state(gp))
+      m, l, o0, o1 = eval_pipeline(_initial_state(gp))
       l = col_sum(l, red_smem.at[wg])  # the per-thread partial sums, once
       if heads is not None:
         merger(o0, o1, m, l, bi, si, n_live, bi * n_splits, o_gmem, ml_gmem, counts, out_gmem)
@@ -828,7 +767,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
       del idx
       wg = hoisted["wg"]
       return step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem,
-                  red_smem, vote_smem, carry, hoisted.get("o"))
+                  red_smem, vote_smem, carry)
 
     row = lambda i: (t0 + i, 0)  # noqa: E731
     # the split's needed tiles only: a dynamic grid (a static one over split_tiles made the
@@ -919,20 +858,17 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
-                                             "heads", "out_dtype", "defer_pv"))
+                                             "heads", "out_dtype"))
 def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                        v_factor: float, heads: int, stages: int = 2,
-                       lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                       defer_pv: bool = False):
+                       lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
   """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
   of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
   length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
   part (`_split_merger`: written out, or counted in and merged by the row's last part) and
   start the next row's state, its queries fetched (TMA) while the part is merged. No CTA is
   launched for splits past a row's live tiles, and the tiles spread evenly over the SMs
-  whatever the rows' lengths. defer_pv: O in wgmma accumulators across units, a tile's PV
-  products in flight until the next unit's S wait (`deferred_body` says how the part ends
-  avoid branches around accumulators). Operands as `mgpu_decode_kernel`; returns (o float32
+  whatever the rows' lengths. Operands as `mgpu_decode_kernel`; returns (o float32
   [B + n_ctas, 4, 2, 64, gp], ml float32 [B + n_ctas, 4, 2, gp]: the parts' partials,
   scratch; the attention [B, 4 * heads, 128] in out_dtype, logical head_dim order)."""
   import jax.experimental.pallas as pl
@@ -968,58 +904,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         fetch_q(_unit_row_tile(entry(0))[0])
         plgpu.barrier_wait(q_bar.at[wg])
 
-      if not defer_pv:
-        eval_pipeline(_initial_state(gp))
-        return
-
-      def run(o):
-        m0, l0 = _initial_state(gp)[:2]
-        *_, m, l = eval_pipeline((m0, l0, m0, jnp.zeros_like(m0)))
-        o0, o1 = (acc[...] for acc in o)  # (waits for the run's last products)
-        pl.when(n > 0)(lambda: merge_part(o0, o1, m, l, entry(n - 1)))
-
-      _with_output_accumulators(gp, hoisted, run)
-
-    def ends_part(e, i):  # a row's last unit, or the run's
-      return ((e & _UNIT_LAST) != 0) | (i == n - 1)
-
-    def merge_part(o0, o1, m, l, e):  # l reduced over the warpgroup
-      r = _unit_row_tile(e)[0]
-      info = rows_gmem[r]
-      first = info >> 8
-      merger(o0, o1, m, l, r, ci - first, info & 255, r + first, o_gmem, ml_gmem, counts,
-             out_gmem)
-
-    def deferred_body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
-      """defer_pv: no branch holds a wgmma or an accumulator access (ptxas would serialize every
-      wgmma): every unit runs the tile (an empty one's hidden slots add nothing, `mask_p`); a
-      part that ends hands its (m, l) on, and the next unit merges it once its S wait has
-      completed the part's last products; the accumulators are not reset, the next part's
-      first visible tile raises the max from -1e30 and rescales them by 0 (a part that sees no
-      slot keeps m -1e30 and l 0: weight 0 in the merge, zeros alone). Like the waiting
-      kernel's hidden slots before a visible one, an empty row's first tile is read and must
-      hold finite values (a zero-initialized cache does)."""
-      wg, o_acc, i = hoisted["wg"], hoisted["o"], idx[0]
-      e = entry(i)
-      m, l, m_prev, l_prev = carry
-      e_prev = entry(jnp.maximum(i - 1, 0))
-      prev_ended = (i > 0) & ((e_prev & _UNIT_LAST) != 0)
-      pl.when(prev_ended)(lambda: plgpu.barrier_wait(q_bar.at[wg]))  # this row's queries
-
-      def after_s():
-        o0, o1 = (acc[...] for acc in o_acc)
-        pl.when(prev_ended)(lambda: merge_part(o0, o1, m_prev, l_prev, e_prev))
-
-      m, l = step(wg, q_smem.at[wg], kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, v_smem, p_smem,
-                  red_smem, vote_smem, (m, l), o_acc, after_s=after_s, mask_p=True)
-
-      def end_part(args):  # the next row's queries (their reader, this S wgmma, completed)
-        m, l, _, _ = args
-        pl.when(i < n - 1)(lambda: fetch_q(_unit_row_tile(e)[0] + 1))
-        m0, l0 = _initial_state(gp)[:2]
-        return m0, l0, m, col_sum(l, red_smem.at[wg])
-
-      return lax.cond(ends_part(e, i), end_part, lambda a: a, (m, l, m_prev, l_prev))
+      eval_pipeline(_initial_state(gp))
 
     def body(idx, kc_s, vc_s, ks_s, vs_s, kg_s, vg_s, vf_s, carry):
       wg = hoisted["wg"]
@@ -1036,11 +921,15 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         more = idx[0] < n - 1
         # the next row's queries (this part's last S wgmma, their reader, has completed)
         pl.when(more)(lambda: fetch_q(r + 1))
-        merge_part(o0, o1, m, col_sum(l, red_smem.at[wg]), e)
+        l = col_sum(l, red_smem.at[wg])
+        info = rows_gmem[r]
+        first = info >> 8
+        merger(o0, o1, m, l, r, ci - first, info & 255, r + first, o_gmem, ml_gmem, counts,
+               out_gmem)
         pl.when(more)(lambda: plgpu.barrier_wait(q_bar.at[wg]))
         return _initial_state(gp)
 
-      return lax.cond(ends_part(e, idx[0]), finish, lambda c: c, carry)
+      return lax.cond(((e & _UNIT_LAST) != 0) | (idx[0] == n - 1), finish, lambda c: c, carry)
 
     # one load of the unit a step for all the specs' index maps (each map is called with the
     # step's same index tracer; the loads are not merged otherwise)
@@ -1054,7 +943,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
     spec = lambda cols: plgpu.BlockSpec(  # noqa: E731
         (None, TILE, cols), lambda i: (*tile_of(i), 0))
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        deferred_body if defer_pv else body, grid=(n,), memory_registers=40,
+        body, grid=(n,), memory_registers=40,
         in_specs=[spec(64), spec(64), spec(8), spec(8), spec(KV_HEADS), spec(KV_HEADS),
                   plgpu.BlockSpec((None, TILE), tile_of)],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
@@ -1136,14 +1025,13 @@ def _to_kernel_layout(m, l, o):
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
                    lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
-                   out_dtype=jnp.bfloat16, defer_pv: bool = False):
+                   out_dtype=jnp.bfloat16):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is), and with `heads`
   the merged output (`merge_partials`, the combine the in-kernel merge equals). Lets CPU tests
   cover the plumbing around the kernel."""
-  del stages, overlap, defer_pv  # (the order of the softmax sum and of the kernel's work, and
-  # when it waits for its products, are not modelled)
+  del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
   b = kc.shape[0]
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,
                                           n_splits * split_tiles * TILE, k_factor, v_factor)
@@ -1169,14 +1057,13 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 
 def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                           v_factor: float, heads: int, stages: int = 2,
-                          lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                          defer_pv: bool = False):
+                          lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
   """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
   every CTA steps through its units (all CTAs at once, a scan over steps), skips empty ones,
   and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
   row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
   writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
-  del stages, defer_pv  # (when the kernel waits for its products is not modelled)
+  del stages
   b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
@@ -1285,14 +1172,12 @@ def default_splits(b: int, s: int) -> int:
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
                      splits: int | None = None, stages: int | None = None, overlap: bool = False,
                      lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
-                     schedule: str | None = None, defer_pv: bool | None = None,
-                     kernel_fn=None) -> jax.Array:
+                     schedule: str | None = None, kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
-  splits, overlap, or XLA's merge ask for the split kernel). overlap, defer_pv: see
-  `mgpu_decode_kernel` and `mgpu_stream_kernel` (defer_pv's default `DEFER_PV`, without
-  overlap). merge: the split combine in the kernel (else XLA's, after it).
+  splits, overlap, or XLA's merge ask for the split kernel). overlap: see
+  `mgpu_decode_kernel`. merge: the split combine in the kernel (else XLA's, after it).
   kernel_fn replaces the kernel (tests pass `emulate_kernel` / `emulate_stream_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
@@ -1309,10 +1194,6 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream and (splits or overlap or not merge):
     raise ValueError("Mosaic decode attention kernel: the stream schedule merges in the kernel "
                      "and takes no splits or overlap")
-  defer_pv = DEFER_PV and not overlap if defer_pv is None else defer_pv
-  if defer_pv and overlap:
-    raise ValueError("Mosaic decode attention kernel: defer_pv stores V while products may be "
-                     "in flight with overlap: one or the other")
   if stream and (-(-s // TILE) > MAX_STREAM_TILES or b >= 1 << (31 - _UNIT_ROW_SHIFT)):
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
                      f"to {MAX_STREAM_TILES * TILE} slots and fewer than "
@@ -1347,13 +1228,13 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     res = (kernel_fn or mgpu_stream_kernel)(
         units, rows, qp, kc, vc, ks, vs, kg, vg, vf,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
-        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, defer_pv=defer_pv)
+        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype)
     return res[2].astype(out_dtype)
   res = (kernel_fn or mgpu_decode_kernel)(
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
       stages=stages, overlap=overlap, lazy_tau=lazy_tau,
       k_factor=float(2 ** ROW_SHIFT * scale * LOG2E), v_factor=float(2 ** ROW_SHIFT),
-      heads=g if merge else None, out_dtype=kernel_dtype, defer_pv=defer_pv)
+      heads=g if merge else None, out_dtype=kernel_dtype)
   if merge:
     return res[2].astype(out_dtype)
   o, ml = res

@@ -1,0 +1,88 @@
+"""One Mosaic GPU kernel of the project, called a few times on fresh random data, for Nsight
+Compute (`ncu`) to profile: the hardware counters (issue slots, pipe use, warp stall reasons, per
+SASS instruction stall samples) say what bounds a kernel where A/B timings only say how long it
+took.
+
+  ncu --clock-control none --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
+      --set full -o OUT/ncu_CASE python3 benchmarks/ncu_kernels.py CASE
+
+Cases: attn_b64_32k / attn_b16_8k (the NVFP4 decode attention, its default schedule), gemv (the
+FP4 GEMV, 8192 x 28672, one row), grouped256 (the FP4 grouped expert matmul, 128 experts, K 2048,
+N 1536, 256 rows of top-8 routing), qproj1 (the FP4 2048 x 4096 product at one row). Each case
+checks the kernel's result against its reference once (printed), so a profile is never of a
+kernel that computes something else.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("case", choices=("attn_b64_32k", "attn_b16_8k", "gemv", "grouped256",
+                                   "qproj1"))
+  ap.add_argument("--calls", type=int, default=3, help="kernel calls after the checked one")
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax import kernels
+  from trace_jax import quant as tq
+  from trace_jax.kernels import attention_mgpu, reference
+
+  keys = iter(jax.random.split(jax.random.key(int(np.random.SeedSequence().entropy % 2**31)),
+                               8))
+
+  def relerr(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+  if args.case.startswith("attn"):
+    b, s = (64, 32768) if args.case == "attn_b64_32k" else (16, 8192)
+    shape = (b, s, attention_mgpu.KV_HEADS, attention_mgpu.HEAD_DIM)
+
+    def kv(key):
+      x = jax.random.normal(key, shape, jnp.bfloat16)
+      return tq.quantize(x, "nvfp4", second_level="row", validate=False)
+    k, v = jax.jit(kv)(next(keys)), jax.jit(kv)(next(keys))
+    q = jax.random.normal(next(keys), (b, 32, 128), jnp.bfloat16)
+    valid = jnp.ones((b, s), bool)
+    fn = jax.jit(attention_mgpu.decode_attention)
+    ops = (q, k, v, valid)
+    want = jax.jit(kernels.decode_attention_ref)(*ops)
+  elif args.case == "grouped256":
+    e, kd, n, m = 128, 2048, 1536, 256
+    w = jax.random.normal(next(keys), (e, kd, n), jnp.float32) * 0.02
+    qw = tq.quantize(w, "nvfp4", axis=1, second_level=(0,), validate=False)
+    pw = kernels.prepare_weight(qw)
+    top = jax.lax.top_k(jax.random.normal(next(keys), (m // 8, e)), 8)[1].reshape(-1)
+    gs = jnp.bincount(top, length=e).astype(jnp.int32)
+    x = jax.random.normal(next(keys), (m, kd), jnp.float32).astype(jnp.bfloat16)
+    fn = jax.jit(lambda x, g, w: kernels.grouped_matmul(x, w, g, out_dtype=jnp.float32))
+    ops = (x, gs, pw)
+    want = reference.grouped_matmul_ref(x, qw, gs, jnp.float32)
+  else:
+    kd, n = (8192, 28672) if args.case == "gemv" else (2048, 4096)
+    w = jax.random.normal(next(keys), (kd, n), jnp.float32) * 0.02
+    qw = tq.quantize(w, "nvfp4", axis=0, validate=False)
+    pw = kernels.prepare_weight(qw)
+    x = jax.random.normal(next(keys), (1, kd), jnp.float32).astype(jnp.bfloat16)
+    fn = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32))
+    ops = (x, pw)
+    want = reference.matmul_ref(x, qw, jnp.float32)
+  print(f"{args.case}: relerr_max {relerr(fn(*ops), want):.2e} (the kernel's first call)",
+        flush=True)
+  for _ in range(args.calls):
+    out = fn(*ops)
+  jax.block_until_ready(out)
+  print(f"{args.case}: {args.calls} more calls done", flush=True)
+
+
+if __name__ == "__main__":
+  main()
