@@ -374,7 +374,7 @@ def _lower_all(sds, b, s, kvh, h, hd):
 # ------------------------------------------------------------------ Mosaic NVFP4 kernel (CPU parts)
 
 def _emulate_mosaic_decode(codes_u8, scales_u8, h):
-  """Numpy re-enactment of attention_mgpu's PTX (_SCALE_ASM, _DECODE_ASM) for one 64-token
+  """Numpy re-enactment of attention_mgpu's PTX (_SCALE_ASM, DECODE_ASM) for one 64-token
   tile: codes [64, 4*64] and scale bytes [64, 4*8] of the cache rows, warpgroup (= KV head) h.
   Returns the two bf16 fragments as float32 [2, 64 rows, 64 physical columns]."""
   import ml_dtypes
@@ -522,7 +522,7 @@ def test_mosaic_ptx_assembles(tmp_path):
       "ld.param.u64 %rd0, [out];", "cvta.to.global.u64 %rd1, %rd0;",
       "ld.global.u32 %r2, [%rd1];", "ld.global.u32 %r3, [%rd1+4];", "ld.global.u32 %r8, [%rd1+8];",
       sub(AM._SCALE_ASM, ["%r0", "%r1", "%r2", "%r3"]),
-      sub(AM._DECODE_ASM, ["%r4", "%r5", "%r6", "%r7", "%r8", "%r0"]),
+      sub(AM.DECODE_ASM, ["%r4", "%r5", "%r6", "%r7", "%r8", "%r0"]),
       "add.u32 %r9, %r4, %r5;", "add.u32 %r9, %r9, %r6;", "add.u32 %r9, %r9, %r7;",
       "add.u32 %r9, %r9, %r1;", "st.global.u32 [%rd1], %r9;", "ret;", "}"])
   (tmp_path / "k.ptx").write_text(ptx)

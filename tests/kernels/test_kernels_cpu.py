@@ -178,11 +178,6 @@ def test_layout_nan_scale_poisons_column():
   assert np.all(np.isnan(d[:, 7])) and np.all(np.isfinite(np.delete(d, 7, axis=1)))
 
 
-def _rot(x, s):  # rotate left by s (uint32)
-  s %= 32
-  return ((x << np.uint32(s)) | (x >> np.uint32(32 - s))) if s else x
-
-
 def _prmt(a, b, sel):
   pool = [(a >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)]
   pool += [(b >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)]
@@ -207,7 +202,7 @@ def _bf16x2_mul(a, b):
 
 
 def emulate_kernel_decode(pw, e=0):
-  """Numpy re-enactment of the kernel's PTX (fp4_mgpu._SCALE_ASM / _DECODE_ASM) on the packed
+  """Numpy re-enactment of the kernel's PTX (fp4_mgpu._SCALE_ASM / DECODE_ASM) on the packed
   words: returns A [N_pad, K_pad] bf16 values in the kernel's PHYSICAL K order."""
   words = np.asarray(pw.codes[e]).astype(np.uint32)
   sw = np.asarray(pw.scales[e]).astype(np.uint32)
@@ -226,14 +221,13 @@ def emulate_kernel_decode(pw, e=0):
       c = _prmt(word, np.zeros_like(word), 0x4040 | b | (b << 8))
       c = (c << np.uint32(4)) + np.uint32(0x76007600) if pw.fmt == "nvfp4" else c << np.uint32(7)
       cs.append(c)
-    for jw in range(4):
+    for jw in range(4):  # word jw: 8 codes of row jw // 2, nibbles (0, 2), (1, 3), (4, 6), (5, 7)
       x = w[:, j, :, jw]
-      r1, r2, r3 = _rot(x, 31), _rot(x, 2), _rot(x, 29)
-      ts = [_prmt(x, r1, 0x5140), _prmt(x, r1, 0x7362), _prmt(r2, r3, 0x5140),
-            _prmt(r2, r3, 0x7362)]
+      ts = [_prmt(src, src, sel) for sel, src in ((0x9180, x << np.uint32(4)), (0x9180, x),
+                                                  (0xB3A2, x << np.uint32(4)), (0xB3A2, x))]
       for o in range(4):
-        val = _bf16x2_mul(ts[o] & np.uint32(0x81C081C0), cs[o % 2])
-        ci, ri = 2 * jw + o // 2, o % 2
+        val = _bf16x2_mul((ts[o] << np.uint32(2)) & np.uint32(0x81C081C0), cs[jw // 2])
+        ci, ri = 4 * (jw % 2) + o, jw // 2
         for v in range(2):
           h = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)
           a[:, j, wp * 16 + ri * 8 + g, 8 * ci + 2 * q + v] = (

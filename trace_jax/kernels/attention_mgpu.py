@@ -92,6 +92,7 @@ import numpy as np
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels.attention_pallas import combine_splits
+from trace_jax.kernels.fp4_mgpu import DECODE_ASM
 from trace_jax.kernels.settings import choice_setting, int_setting
 from trace_jax.quant import e2m1
 
@@ -212,24 +213,6 @@ cvt.rn.bf16x2.f32 $0, x0, x0;
 cvt.rn.bf16x2.f32 $1, x1, x1;
 }"""
 
-# One code word ($4: 8 nibbles, logical elements e0..e7, even ones in low nibbles) and a
-# multiplier ($5) -> bf16x2 (e0, e2), (e1, e3), (e4, e6), (e5, e7), each `E2M1 * s * 2**-8`.
-# A nibble in the high half of a byte B: `prmt` puts B in the low byte of a 16-bit half and,
-# in sign-replicate mode (selector bit 3), B's bit 7 (the nibble's sign) in all 8 bits of the
-# high byte; shifted left by 2, the magnitude bits 6..4 land on bf16 bits 8..6 and a sign copy
-# on bit 15; one `and` keeps those: `E2M1 * 2**-126`, then times the multiplier. The low
-# nibbles are the high nibbles of the word shifted left by 4. 17 instructions per word (the
-# previous form, a shift pair and a merge per register and a mask for the low nibbles, took 22).
-_NIBBLES_ASM = """prmt.b32 y, SRC, SRC, SEL;
-shl.b32 y, y, 2;
-and.b32 y, y, 0x81C081C0;
-mul.rn.bf16x2 OUT, y, $5;
-"""
-_DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
-               + "".join(_NIBBLES_ASM.replace("SRC", src).replace("SEL", sel).replace("OUT", out)
-                         for sel, src, out in (("0x9180", "w4", "$0"), ("0x9180", "$4", "$1"),
-                                               ("0xB3A2", "w4", "$2"), ("0xB3A2", "$4", "$3")))
-               + "}")
 
 
 @functools.cache
@@ -269,7 +252,7 @@ def _tile_decoder(stacked: bool = False):
         for wi in range(2):  # word 2c (block elements 0-7), 2c + 1 (8-15)
           word = vector.extract(cw, [], [wi])
           st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [word, mults[ri][j]],
-                               _DECODE_ASM, "=r,=r,=r,=r,r,r")
+                               DECODE_ASM, "=r,=r,=r,=r,r,r")
           for o in range(4):
             regs[0, 4 * wi + o, 0, 0, ri, 0, 0, 0, 0] = mutils.bitcast(
                 llvm.extractvalue(i32, st, [o]), bf16x2)

@@ -105,25 +105,28 @@ shl.b32 $1, $1, 7;
 }}""",
 }
 
-# 8 codes of one word -> 4 bf16x2 registers (o = 0..3; rows r0, r1, r0, r1), scaled by c0/c1
-_DECODE_ASM = """{
-.reg .b32 r1, r2, r3, t0, t1, t2, t3;
-shf.r.wrap.b32 r1, $4, $4, 1;
-shf.l.wrap.b32 r2, $4, $4, 2;
-shf.r.wrap.b32 r3, $4, $4, 3;
-prmt.b32 t0, $4, r1, 0x5140;
-prmt.b32 t1, $4, r1, 0x7362;
-prmt.b32 t2, r2, r3, 0x5140;
-prmt.b32 t3, r2, r3, 0x7362;
-and.b32 t0, t0, 0x81C081C0;
-and.b32 t1, t1, 0x81C081C0;
-and.b32 t2, t2, 0x81C081C0;
-and.b32 t3, t3, 0x81C081C0;
-mul.rn.bf16x2 $0, t0, $5;
-mul.rn.bf16x2 $1, t1, $6;
-mul.rn.bf16x2 $2, t2, $5;
-mul.rn.bf16x2 $3, t3, $6;
-}"""
+# One code word ($4: 8 nibbles, logical elements e0..e7, even ones in low nibbles) and a
+# multiplier ($5, bf16x2) -> bf16x2 (e0, e2), (e1, e3), (e4, e6), (e5, e7), each
+# `E2M1 * 2**-126` times the multiplier.
+# A nibble in the high half of a byte B: `prmt` puts B in the low byte of a 16-bit half and,
+# in sign-replicate mode (selector bit 3), B's bit 7 (the nibble's sign) in all 8 bits of the
+# high byte; shifted left by 2, the magnitude bits 6..4 land on bf16 bits 8..6 and a sign copy
+# on bit 15; one `and` keeps those: `E2M1 * 2**-126`, then times the multiplier. The low
+# nibbles are the high nibbles of the word shifted left by 4. 17 instructions per word (the
+# previous form, a shift pair and a merge per register and a mask for the low nibbles, took 22).
+# Of them 8 run on the integer (ALU) pipe: ptxas may issue the shifts as IMAD.SHL on the FMA
+# pipe. The layout (`layout._bit_sources`) stores each word's codes so; the decode of the
+# attention kernel's natural-layout cache is the same.
+_NIBBLES_ASM = """prmt.b32 y, SRC, SRC, SEL;
+shl.b32 y, y, 2;
+and.b32 y, y, 0x81C081C0;
+mul.rn.bf16x2 OUT, y, $5;
+"""
+DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
+              + "".join(_NIBBLES_ASM.replace("SRC", src).replace("SEL", sel).replace("OUT", out)
+                        for sel, src, out in (("0x9180", "w4", "$0"), ("0x9180", "$4", "$1"),
+                                              ("0xB3A2", "w4", "$2"), ("0xB3A2", "$4", "$3")))
+              + "}")
 
 
 def _make_tile_decoder(fmt: str, kb: int, j: int):
@@ -156,13 +159,13 @@ def _make_tile_decoder(fmt: str, kb: int, j: int):
     cs = llvm.inline_asm(llvm.StructType.get_literal([i32] * 2), [sw], scale_asm, "=r,=r,r")
     c0, c1 = llvm.extractvalue(i32, cs, [0]), llvm.extractvalue(i32, cs, [1])
     regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, 64)), dtype=object)
-    for jw in range(4):
+    for jw in range(4):  # word jw: 8 codes of row jw // 2 (`layout._slot_tables`)
       wj = vector.extract(wreg, [], [jw])
-      st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [wj, c0, c1], _DECODE_ASM,
-                           "=r,=r,=r,=r,r,r,r")
+      st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [wj, (c0, c1)[jw // 2]],
+                           DECODE_ASM, "=r,=r,=r,=r,r,r")
       for o in range(4):
         val = llvm.extractvalue(i32, st, [o])
-        regs[0, 2 * jw + o // 2, 0, 0, o % 2, 0, 0, 0, 0] = mutils.bitcast(val, bf16x2)
+        regs[0, 4 * (jw % 2) + o, 0, 0, jw // 2, 0, 0, 0, 0] = mutils.bitcast(val, bf16x2)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return decode
@@ -201,11 +204,16 @@ def _out_smem(wgs: int, bm: int, dtype):
   return plgpu.SMEM((wgs, bm, 64), dtype)
 
 
-def chunk_coords(ce_gmem, cr_gmem, k_iters: int):
+def chunk_coords(ce_gmem, cr_gmem, k_iters: int, dense: bool = False):
   """Inside a grouped kernel on the ("n", "c", "s") grid: (column-tile block, chunk, K split,
-  the chunk's expert (-1: unused), its first row, its first K step)."""
+  the chunk's expert (-1: unused), its first row, its first K step). dense: one chunk of
+  expert 0 from row 0, known without reading the tables (their load is a global round trip
+  every CTA waits for before its first TMA: 2.2% of the 8192 x 28672 GEMV's warp stall
+  samples on the H200, more of the short kernels at attention shapes)."""
   import jax.experimental.pallas as pl
   n_outer, c_idx, s_idx = lax.axis_index("n"), lax.axis_index("c"), lax.axis_index("s")
+  if dense:
+    return n_outer, c_idx, s_idx, 0, 0, s_idx * k_iters
   row0 = pl.multiple_of(cr_gmem[c_idx], 8)  # chunk_tables aligns windows to 8
   return n_outer, c_idx, s_idx, ce_gmem[c_idx], row0, s_idx * k_iters
 
@@ -288,10 +296,11 @@ def _in_specs(bm: int, kb: int, wgs: int, unit):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
-                                             "n_inner", "stream_k", "out_dtype"))
+                                             "n_inner", "stream_k", "out_dtype", "dense"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
-                       n_inner: int = 1, stream_k: int = 0, out_dtype=jnp.bfloat16):
+                       n_inner: int = 1, stream_k: int = 0, out_dtype=jnp.bfloat16,
+                       dense: bool = False):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
@@ -303,6 +312,8 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   short (the 30B-A3B down projection: 3 steps of 256 K per tile).
   Returns out_dtype [splits, C, bm, N_pad]: out[s, c, i, n] = row i of chunk c times column n
   over K part s (already times the column factor).
+  dense: the call is one chunk of expert 0 from row 0 (a dense product): the kernel does not
+  read the chunk tables (`chunk_coords`).
   stream_k: a dense call's (one chunk) stream-K schedule instead (`stream_k_plan`): CTA j
   computes the `stream_k` consecutive (column tile, K step) units from j * stream_k on, in
   column-tile-major order, so every CTA has the same work however many tiles there are; a CTA
@@ -321,7 +332,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   assert nt % (wgs * n_inner) == 0 and k_pad % (64 * kb * splits) == 0 and bm in BM_CHOICES
   if stream_k:
     return _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, fmt=fmt, kb=kb, bm=bm,
-                            wgs=wgs, stages=stages, steps=stream_k)
+                            wgs=wgs, stages=stages, steps=stream_k, dense=dense)
   k_iters = k_pad // (64 * kb) // splits
   if n_inner > 1 and k_iters % stages:
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
@@ -330,7 +341,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, out_smem, f_smem,
              f_bar):
-    n_outer, c_idx, s_idx, e, row0, k0 = chunk_coords(ce_gmem, cr_gmem, k_iters)
+    n_outer, c_idx, s_idx, e, row0, k0 = chunk_coords(ce_gmem, cr_gmem, k_iters, dense)
 
     def tile_pipeline(n_idx, state):
       """The pipeline of one column tile (wgs * 64 columns) over this CTA's K range."""
@@ -356,10 +367,14 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context, pipeline_state=state)
 
-    @pl.when(e >= 0)
-    def _():
+    def run():
       run_tile_chain(tile_pipeline, (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e]),
                      n_outer, n_inner)
+
+    if dense:
+      run()
+    else:
+      pl.when(e >= 0)(run)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n_pad), out_dtype),
@@ -374,7 +389,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
 
 def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb: int, bm: int,
-                     wgs: int, stages: int, steps: int):
+                     wgs: int, stages: int, steps: int, dense: bool):
   """`fp4_chunked_matmul`'s stream-K schedule (see there) for one chunk."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -387,7 +402,7 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
   step_products = _step_products(fmt, kb)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
-    cta, _, _, e, row0, _ = chunk_coords(ce_gmem, cr_gmem, 0)
+    cta, _, _, e, row0, _ = chunk_coords(ce_gmem, cr_gmem, 0, dense)
     u0 = cta * steps
     # the last CTA may hold fewer units (a dynamic pipeline length only where it does)
     n_steps = steps if units % steps == 0 else jnp.minimum(steps, units - u0)
@@ -418,14 +433,18 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
 
       return acc_ref
 
-    @pl.when(e >= 0)
-    def _():
+    def run():
       plgpu.emit_pipeline_warp_specialized(
           body, grid=(n_steps,), memory_registers=40,
           in_specs=_in_specs(bm, kb, wgs, lambda i: ((u0 + i) // k_steps, (u0 + i) % k_steps)),
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context,
       )(x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
+
+    if dense:
+      run()
+    else:
+      pl.when(e >= 0)(run)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((slots, 1, bm, nt * 64), jnp.float32),
@@ -642,7 +661,7 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
   zero = jnp.zeros((1,), jnp.int32)
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, zero, zero, fmt=pw.fmt, kb=pw.kb, bm=bm,
-      out_dtype=part_dtype, **cfg)
+      out_dtype=part_dtype, dense=True, **cfg)
   part = out[:, 0, :rows, :pw.n]
   if steps:
     written = stream_k_written(tiles, k_steps, steps)[:, None, :pw.n]

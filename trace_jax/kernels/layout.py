@@ -15,13 +15,17 @@ thread then needs only two block scales per tile (rows r0, r1), stored in thread
 its codes, instead of eight shared ones. The activations are permuted the same way per call
 (`permute_k`, a cheap gather XLA fuses into the producer of x).
 
-Per tile each thread reads 4 uint32 of codes. Word j holds 8 codes, bit-placed so that three
-funnel rotates, four `prmt` and four `and` put every code's `s e1 e0 m` under bf16 bits
-15, 8, 7, 6 (`_SRC` below); as bf16 that is `E2M1(code) * 2**-126` exactly (0.5 is a bf16
-subnormal). One `mul.rn.bf16x2` by `c = scale * 2**(126 - shift)` gives `q * scale * 2**-shift`,
-exact in bf16 (NUMERICS: q*s is exact in bf16 for NVFP4, a power of two for MXFP4). The output
-is multiplied by the fp32 column factor `g * 2**shift` (NaN where a block scale of that column is
-NaN, so NaN never turns into a number).
+Per tile each thread reads 4 uint32 of codes. Word j holds 8 codes of one row (r0 for j < 2,
+r1 after), in natural nibble order (`_SRC` below): one shift and four (`prmt` in sign-replicate
+mode, shift, `and`) put every code's `s e1 e0 m` under bf16 bits 15, 8, 7, 6
+(`fp4_mgpu.DECODE_ASM`, the attention kernel's nibble decode too); as bf16 that is
+`E2M1(code) * 2**-126` exactly (0.5 is a bf16 subnormal). One `mul.rn.bf16x2` by the word's
+row multiplier `c = scale * 2**(126 - shift)` gives `q * scale * 2**-shift`, exact in bf16
+(NUMERICS: q*s is exact in bf16 for NVFP4, a power of two for MXFP4). The output is multiplied
+by the fp32 column factor `g * 2**shift` (NaN where a block scale of that column is NaN, so NaN
+never turns into a number). (Until session 23 a word held 4 codes of each row, bit-placed for
+three funnel rotates, four `prmt` and four `and`: 11 integer-pipe instructions a word against 8
+now, with the ALU the busiest pipe of the GEMV on the H200, Nsight Compute.)
 
 Scale bytes (one per block and row, two per thread and tile, in thread order per kernel step of
 `kb` tiles):
@@ -52,24 +56,14 @@ NV_BIAS = 0x7600  # bf16 bits of 2**109 = 2**-9 * 2**118, the smallest NVFP4 mul
 
 # --------------------------------------------------------------------------- static tables
 
-def _rot_source(rot: int, p: int) -> int:
-  """Bit of the original word that lands on bit p after a rotate (rot > 0 left, < 0 right)."""
-  return (p - rot) % 32
-
-
 def _bit_sources() -> np.ndarray:
   """src[o, v, b]: bit of a code word feeding E2M1 bit b (0 m, 1 e0, 2 e1, 3 s) of decoded
-  register o (0..3), half v. The decode forms R0 = w, R1 = rotr(w, 1), R2 = rotl(w, 2),
-  R3 = rotr(w, 3); register o takes byte B = 2*(o % 2) + v of (Ra, Rb) = (R0, R1) for o < 2,
-  (R2, R3) otherwise (prmt 0x5140 / 0x7362), keeping Ra bits 6, 7 (m, e0) and Rb bits 0, 7
-  (e1 -> bf16 bit 8, s -> bit 15) of that byte."""
-  src = np.zeros((4, 2, 4), np.int64)
-  for o in range(4):
-    ra, rb = (0, -1) if o < 2 else (2, -3)
-    for v in range(2):
-      base = 8 * (2 * (o % 2) + v)
-      src[o, v] = [_rot_source(ra, base + 6), _rot_source(ra, base + 7),
-                   _rot_source(rb, base + 0), _rot_source(rb, base + 7)]
+  register o (0..3), half v: natural nibbles (code i in bits 4i..4i+3), register o holding
+  nibbles (0, 2), (1, 3), (4, 6), (5, 7) (`fp4_mgpu.DECODE_ASM`)."""
+  o = np.arange(4)[:, None, None]
+  v = np.arange(2)[None, :, None]
+  b = np.arange(4)[None, None, :]
+  src = 4 * (4 * (o // 2) + o % 2 + 2 * v) + b
   assert sorted(src.ravel().tolist()) == list(range(32))
   return src
 
@@ -79,14 +73,14 @@ _SRC = _bit_sources()
 
 def _slot_tables() -> tuple[np.ndarray, np.ndarray]:
   """(row, logical col) inside a 64x64 tile of each slot [thread 128, word 4, reg o 4, half 2].
-  Register o of word j is the wgmma register (ci = 2j + o // 2, ri = o % 2)."""
+  Register o of word j is the wgmma register (ci = 4 * (j % 2) + o, ri = j // 2)."""
   t = np.arange(128)[:, None, None, None]
   j = np.arange(4)[None, :, None, None]
   o = np.arange(4)[None, None, :, None]
   v = np.arange(2)[None, None, None, :]
   w, g, q = t // 32, (t % 32) // 4, t % 4
-  rows = w * 16 + (o % 2) * 8 + g
-  cols = 16 * q + 2 * (2 * j + o // 2) + v  # logical K of physical column 8*ci + 2*q + v
+  rows = w * 16 + (j // 2) * 8 + g
+  cols = 16 * q + 2 * (4 * (j % 2) + o) + v  # logical K of physical column 8*ci + 2*q + v
   shape = (128, 4, 4, 2)
   return np.broadcast_to(rows, shape).copy(), np.broadcast_to(cols, shape).copy()
 
