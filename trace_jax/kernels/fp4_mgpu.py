@@ -7,9 +7,12 @@ Owns the kernel body, its launch configuration and the per-call activation/outpu
 
 Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind it):
 - swap AB: a compute warpgroup owns 64 output columns; it decodes its 64x64 FP4 tile of W^T in
-  registers straight into the wgmma A-operand layout (inline PTX: rotates, prmt, and, then one
-  `mul.rn.bf16x2` by the block scale) and multiplies the activation tile in SMEM (B side,
-  transposed, N = the row chunk `bm` of 16/32/64 tokens).
+  registers straight into the wgmma A-operand layout (inline PTX `DECODE_ASM`: per code word of
+  8 natural nibbles of one row, sign-replicating prmt, shift, and, then one `mul.rn.bf16x2` by
+  the block scale; H200, session 23: the GEMV's ALU pipe was its busiest, and this decode
+  (8 ALU instructions a word, 11 with the rotate-based one before) made it 5.5% shorter) and
+  multiplies the activation tile in SMEM (B side, transposed, N = the row chunk `bm` of
+  16/32/64 tokens).
 - 4 compute warpgroups + 1 TMA warpgroup per CTA (`emit_pipeline_warp_specialized`), `kb`
   tiles of 64 K per step, `stages` buffers.
 - grid (N / 256 / n_inner, chunks, K splits): a CTA runs n_inner column tiles as a chain of
