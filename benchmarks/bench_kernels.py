@@ -84,6 +84,7 @@ def main():
       device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
       # provenance: TRACE_JAX_COMMIT on the device copy, whose own .git (if any) is stale
       git_commit=provenance.git_commit(),
+      source_tree=provenance.source_tree(),  # the tree that ran (an A/B side's own)
       command=" ".join([os.path.basename(sys.executable)] + sys.argv),
       units=dict(us="microseconds of CUPTI device time, median over iterations",
                  TBps="1e12 bytes/s on the bytes named in bytes_*",

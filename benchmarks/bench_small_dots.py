@@ -94,6 +94,7 @@ def main():
   res = dict(benchmark="bench_small_dots", date=now.isoformat(),
              device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
              git_commit=provenance.git_commit(),
+             source_tree=provenance.source_tree(),  # the tree that ran (an A/B side's own)
              command=" ".join([os.path.basename(sys.executable)] + sys.argv),
              units=dict(us="microseconds of CUPTI device time a call (all its kernels), median",
                         GBps="weight bytes / us"),

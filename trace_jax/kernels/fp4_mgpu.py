@@ -115,11 +115,11 @@ shl.b32 $1, $1, 7;
 # in sign-replicate mode (selector bit 3), B's bit 7 (the nibble's sign) in all 8 bits of the
 # high byte; shifted left by 2, the magnitude bits 6..4 land on bf16 bits 8..6 and a sign copy
 # on bit 15; one `and` keeps those: `E2M1 * 2**-126`, then times the multiplier. The low
-# nibbles are the high nibbles of the word shifted left by 4. 17 instructions per word (the
-# previous form, a shift pair and a merge per register and a mask for the low nibbles, took 22).
-# Of them 8 run on the integer (ALU) pipe: ptxas may issue the shifts as IMAD.SHL on the FMA
-# pipe. The layout (`layout._bit_sources`) stores each word's codes so; the decode of the
-# attention kernel's natural-layout cache is the same.
+# nibbles are the high nibbles of the word shifted left by 4. 17 instructions per word, 8 of
+# them on the integer (ALU) pipe: ptxas issues the shifts as IMAD.SHL on the FMA pipe. Both the
+# decode attention's cache (natural NVFP4 packing) and the matmul weights' layout
+# (`layout._bit_sources`) take it. (The attention's first decode took 22 instructions a word;
+# the weights' earlier bit-placed words 15, 11 of them ALU: funnel rotates, prmt, and.)
 _NIBBLES_ASM = """prmt.b32 y, SRC, SRC, SEL;
 shl.b32 y, y, 2;
 and.b32 y, y, 0x81C081C0;
