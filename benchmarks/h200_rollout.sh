@@ -463,25 +463,29 @@ elif [ "$stage" = s23c ]; then
 elif [ "$stage" = s23b ]; then
   # (session 23) Nsight Compute's counters for each Mosaic kernel (issue slots, pipes, warp
   # stall reasons, stall samples per SASS instruction): what bounds them. Reports and CSV
-  # exports under $OUT (ncu_CASE.*); a compact summary in the log. No preallocation: ncu backs
-  # up the device memory in use before its replays (with XLA's 94% it crashed, s23b)
+  # exports (ncu_reports.tgz), `ncu_summary.py`'s reading in the log and ncu_CASE_summary.json
+  # (s23b/s23d ran a grep of the details page instead). No preallocation: ncu backs up the
+  # device memory in use before its replays (with XLA's 94% it crashed, s23b)
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   echo "ncu: $NCU $($NCU --version 2>&1 | tail -1)"
   for case in ${NCU_CASES:-attn_b64_32k gemv grouped256 qproj1 attn_b16_8k}; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 ${NCU_TIMEOUT:-150} $NCU --clock-control none --kernel-name regex:mosaic_gpu \
-      --launch-skip 1 --launch-count 1 --set full --import-source no -f -o $OUT/ncu_$case \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 ${NCU_TIMEOUT:-150} $NCU \
+      --clock-control none --kernel-name regex:mosaic_gpu --launch-skip 1 --launch-count 1 \
+      --set full --import-source no -f -o $OUT/ncu_$case \
       python3 benchmarks/ncu_kernels.py $case > $OUT/ncu_$case.log 2>&1
-    echo "$case ncu rc=$?"; grep -v "^I1\|^W1" $OUT/ncu_$case.log | grep "relerr\|==ERR\|==WARN\|rror" | head -4
+    echo "$case ncu rc=$?"
+    grep -v "^I1\|^W1" $OUT/ncu_$case.log | grep "relerr\|==ERR\|==WARN\|rror" | head -4
     [ -f $OUT/ncu_$case.ncu-rep ] || continue
     for page in details raw; do
       $NCU -i $OUT/ncu_$case.ncu-rep --page $page --csv > $OUT/ncu_${case}_$page.csv 2>&1
     done
     $NCU -i $OUT/ncu_$case.ncu-rep --page source --csv --print-source sass \
       > $OUT/ncu_${case}_sass.csv 2>&1
-    grep -E '"(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Executed Ipc Active|Registers Per Thread)"' \
-      $OUT/ncu_${case}_details.csv | awk -F'","' '{print "  " $(NF-2) " = " $NF " " $(NF-1)}' \
-      | tr -d '"' | head -14
+    python3 benchmarks/ncu_summary.py $OUT/ncu_${case}_raw.csv $OUT/ncu_${case}_sass.csv \
+      --json $OUT/ncu_${case}_summary.json
   done
+  # few files come back from a call: the reports and exports in one archive
+  (cd $OUT && tar czf ncu_reports.tgz ncu_* && rm -f ncu_*.ncu-rep ncu_*.csv ncu_*.log)
 elif [ "$stage" = s23a ]; then
   # (written in session 22, run in session 23 on a40d25d, then removed: 2-10% slower) both
   # kernels' PV products left in flight into the next tile (TRACE_JAX_ATTN_DEFER_PV): their GPU
