@@ -7,8 +7,9 @@ took.
       --set full -o OUT/ncu_CASE python3 benchmarks/ncu_kernels.py CASE
 
 Cases: attn_b64_32k / attn_b16_8k (the NVFP4 decode attention, its default schedule), gemv (the
-FP4 GEMV, 8192 x 28672, one row), grouped256 (the FP4 grouped expert matmul, 128 experts, K 2048,
-N 1536, 256 rows of top-8 routing), qproj1 (the FP4 2048 x 4096 product at one row). Each case
+FP4 GEMV, 8192 x 28672, one row), grouped256 / grouped2208 (the FP4 grouped expert matmul, 128
+experts, K 2048, N 1536, 256 or 2,208 rows of top-8 routing: a decode batch of 32, the 8k-capacity
+rollout's 276), qproj1 (the FP4 2048 x 4096 product at one row). Each case
 checks the kernel's result against its reference once (printed), so a profile is never of a
 kernel that computes something else.
 """
@@ -24,7 +25,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("case", choices=("attn_b64_32k", "attn_b16_8k", "gemv", "grouped256",
-                                   "qproj1"))
+                                   "grouped2208", "qproj1"))
   ap.add_argument("--calls", type=int, default=3, help="kernel calls after the checked one")
   args = ap.parse_args()
 
@@ -56,8 +57,8 @@ def main():
     fn = jax.jit(attention_mgpu.decode_attention)
     ops = (q, k, v, valid)
     want = jax.jit(kernels.decode_attention_ref)(*ops)
-  elif args.case == "grouped256":
-    e, kd, n, m = 128, 2048, 1536, 256
+  elif args.case.startswith("grouped"):
+    e, kd, n, m = 128, 2048, 1536, int(args.case[len("grouped"):])
     w = jax.random.normal(next(keys), (e, kd, n), jnp.float32) * 0.02
     qw = tq.quantize(w, "nvfp4", axis=1, second_level=(0,), validate=False)
     pw = kernels.prepare_weight(qw)
