@@ -378,7 +378,7 @@ def _emulate_mosaic_decode(codes_u8, scales_u8, h):
   tile: codes [64, 4*64] and scale bytes [64, 4*8] of the cache rows, warpgroup (= KV head) h.
   Returns the two bf16 fragments as float32 [2, 64 rows, 64 physical columns]."""
   import ml_dtypes
-  from tests.kernels.test_kernels_cpu import _bf16x2_mul, _prmt
+  from tests.kernels.test_kernels_cpu import _decode_word, _prmt
   words = codes_u8.reshape(64, 64, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 64]
   swords = scales_u8.reshape(64, 8, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 8]
   out = np.zeros((2, 64, 64), np.float32)
@@ -397,13 +397,7 @@ def _emulate_mosaic_decode(codes_u8, scales_u8, h):
       for j in range(2):
         for wi in range(2):
           x = np.array([words[r, 16 * h + 8 * j + 2 * c + wi]], np.uint32)
-          w4 = x << np.uint32(4)
-          regs = []
-          for sel, src in ((0x9180, w4), (0x9180, x), (0xB3A2, w4), (0xB3A2, x)):
-            y = _prmt(src, src, sel)  # then shl 2, and mask, mul
-            a = (y << np.uint32(2)) & np.uint32(0x81C081C0)
-            regs.append(_bf16x2_mul(a, mults[j]))
-          for o, val in enumerate(regs):
+          for o, val in enumerate(_decode_word(x, mults[j])):
             for v in range(2):
               hb = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)
               out[j, r, 8 * (4 * wi + o) + 2 * c + v] = hb.view(ml_dtypes.bfloat16).astype(

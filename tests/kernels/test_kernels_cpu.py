@@ -190,6 +190,14 @@ def _prmt(a, b, sel):
   return out
 
 
+def _decode_word(x, mult):
+  """fp4_mgpu.DECODE_ASM on uint32 code words x with bf16x2 multipliers: the four registers
+  (nibbles (0, 2), (1, 3), (4, 6), (5, 7)), each prmt (sign-replicating), shl 2, and, mul."""
+  w4 = x << np.uint32(4)
+  return [_bf16x2_mul((_prmt(src, src, sel) << np.uint32(2)) & np.uint32(0x81C081C0), mult)
+          for sel, src in ((0x9180, w4), (0x9180, x), (0xB3A2, w4), (0xB3A2, x))]
+
+
 def _bf16x2_mul(a, b):
   """mul.rn.bf16x2 of uint32 pairs (exact products here, so f32 multiply then round)."""
   out = np.zeros_like(a)
@@ -223,10 +231,7 @@ def emulate_kernel_decode(pw, e=0):
       cs.append(c)
     for jw in range(4):  # word jw: 8 codes of row jw // 2, nibbles (0, 2), (1, 3), (4, 6), (5, 7)
       x = w[:, j, :, jw]
-      ts = [_prmt(src, src, sel) for sel, src in ((0x9180, x << np.uint32(4)), (0x9180, x),
-                                                  (0xB3A2, x << np.uint32(4)), (0xB3A2, x))]
-      for o in range(4):
-        val = _bf16x2_mul((ts[o] << np.uint32(2)) & np.uint32(0x81C081C0), cs[jw // 2])
+      for o, val in enumerate(_decode_word(x, cs[jw // 2])):
         ci, ri = 4 * (jw % 2) + o, jw // 2
         for v in range(2):
           h = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)

@@ -121,7 +121,7 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
           wg_axis="wg", num_compute_wgs=WGS, max_concurrent_steps=stages,
           compute_context=compute_context, pipeline_state=state)
 
-    @pl.when(e >= 0)
+    @F.when_used(e)
     def _():
       F.run_tile_chain(tile_pipeline, (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e]), n_outer,
                        n_inner)

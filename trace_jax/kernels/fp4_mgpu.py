@@ -221,6 +221,15 @@ def chunk_coords(ce_gmem, cr_gmem, k_iters: int, dense: bool = False):
   return n_outer, c_idx, s_idx, ce_gmem[c_idx], row0, s_idx * k_iters
 
 
+def when_used(e):
+  """Decorator: run the function where the chunk's expert `e` (from `chunk_coords`) is used,
+  e >= 0 (`pl.when`); at once where e is the constant of a dense call."""
+  import jax.experimental.pallas as pl
+  if isinstance(e, int):
+    return lambda f: f()
+  return pl.when(e >= 0)
+
+
 def store_tile(y, stage_ref, out_ref):
   """A warpgroup's finished tile (y: [64 columns, bm rows] in the WGMMA layout) to its output
   rows: transposed into SMEM, then one TMA copy to `out_ref` ([bm, 64] of the output)."""
@@ -335,7 +344,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   assert nt % (wgs * n_inner) == 0 and k_pad % (64 * kb * splits) == 0 and bm in BM_CHOICES
   if stream_k:
     return _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, fmt=fmt, kb=kb, bm=bm,
-                            wgs=wgs, stages=stages, steps=stream_k, dense=dense)
+                            wgs=wgs, stages=stages, steps=stream_k)
   k_iters = k_pad // (64 * kb) // splits
   if n_inner > 1 and k_iters % stages:
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
@@ -370,14 +379,10 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context, pipeline_state=state)
 
-    def run():
+    @when_used(e)
+    def _():
       run_tile_chain(tile_pipeline, (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e]),
                      n_outer, n_inner)
-
-    if dense:
-      run()
-    else:
-      pl.when(e >= 0)(run)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n_pad), out_dtype),
@@ -392,8 +397,9 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
 
 def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb: int, bm: int,
-                     wgs: int, stages: int, steps: int, dense: bool):
-  """`fp4_chunked_matmul`'s stream-K schedule (see there) for one chunk."""
+                     wgs: int, stages: int, steps: int):
+  """`fp4_chunked_matmul`'s stream-K schedule (see there) for a dense call's one chunk (expert
+  0 from row 0: the tables are not read)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -405,7 +411,7 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
   step_products = _step_products(fmt, kb)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
-    cta, _, _, e, row0, _ = chunk_coords(ce_gmem, cr_gmem, 0, dense)
+    cta, _, _, e, row0, _ = chunk_coords(ce_gmem, cr_gmem, 0, dense=True)
     u0 = cta * steps
     # the last CTA may hold fewer units (a dynamic pipeline length only where it does)
     n_steps = steps if units % steps == 0 else jnp.minimum(steps, units - u0)
@@ -436,18 +442,14 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
 
       return acc_ref
 
-    def run():
+    @when_used(e)
+    def _():
       plgpu.emit_pipeline_warp_specialized(
           body, grid=(n_steps,), memory_registers=40,
           in_specs=_in_specs(bm, kb, wgs, lambda i: ((u0 + i) // k_steps, (u0 + i) % k_steps)),
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context,
       )(x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
-
-    if dense:
-      run()
-    else:
-      pl.when(e >= 0)(run)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((slots, 1, bm, nt * 64), jnp.float32),
