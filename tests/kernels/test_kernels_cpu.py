@@ -491,6 +491,30 @@ def test_lowers_for_cuda():
               lowering_platforms=("cuda",))
 
 
+def test_capacity_gate_up_stages_fit_smem():
+  """The 8k-capacity batch's gate+up (2,208 rows of 128 experts, bm 32, 6 chained column
+  tiles of 8 K steps) gets 4 pipeline stages, and Mosaic's lowering, which checks the CTA's
+  shared memory (232,448 bytes), accepts them; with bm 64 (16 KiB more a stage) it
+  refuses 4."""
+  pytest.importorskip("jax_cuda13_plugin")
+  sds = jax.ShapeDtypeStruct
+  e, k, n, m = 128, 2048, 1536, 2208
+  bm = fp4_mgpu.grouped_bm(m, e)
+  n_inner, splits = fp4_mgpu.grouped_parallelism(e, n // 256, k // 256)
+  cfg = fp4_mgpu.default_config(bm, 4, jnp.bfloat16, k_steps=k // 256, n_ctas=0, split=False,
+                                n_inner=n_inner, splits=splits)
+  assert (bm, n_inner, splits, cfg["stages"]) == (32, 6, 1, 4)
+  pe = layout.PackedWeight(sds((e, n // 64, k // 4, 32), jnp.uint32),
+                           sds((e, n // 64, k // 32, 32), jnp.uint32),
+                           sds((e, n), jnp.float32), "nvfp4", (e, k, n), 4)
+  args = (sds((m, k), jnp.bfloat16), pe, sds((e,), jnp.int32))
+  jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g)).trace(*args).lower(
+      lowering_platforms=("cuda",))
+  with pytest.raises(Exception, match="shared memory"):  # bm 64: 16 KiB more a stage
+    jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g, config=dict(bm=64, stages=4))
+            ).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def test_prepare_tree():
   q = quantize(rand_w(DENSE, 13), "nvfp4", axis=0)
   qe = quantize(rand_w(EXPERTS, 14), "nvfp4", axis=1, second_level=(0,))

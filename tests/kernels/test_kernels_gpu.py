@@ -154,6 +154,23 @@ def test_grouped_expert_shapes(k, n, m, seed, n_inners):
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner
 
 
+def test_grouped_capacity_batch_bf16_out():
+  """The 8k-capacity rollout's gate+up as the engine runs it: 2,208 rows of top-8 routing over
+  128 experts, bf16 out (bm 32, 6 chained column tiles, 4 pipeline stages: only bf16 out fits
+  them). Each element within bf16 rounding (2**-8 relative) of the float32 reference, plus
+  the accumulation order's share."""
+  e, k, n, m = 128, 2048, 1536, 2208
+  q = quantize(rand_w((e, k, n), 21) * 0.02, "nvfp4", axis=1, second_level=(0,))
+  pw = jax.jit(kernels.prepare_weight)(q)
+  top = jax.lax.top_k(jax.random.normal(jax.random.key(22), (m // 8, e)), 8)[1].reshape(-1)
+  g = jnp.bincount(top, length=e).astype(jnp.int32)
+  x = jax.random.normal(jax.random.key(23), (m, k), jnp.float32).astype(jnp.bfloat16)
+  ref = np.asarray(reference.grouped_matmul_ref(x, q, g, jnp.float32), np.float64)
+  got = np.asarray(_grouped(x, pw, g, jnp.bfloat16).astype(jnp.float32), np.float64)
+  bound = 2.0 ** -8 * np.abs(ref) + 1e-5 * np.max(np.abs(ref))
+  assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / bound)
+
+
 @functools.partial(jax.jit, static_argnames=("n_inner", "splits"))
 def _bf16_kernel(x, w, g, n_inner=None, splits=None):
   from trace_jax.kernels import bf16_mgpu
