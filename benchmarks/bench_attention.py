@@ -234,12 +234,7 @@ def main():
   def nbytes(x):
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(x))
 
-  def relerr(got, ref):
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    if not np.all(np.isfinite(got)):
-      return float("nan")
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+  relerr = bench_util.relerr_max
 
   def run_row(row, fill, describe):
     """Unless past the time budget: fill(row) (errors recorded in the row), then save and log

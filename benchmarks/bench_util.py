@@ -25,6 +25,17 @@ def labelled_json(items):
   return out
 
 
+def relerr_max(got, ref) -> float:
+  """max |got - ref| / max |ref| in float64 (a kernel's error against its reference, as the
+  benchmarks record it); NaN where `got` holds a non-finite value."""
+  import numpy as np
+  got = np.asarray(np.asarray(got, np.float32), np.float64)
+  ref = np.asarray(np.asarray(ref, np.float32), np.float64)
+  if not np.all(np.isfinite(got)):
+    return float("nan")
+  return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
 def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
   """End the process (exit code 3) when the variant in `state` ("name", started at "t"; "t"
   None between variants) runs past `hang_s`, after recording it in `rows` and saving: a hung

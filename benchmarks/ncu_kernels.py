@@ -20,6 +20,8 @@ import argparse
 
 import numpy as np
 
+import bench_util  # (a sibling module)
+
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
@@ -38,11 +40,6 @@ def main():
 
   keys = iter(jax.random.split(jax.random.key(int(np.random.SeedSequence().entropy % 2**31)),
                                8))
-
-  def relerr(got, want):
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
   if args.case.startswith("attn"):
     b, s = (64, 32768) if args.case == "attn_b64_32k" else (16, 8192)
@@ -82,7 +79,7 @@ def main():
     fn = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32))
     ops = (x, pw)
     want = reference.matmul_ref(x, qw, jnp.float32)
-  print(f"{args.case}: relerr_max {relerr(fn(*ops), want):.2e} (the kernel's first call)",
+  print(f"{args.case}: relerr_max {bench_util.relerr_max(fn(*ops), want):.2e} (the kernel's first call)",
         flush=True)
   out = None
   for _ in range(args.calls):

@@ -1,7 +1,10 @@
-"""benchmarks/bench_util.py's reading of optimized HLO: which while body is the decode loop."""
+"""benchmarks/bench_util.py: its reading of optimized HLO (which while body is the decode loop)
+and the kernel error the benchmarks record."""
 
 import os
 import sys
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -46,3 +49,20 @@ def test_decode_loop_is_the_largest_loop_without_prefill_attention():
   names = [ln.split()[0] for ln in bench_util.decode_loop_listing(only_prefill).split("\n")
            if ln.strip()]
   assert names == ["a", "b", "c", "d"]
+
+
+def test_relerr_max():
+  """The benchmarks' kernel error: max abs difference over max abs reference, from bf16 or
+  float32 arrays; NaN when the kernel's output holds a non-finite value."""
+  import jax.numpy as jnp
+  rng = np.random.default_rng(0)
+  ref = rng.standard_normal((5, 7)).astype(np.float32)
+  got = ref + rng.standard_normal((5, 7)).astype(np.float32) * 1e-3
+  want = max(abs(float(g) - float(r)) for g, r in zip(got.ravel(), ref.ravel())) / max(
+      abs(float(r)) for r in ref.ravel())
+  assert abs(bench_util.relerr_max(got, ref) - want) <= 1e-12 * want
+  gb = jnp.asarray(got, jnp.bfloat16)  # a kernel's bf16 output, compared as float32 values
+  want_b = np.max(np.abs(np.asarray(gb, np.float64) - ref)) / np.max(np.abs(ref))
+  assert bench_util.relerr_max(gb, jnp.asarray(ref)) == float(want_b)
+  got[2, 3] = np.inf
+  assert np.isnan(bench_util.relerr_max(got, ref))
