@@ -166,9 +166,12 @@ def main():
     return k
 
   # ------------------------------------------------------------------ dense shapes
+  # 256 rows: the 8k-capacity rollout's decode batch through the fused q/k/v (2048 x 5120) and
+  # o projections, past the GEMV kernel's 64 rows
   dense = [("ffn_8192x28672", 8192, 28672, (1, 16, 32, 64)),
            ("attn_q_2048x4096", 2048, 4096, (1, 16, 64)),
-           ("attn_o_4096x2048", 4096, 2048, (1, 16, 64))]
+           ("attn_o_4096x2048", 4096, 2048, (1, 16, 64, 256)),
+           ("attn_qkv_2048x5120", 2048, 5120, (256,))]
   if args.quick:
     dense = [("ffn_8192x28672", 8192, 28672, (16,)), ("attn_q_2048x4096", 2048, 4096, (1,))]
   def dense_variants(k, n, b):
@@ -176,6 +179,10 @@ def main():
     big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
     # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it
     sk = fp4_mgpu.dense_stream_k(-(-n // 256), -(-k // 256), fp4_mgpu.pick_bm(b)) > 0
+    if b > fp4_mgpu.MAX_DECODE_ROWS:  # "nvfp4": the engine's bf16 decode + XLA dot; "_g*":
+      # the grouped kernel with the rows as one group (the rule's launch, n_inner 1 with
+      # splits S: _sS)
+      return ["xla_bf16", "nvfp4", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2", "nvfp4_g_s4"]
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
@@ -196,6 +203,8 @@ def main():
     for var in ("nvfp4", "nvfp4_kb8"):
       if var in pws:
         pws[var + "_nosk"], qs[var + "_nosk"] = pws[var], qs[var]
+    for var in ("nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2", "nvfp4_g_s4"):
+      pws[var], qs[var] = pws["nvfp4"], qs["nvfp4"]
     for b in bs:
       x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
       base = None
@@ -221,10 +230,16 @@ def main():
             row["bytes_qarray"] = q.nbytes
             cfg = dict(stream_k=0) if var.endswith("_nosk") else None
             fn = lambda x, w, cfg=cfg: kernels.matmul(x, w, use_kernel=force, config=cfg)
+            if "_g" in var:
+              cfg = None if var == "nvfp4_g" else dict(n_inner=1, splits=int(var[-1]))
+              one = jnp.asarray([b], jnp.int32)
+              fn = lambda x, w, cfg=cfg, dt=jnp.bfloat16: fp4_mgpu.grouped_matmul(
+                  x, w, one, out_dtype=dt, config=cfg)
             wt = pw
             if not args.dry:
               ref = reference.matmul_ref(x, q, jnp.float32)
-              got32 = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32, config=cfg))(x, pw)
+              got32 = jax.jit(lambda x, w: fn(x, w, dt=jnp.float32) if "_g" in var else
+                              kernels.matmul(x, w, jnp.float32, config=cfg))(x, pw)
               row["relerr_f32"] = relerr(got32, ref)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, pw), ref)
           row["bytes_weights"] = wbytes
