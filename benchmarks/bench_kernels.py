@@ -179,10 +179,12 @@ def main():
     big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
     # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it
     sk = fp4_mgpu.dense_stream_k(-(-n // 256), -(-k // 256), fp4_mgpu.pick_bm(b)) > 0
-    if b > fp4_mgpu.MAX_DECODE_ROWS:  # "nvfp4": the engine's bf16 decode + XLA dot; "_g*":
-      # the grouped kernel with the rows as one group (the rule's launch, n_inner 1 with
-      # splits S: _sS)
-      return ["xla_bf16", "nvfp4", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2", "nvfp4_g_s4"]
+    if b > fp4_mgpu.MAX_DECODE_ROWS:  # "nvfp4": the engine's path; "_g*": the grouped kernel
+      # with the rows as one group (`fp4_mgpu.matmul_as_group`: its default launch, n_inner 1
+      # with S K splits (_sS), the grouped rule's launch (_rule)); "_dot": the bf16 decode +
+      # XLA dot (the engine's path past DENSE_GROUP_ROWS)
+      return ["xla_bf16", "nvfp4", "nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s4",
+              "nvfp4_g_rule"]
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
@@ -203,7 +205,8 @@ def main():
     for var in ("nvfp4", "nvfp4_kb8"):
       if var in pws:
         pws[var + "_nosk"], qs[var + "_nosk"] = pws[var], qs[var]
-    for var in ("nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2", "nvfp4_g_s4"):
+    pws_g = ("nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s4", "nvfp4_g_rule")
+    for var in pws_g:
       pws[var], qs[var] = pws["nvfp4"], qs["nvfp4"]
     for b in bs:
       x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
@@ -230,15 +233,19 @@ def main():
             row["bytes_qarray"] = q.nbytes
             cfg = dict(stream_k=0) if var.endswith("_nosk") else None
             fn = lambda x, w, cfg=cfg: kernels.matmul(x, w, use_kernel=force, config=cfg)
-            if "_g" in var:
-              cfg = None if var == "nvfp4_g" else dict(n_inner=1, splits=int(var[-1]))
-              one = jnp.asarray([b], jnp.int32)
-              fn = lambda x, w, cfg=cfg, dt=jnp.bfloat16: fp4_mgpu.grouped_matmul(
-                  x, w, one, out_dtype=dt, config=cfg)
+            if "_g" in var or var == "nvfp4_dot":
+              cfg = (None if var in ("nvfp4_g", "nvfp4_dot") else {} if var == "nvfp4_g_rule"
+                     else dict(n_inner=1, splits=int(var[-1])))
+              fn = lambda x, w, cfg=cfg, dt=jnp.bfloat16: fp4_mgpu.matmul_as_group(
+                  x, w, out_dtype=dt, config=cfg)
+              if var == "nvfp4_dot":
+                def fn(x, w, dt=jnp.bfloat16):
+                  a, factor = dispatch.decode_parts(w)
+                  return dispatch.xla_matmul(x, (a[0], factor[0]), dt)
             wt = pw
             if not args.dry:
               ref = reference.matmul_ref(x, q, jnp.float32)
-              got32 = jax.jit(lambda x, w: fn(x, w, dt=jnp.float32) if "_g" in var else
+              got32 = jax.jit(lambda x, w: fn(x, w, dt=jnp.float32) if var in pws_g else
                               kernels.matmul(x, w, jnp.float32, config=cfg))(x, pw)
               row["relerr_f32"] = relerr(got32, ref)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, pw), ref)

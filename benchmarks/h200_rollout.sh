@@ -439,9 +439,13 @@ elif [ "$stage" = s24c ]; then
   # (session 24) dense products past the GEMV kernel's 64 rows (the 8k-capacity batch of ~256
   # through the fused q/k/v and o projections): the engine's path (the weight decoded to bf16
   # every call, XLA's dot) against the grouped FP4 kernel with the rows as one group (the rule's
-  # launch; n_inner 1 with 1, 2, 4 K splits), XLA bf16 beside
+  # launch; n_inner 1 with 1, 2, 4 K splits)
+  # (`fp4_mgpu.matmul_as_group`), XLA bf16 beside; then the 4-layer capacity-shaped decode step
+  # as is and with those products through the kernel (TRACE_JAX_DENSE_GROUP_ROWS=512)
   timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 --only B256 \
     --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" | grep "us_call" | cut -c1-150
+  STEP_AB="AB=baseline;TRACE_JAX_DENSE_GROUP_ROWS=512" LAYERS=${LAYERS:-4} \
+    PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-110} bash $0 step_ab_inner
 elif [ "$stage" = s24b ]; then
   # (session 24) the SMEM budget at 227 KiB - 1 KiB (was 224 KiB): the capacity batch's gate+up
   # (2,208 rows, bm 32, 6 chained tiles of 8 steps) runs 4 pipeline stages instead of 2 (3 missed

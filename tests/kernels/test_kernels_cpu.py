@@ -281,6 +281,23 @@ def test_dense_wrapper_emulated(fmt, leads):
     assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
 
 
+def test_dense_as_one_group_emulated():
+  """Dense products past the GEMV kernel's rows through the grouped kernel, every row in one
+  group: 3 lead rows x 50 = 150 rows in chunks of 64 (the last one partly past the rows), K
+  not a multiple of the tile, its 4 steps split in 2 (float32 partial sums)."""
+  k, n = 1000, 300
+  q = quantize(rand_w((k, n), 31), "nvfp4", axis=0)
+  pw = kernels.prepare_weight(q, kb=KB["nvfp4"])
+  x = jax.random.normal(jax.random.key(32), (3, 50, k), jnp.float32).astype(jnp.bfloat16)
+  got = jax.jit(lambda x, pw: fp4_mgpu.matmul_as_group(
+      x, pw, out_dtype=jnp.float32, kernel_fn=fp4_mgpu.emulate_chunked_matmul))(x, pw)
+  assert got.shape == (3, 50, n)
+  assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
+  with pytest.raises(ValueError, match="dense weight"):
+    qe = quantize(rand_w((2, *DENSE), 33), "nvfp4", axis=1, second_level=(0,))
+    fp4_mgpu.matmul_as_group(x, kernels.prepare_weight(qe, kb=4))
+
+
 @functools.partial(jax.jit, static_argnames=("steps",))
 def _stream_k_emulated(x, pw, steps):
   return fp4_mgpu.matmul(x, pw, out_dtype=jnp.float32, config=dict(stream_k=steps),

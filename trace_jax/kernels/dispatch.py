@@ -87,6 +87,10 @@ _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
 # decode attention over at most this many cache slots (batch x slots) takes the Pallas kernel
 # where the Mosaic one also applies (see the module docstring); 0: the Mosaic kernel always
 SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
+# Dense FP4 products of more rows than the GEMV kernel takes, up to this many, through the
+# grouped kernel with the rows as one group (`fp4_mgpu.matmul_as_group`); past it (prefill) the
+# weight is decoded to bf16 once and XLA's dot runs. 0: the decode + dot from 65 rows on.
+DENSE_GROUP_ROWS = int_setting("TRACE_JAX_DENSE_GROUP_ROWS", 0, minimum=0)
 _SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
@@ -261,6 +265,8 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
   rows = x.size // x.shape[-1]
   if rows <= fp4_mgpu.MAX_DECODE_ROWS:
     return fp4_mgpu.matmul(x, w, out_dtype=out_dtype, config=config)
+  if rows <= DENSE_GROUP_ROWS:  # the 8k-capacity decode batch's projections
+    return fp4_mgpu.matmul_as_group(x, w, out_dtype=out_dtype, config=config)
   a, factor = decode_parts(w)  # prefill: one bf16 decode, amortized over the rows
   return xla_matmul(x, (a[0], factor[0]), out_dtype)
 

@@ -568,6 +568,9 @@ GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
 STREAM_K = choice_setting("TRACE_JAX_STREAM_K", "auto", ("auto", "off"))
 STREAM_K_MAX_BM = 32
 
+# `matmul_as_group`'s K splits (dense products of more than MAX_DECODE_ROWS rows)
+DENSE_GROUP_SPLITS = 2
+
 
 def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
   """n_inner for a grouped call with `n_tiles` column tiles of 256: the setting ("all" or a
@@ -678,6 +681,25 @@ def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=N
   else:
     y = jnp.sum(part, axis=0, dtype=part_dtype)
   return y.astype(out_dtype).reshape(*lead, pw.n)
+
+
+def matmul_as_group(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=None,
+                    kernel_fn=None):
+  """x [..., K] (bf16) @ dense PackedWeight [K, N] for more rows than `matmul` takes: the
+  grouped kernel with every row in one group (chunks of bm rows, each decoding the weight
+  again; config: `grouped_matmul`'s, default one column tile a CTA and the largest divisor of
+  the K steps up to DENSE_GROUP_SPLITS as K splits)."""
+  *lead, k = x.shape
+  rows = int(np.prod(lead)) if lead else 1
+  if pw.experts:
+    raise ValueError(f"a dense weight is needed, got experts {pw.shape}")
+  if config is None:
+    k_steps = pw.k_pad // (64 * pw.kb)
+    splits = max(s for s in range(1, DENSE_GROUP_SPLITS + 1) if k_steps % s == 0)
+    config = dict(n_inner=1, splits=splits)
+  y = grouped_matmul(x.reshape(rows, k), pw, jnp.full((1,), rows, jnp.int32),
+                     out_dtype=out_dtype, config=dict(config), kernel_fn=kernel_fn)
+  return y.reshape(*lead, pw.n)
 
 
 def _prefix_sum(v: jax.Array) -> jax.Array:
