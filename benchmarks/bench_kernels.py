@@ -183,8 +183,8 @@ def main():
       # with the rows as one group (`fp4_mgpu.matmul_as_group`: its default launch, n_inner 1
       # with S K splits (_sS), the grouped rule's launch (_rule)); "_dot": the bf16 decode +
       # XLA dot (the engine's path past DENSE_GROUP_ROWS)
-      return ["xla_bf16", "nvfp4", "nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s4",
-              "nvfp4_g_rule"]
+      return ["xla_bf16", "nvfp4", "nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2",
+              "nvfp4_g_s4", "nvfp4_g_rule"]
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
@@ -205,7 +205,7 @@ def main():
     for var in ("nvfp4", "nvfp4_kb8"):
       if var in pws:
         pws[var + "_nosk"], qs[var + "_nosk"] = pws[var], qs[var]
-    pws_g = ("nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s4", "nvfp4_g_rule")
+    pws_g = ("nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2", "nvfp4_g_s4", "nvfp4_g_rule")
     for var in pws_g:
       pws[var], qs[var] = pws["nvfp4"], qs["nvfp4"]
     for b in bs:

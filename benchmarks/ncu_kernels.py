@@ -79,8 +79,8 @@ def main():
     fn = jax.jit(lambda x, w: kernels.matmul(x, w, jnp.float32))
     ops = (x, pw)
     want = reference.matmul_ref(x, qw, jnp.float32)
-  print(f"{args.case}: relerr_max {bench_util.relerr_max(fn(*ops), want):.2e} (the kernel's first call)",
-        flush=True)
+  err = bench_util.relerr_max(fn(*ops), want)
+  print(f"{args.case}: relerr_max {err:.2e} (the kernel's first call)", flush=True)
   out = None
   for _ in range(args.calls):
     out = fn(*ops)

@@ -284,13 +284,15 @@ def test_dense_wrapper_emulated(fmt, leads):
 def test_dense_as_one_group_emulated():
   """Dense products past the GEMV kernel's rows through the grouped kernel, every row in one
   group: 3 lead rows x 50 = 150 rows in chunks of 64 (the last one partly past the rows), K
-  not a multiple of the tile, its 4 steps split in 2 (float32 partial sums)."""
+  not a multiple of the tile, its 4 steps split 4 ways (`dense_group_config`: 2 column tiles x
+  3 chunks x 4 CTAs; float32 partial sums)."""
   k, n = 1000, 300
   q = quantize(rand_w((k, n), 31), "nvfp4", axis=0)
   pw = kernels.prepare_weight(q, kb=KB["nvfp4"])
   x = jax.random.normal(jax.random.key(32), (3, 50, k), jnp.float32).astype(jnp.bfloat16)
   got = jax.jit(lambda x, pw: fp4_mgpu.matmul_as_group(
       x, pw, out_dtype=jnp.float32, kernel_fn=fp4_mgpu.emulate_chunked_matmul))(x, pw)
+  assert fp4_mgpu.dense_group_config(150, 2, 4) == dict(n_inner=1, splits=4)
   assert got.shape == (3, 50, n)
   assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < 1e-6
   with pytest.raises(ValueError, match="dense weight"):
@@ -499,6 +501,8 @@ def test_lowers_for_cuda():
       for steps in (2, 3):  # stream-K: 2 tiles x 4 steps, the last CTA's length dynamic at 3
         jax.jit(lambda x, p: fp4_mgpu.matmul(x, p, config=dict(stream_k=steps))).trace(
             sds((b, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
+    jax.jit(lambda x, p: fp4_mgpu.matmul_as_group(x, p)).trace(  # 100 rows: one group
+        sds((100, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
     pe = layout.PackedWeight(sds((8, n // 64, k // 4, 32), jnp.uint32),
                              sds((8, n // 64, k // 32, 32), jnp.uint32),
                              sds((8, n), jnp.float32), fmt, (8, k, n), 4)

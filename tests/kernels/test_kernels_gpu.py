@@ -154,6 +154,18 @@ def test_grouped_expert_shapes(k, n, m, seed, n_inners):
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner
 
 
+@pytest.mark.parametrize("k,n,rows", [(2048, 5120, 256), (4096, 2048, 100), (704, 512, 65)])
+def test_dense_as_one_group(k, n, rows):
+  """Dense products past the GEMV kernel's 64 rows through the grouped kernel with the rows as
+  one group (`fp4_mgpu.matmul_as_group`, its default launch): the 8k-capacity batch through
+  the fused q/k/v projection, o at 100 rows (K split 8 ways), K not a multiple of the tile."""
+  q = quantize(rand_w((k, n), 24) * 0.02, "nvfp4", axis=0)
+  pw = jax.jit(kernels.prepare_weight)(q)
+  x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.float32).astype(jnp.bfloat16)
+  got = jax.jit(lambda x, w: fp4_mgpu.matmul_as_group(x, w, out_dtype=jnp.float32))(x, pw)
+  assert relerr(got, reference.matmul_ref(x, q, jnp.float32)) < TOL
+
+
 def test_grouped_capacity_batch_bf16_out():
   """The 8k-capacity rollout's gate+up as the engine runs it: 2,208 rows of top-8 routing over
   128 experts, bf16 out (bm 32, 6 chained column tiles, 4 pipeline stages: only bf16 out fits

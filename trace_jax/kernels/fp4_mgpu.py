@@ -568,9 +568,6 @@ GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
 STREAM_K = choice_setting("TRACE_JAX_STREAM_K", "auto", ("auto", "off"))
 STREAM_K_MAX_BM = 32
 
-# `matmul_as_group`'s K splits (dense products of more than MAX_DECODE_ROWS rows)
-DENSE_GROUP_SPLITS = 2
-
 
 def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
   """n_inner for a grouped call with `n_tiles` column tiles of 256: the setting ("all" or a
@@ -687,19 +684,26 @@ def matmul_as_group(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16,
                     kernel_fn=None):
   """x [..., K] (bf16) @ dense PackedWeight [K, N] for more rows than `matmul` takes: the
   grouped kernel with every row in one group (chunks of bm rows, each decoding the weight
-  again; config: `grouped_matmul`'s, default one column tile a CTA and the largest divisor of
-  the K steps up to DENSE_GROUP_SPLITS as K splits)."""
+  again; config: `grouped_matmul`'s, default `dense_group_config`)."""
   *lead, k = x.shape
   rows = int(np.prod(lead)) if lead else 1
   if pw.experts:
     raise ValueError(f"a dense weight is needed, got experts {pw.shape}")
   if config is None:
-    k_steps = pw.k_pad // (64 * pw.kb)
-    splits = max(s for s in range(1, DENSE_GROUP_SPLITS + 1) if k_steps % s == 0)
-    config = dict(n_inner=1, splits=splits)
+    config = dense_group_config(rows, pw.n_pad // 256, pw.k_pad // (64 * pw.kb))
   y = grouped_matmul(x.reshape(rows, k), pw, jnp.full((1,), rows, jnp.int32),
                      out_dtype=out_dtype, config=dict(config), kernel_fn=kernel_fn)
   return y.reshape(*lead, pw.n)
+
+
+def dense_group_config(rows: int, n_tiles: int, k_steps: int) -> dict:
+  """`matmul_as_group`'s launch: one column tile a CTA, and K split across CTAs the most ways
+  (a divisor of the K steps) that keep the CTAs holding rows (column tiles x row chunks x
+  splits) within one wave of NUM_SMS. (`grouped_parallelism` counts one chunk a group.)"""
+  chunks = -(-rows // grouped_bm(rows, 1))
+  splits = max(s for s in range(1, k_steps + 1)
+               if k_steps % s == 0 and (s == 1 or n_tiles * chunks * s <= NUM_SMS))
+  return dict(n_inner=1, splits=splits)
 
 
 def _prefix_sum(v: jax.Array) -> jax.Array:
