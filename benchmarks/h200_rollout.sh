@@ -436,18 +436,17 @@ elif [ "$stage" = s19a ]; then
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
 elif [ "$stage" = s24c ]; then
-  # (written in session 24, not yet run: no device time left) dense products past the GEMV
-  # kernel's 64 rows (the 8k-capacity batch of ~256 through the fused q/k/v and o projections):
-  # GPU tests of `fp4_mgpu.matmul_as_group`, then the engine's path (the weight decoded to bf16
-  # every call, XLA's dot) against the grouped FP4 kernel with the rows as one group (its
+  # (written in session 24, not yet run: no device time left) dense FP4 products past the GEMV
+  # kernel's 64 rows (policies with FP4 attention weights, w4a16 / w4a4 / all_linear, at decode
+  # batches of 65-512; `paper` keeps them bf16): GPU tests of `fp4_mgpu.matmul_as_group`, then
+  # at 256 rows through the fused q/k/v and o shapes the engine's path (the weight decoded to
+  # bf16 every call, XLA's dot) against the grouped FP4 kernel with the rows as one group (its
   # default launch `dense_group_config`; n_inner 1 with 1, 2, 4 K splits; `grouped_parallelism`'s
-  # launch), XLA bf16 beside; then the 4-layer capacity-shaped decode step as is and with those
-  # products through the kernel (TRACE_JAX_DENSE_GROUP_ROWS=512)
+  # launch), XLA bf16 beside. If the kernel wins: TRACE_JAX_DENSE_GROUP_ROWS's default (0), then
+  # a w4a16 rollout at B 128-256 with and without it
   gpu_tests tests/kernels/test_kernels_gpu.py dense_as_one_group dense_group ${KTEST_TIMEOUT:-120}
   timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 --only B256 \
     --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" | grep "us_call" | cut -c1-150
-  STEP_AB="AB=baseline;TRACE_JAX_DENSE_GROUP_ROWS=512" LAYERS=${LAYERS:-4} \
-    PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-110} bash $0 step_ab_inner
 elif [ "$stage" = s24b ]; then
   # (session 24) the SMEM budget at 227 KiB - 1 KiB (was 224 KiB): the capacity batch's gate+up
   # (2,208 rows, bm 32, 6 chained tiles of 8 steps) runs 4 pipeline stages instead of 2 (3 missed

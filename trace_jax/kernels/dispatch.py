@@ -89,7 +89,9 @@ _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
 SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
 # Dense FP4 products of more rows than the GEMV kernel takes, up to this many, through the
 # grouped kernel with the rows as one group (`fp4_mgpu.matmul_as_group`); past it (prefill) the
-# weight is decoded to bf16 once and XLA's dot runs. 0: the decode + dot from 65 rows on.
+# weight is decoded to bf16 once and XLA's dot runs. 0 (default until timed on the H200: stage
+# s24c): the decode + dot from 65 rows on. Policies with FP4 dense weights only (w4a16, w4a4,
+# all_linear); `paper` keeps the attention projections bf16.
 DENSE_GROUP_ROWS = int_setting("TRACE_JAX_DENSE_GROUP_ROWS", 0, minimum=0)
 _SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
@@ -265,7 +267,7 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
   rows = x.size // x.shape[-1]
   if rows <= fp4_mgpu.MAX_DECODE_ROWS:
     return fp4_mgpu.matmul(x, w, out_dtype=out_dtype, config=config)
-  if rows <= DENSE_GROUP_ROWS:  # the 8k-capacity decode batch's projections
+  if rows <= DENSE_GROUP_ROWS:  # decode batches past 64 rows (FP4 attention weights)
     return fp4_mgpu.matmul_as_group(x, w, out_dtype=out_dtype, config=config)
   a, factor = decode_parts(w)  # prefill: one bf16 decode, amortized over the rows
   return xla_matmul(x, (a[0], factor[0]), out_dtype)
