@@ -35,6 +35,22 @@ gpu_tests() {
   echo "$3 gpu tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed" | tail -8
 }
+# bench_kernels rows of the old tree (ab_old) and this one (new), each side in its own
+# process: ROWS EXTRA (rows for the new side only, with a leading comma) TIMEOUT; JSONs
+# bench_kernels_old.json / bench_kernels_new.json
+kernel_rows_ab() {
+  local side root extra
+  for side in old new; do
+    root=$PWD; extra=""
+    [ $side = old ] && root=$PWD/ab_old
+    [ $side = new ] && extra=$2
+    mkdir -p $OUT/$side
+    PYTHONPATH=/tmp/site:$root timeout -k 5 $3 python3 benchmarks/bench_kernels.py \
+      --iters 20 --only $1$extra --out $OUT/$side 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
+      | grep "us_call" | sed "s/^/[$side] /" | cut -c1-150
+    mv $OUT/$side/bench_kernels.json $OUT/bench_kernels_$side.json 2>/dev/null
+  done
+}
 # decode-attention rows (B 16/64 x S 8k/32k) of one side of an A/B: SIDE (old: the tree
 # carried as ab_old; exact_max: this tree with the exact running max; new: this tree) FORMATS
 # TIMEOUT BUDGET (seconds after which no row starts); JSON bench_attention_SIDE.json
@@ -455,17 +471,7 @@ elif [ "$stage" = s24b ]; then
   # (with tokamax and the other bm at 2,208), then ncu on the new grouped2208
   gpu_tests tests/kernels/test_kernels_gpu.py "capacity_batch or grouped_expert_shapes" cap \
     ${KTEST_TIMEOUT:-150}
-  rows=M2208_nvfp4_auto,M256_nvfp4_auto
-  for side in old new; do
-    root=$PWD; extra=""
-    [ $side = old ] && root=$PWD/ab_old
-    [ $side = new ] && extra=,M2208_tokamax,M256_tokamax
-    mkdir -p $OUT/$side
-    PYTHONPATH=/tmp/site:$root timeout -k 5 ${BK_TIMEOUT:-150} python3 benchmarks/bench_kernels.py \
-      --iters 20 --only $rows$extra --out $OUT/$side 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
-      | grep "us_call" | sed "s/^/[$side] /" | cut -c1-150
-    mv $OUT/$side/bench_kernels.json $OUT/bench_kernels_$side.json 2>/dev/null
-  done
+  kernel_rows_ab M2208_nvfp4_auto,M256_nvfp4_auto ,M2208_tokamax,M256_tokamax ${BK_TIMEOUT:-150}
   NCU_CASES="grouped2208" bash $0 s23b_inner
 elif [ "$stage" = s24a ]; then
   # (written in session 23, not yet run) Nsight Compute on the kernels s23b could not profile:
@@ -489,16 +495,7 @@ elif [ "$stage" = s23c ]; then
     "stream_k or grouped_ragged or grouped_expert or (test_dense and 512)" mm ${KTEST_TIMEOUT:-150}
   rows=ffn_8192x28672_B1_nvfp4,ffn_8192x28672_B16_nvfp4,attn_q_2048x4096_B1_nvfp4
   rows=$rows,attn_o_4096x2048_B1_nvfp4,M8_nvfp4_auto,M256_nvfp4_auto,M2208_nvfp4_auto
-  for side in old new; do
-    root=$PWD; extra=""
-    [ $side = old ] && root=$PWD/ab_old
-    [ $side = new ] && extra=,ffn_8192x28672_B1_xla_bf16,M256_tokamax
-    mkdir -p $OUT/$side
-    PYTHONPATH=/tmp/site:$root timeout -k 5 ${BK_TIMEOUT:-130} python3 benchmarks/bench_kernels.py \
-      --iters 20 --only $rows$extra --out $OUT/$side 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
-      | grep "us_call" | sed "s/^/[$side] /" | cut -c1-150
-    mv $OUT/$side/bench_kernels.json $OUT/bench_kernels_$side.json 2>/dev/null
-  done
+  kernel_rows_ab $rows ,ffn_8192x28672_B1_xla_bf16,M256_tokamax ${BK_TIMEOUT:-130}
 elif [ "$stage" = s23b ]; then
   # (session 23) Nsight Compute's counters for each Mosaic kernel (issue slots, pipes, warp
   # stall reasons, stall samples per SASS instruction): what bounds them. Reports and CSV

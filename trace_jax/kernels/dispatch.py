@@ -3,7 +3,8 @@
 Kernel path (GPU backend, an FP4 `PackedWeight` from `prepare_weight`, bf16/f32 array
 activations): the Mosaic GPU kernel of `fp4_mgpu.py` for decode shapes (dense: <= 64 rows) and
 for grouped expert matmuls of any size; dense prefill (> 64 rows) decodes the weight once to
-bf16 (`q * scale`, exact) and uses XLA's dot, then applies the fp32 column factor.
+bf16 (`q * scale`, exact) and uses XLA's dot, then applies the fp32 column factor (up to
+`DENSE_GROUP_ROWS` rows, off by default, the grouped kernel with the rows as one group instead).
 
 XLA path (GPU backend, bf16 activations, bf16 or block-scaled `QArray` weights that are not in
 the kernel layout): the weight is decoded to bf16 `q * scale` (exact: an E2M1/E4M3 element times
