@@ -166,6 +166,11 @@ def main():
     return k
 
   # ------------------------------------------------------------------ dense shapes
+  # Dense rows past the GEMV kernel's 64: the grouped kernel with the rows as one group
+  # (`fp4_mgpu.matmul_as_group`), config per variant: its default launch, n_inner 1 with S K
+  # splits (_sS), `grouped_matmul`'s own rule (_rule)
+  GROUP_VARIANTS = {"nvfp4_g": None, **{f"nvfp4_g_s{s}": dict(n_inner=1, splits=s)
+                                        for s in (1, 2, 4)}, "nvfp4_g_rule": {}}
   # 256 rows: the 8k-capacity rollout's decode batch through the fused q/k/v (2048 x 5120) and
   # o projections, past the GEMV kernel's 64 rows
   dense = [("ffn_8192x28672", 8192, 28672, (1, 16, 32, 64)),
@@ -179,12 +184,9 @@ def main():
     big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
     # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it
     sk = fp4_mgpu.dense_stream_k(-(-n // 256), -(-k // 256), fp4_mgpu.pick_bm(b)) > 0
-    if b > fp4_mgpu.MAX_DECODE_ROWS:  # "nvfp4": the engine's path; "_g*": the grouped kernel
-      # with the rows as one group (`fp4_mgpu.matmul_as_group`: its default launch, n_inner 1
-      # with S K splits (_sS), the grouped rule's launch (_rule)); "_dot": the bf16 decode +
-      # XLA dot (the engine's path past DENSE_GROUP_ROWS)
-      return ["xla_bf16", "nvfp4", "nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2",
-              "nvfp4_g_s4", "nvfp4_g_rule"]
+    if b > fp4_mgpu.MAX_DECODE_ROWS:  # "nvfp4": the engine's path; "_dot": the bf16 decode +
+      # XLA dot (the engine's path past DENSE_GROUP_ROWS); GROUP_VARIANTS: the grouped kernel
+      return ["xla_bf16", "nvfp4", "nvfp4_dot", *GROUP_VARIANTS]
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
@@ -205,8 +207,7 @@ def main():
     for var in ("nvfp4", "nvfp4_kb8"):
       if var in pws:
         pws[var + "_nosk"], qs[var + "_nosk"] = pws[var], qs[var]
-    pws_g = ("nvfp4_dot", "nvfp4_g", "nvfp4_g_s1", "nvfp4_g_s2", "nvfp4_g_s4", "nvfp4_g_rule")
-    for var in pws_g:
+    for var in ("nvfp4_dot", *GROUP_VARIANTS):
       pws[var], qs[var] = pws["nvfp4"], qs["nvfp4"]
     for b in bs:
       x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
@@ -231,22 +232,21 @@ def main():
             pw, q = pws[var], qs[var]
             wbytes = pw.nbytes
             row["bytes_qarray"] = q.nbytes
-            cfg = dict(stream_k=0) if var.endswith("_nosk") else None
-            fn = lambda x, w, cfg=cfg: kernels.matmul(x, w, use_kernel=force, config=cfg)
-            if "_g" in var or var == "nvfp4_dot":
-              cfg = (None if var in ("nvfp4_g", "nvfp4_dot") else {} if var == "nvfp4_g_rule"
-                     else dict(n_inner=1, splits=int(var[-1])))
-              fn = lambda x, w, cfg=cfg, dt=jnp.bfloat16: fp4_mgpu.matmul_as_group(
-                  x, w, out_dtype=dt, config=cfg)
-              if var == "nvfp4_dot":
-                def fn(x, w, dt=jnp.bfloat16):
-                  a, factor = dispatch.decode_parts(w)
-                  return dispatch.xla_matmul(x, (a[0], factor[0]), dt)
+            if var in GROUP_VARIANTS:
+              fn = lambda x, w, cfg=GROUP_VARIANTS[var], dt=jnp.bfloat16: (
+                  fp4_mgpu.matmul_as_group(x, w, out_dtype=dt, config=cfg))
+            elif var == "nvfp4_dot":
+              def fn(x, w, dt=jnp.bfloat16):
+                a, factor = dispatch.decode_parts(w)
+                return dispatch.xla_matmul(x, (a[0], factor[0]), dt)
+            else:
+              cfg = dict(stream_k=0) if var.endswith("_nosk") else None
+              fn = lambda x, w, cfg=cfg, dt=jnp.bfloat16: kernels.matmul(
+                  x, w, dt, use_kernel=force, config=cfg)
             wt = pw
             if not args.dry:
               ref = reference.matmul_ref(x, q, jnp.float32)
-              got32 = jax.jit(lambda x, w: fn(x, w, dt=jnp.float32) if var in pws_g else
-                              kernels.matmul(x, w, jnp.float32, config=cfg))(x, pw)
+              got32 = jax.jit(lambda x, w: fn(x, w, dt=jnp.float32))(x, pw)
               row["relerr_f32"] = relerr(got32, ref)
               row["relerr_bf16"] = relerr(jax.jit(fn)(x, pw), ref)
           row["bytes_weights"] = wbytes

@@ -692,18 +692,17 @@ def matmul_as_group(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16,
   if config is None:
     config = dense_group_config(rows, pw.n_pad // 256, pw.k_pad // (64 * pw.kb))
   y = grouped_matmul(x.reshape(rows, k), pw, jnp.full((1,), rows, jnp.int32),
-                     out_dtype=out_dtype, config=dict(config), kernel_fn=kernel_fn)
+                     out_dtype=out_dtype, config=config, kernel_fn=kernel_fn)
   return y.reshape(*lead, pw.n)
 
 
 def dense_group_config(rows: int, n_tiles: int, k_steps: int) -> dict:
-  """`matmul_as_group`'s launch: one column tile a CTA, and K split across CTAs the most ways
-  (a divisor of the K steps) that keep the CTAs holding rows (column tiles x row chunks x
-  splits) within one wave of NUM_SMS. (`grouped_parallelism` counts one chunk a group.)"""
+  """`matmul_as_group`'s launch: `grouped_parallelism`'s rule with one column tile a CTA and
+  every row chunk counted as a group holding rows (the grouped default counts the one group
+  once): K split across CTAs the most ways that keep them within one wave of NUM_SMS."""
   chunks = -(-rows // grouped_bm(rows, 1))
-  splits = max(s for s in range(1, k_steps + 1)
-               if k_steps % s == 0 and (s == 1 or n_tiles * chunks * s <= NUM_SMS))
-  return dict(n_inner=1, splits=splits)
+  n_inner, splits = grouped_parallelism(chunks, n_tiles, k_steps, n_inner=1)
+  return dict(n_inner=n_inner, splits=splits)
 
 
 def _prefix_sum(v: jax.Array) -> jax.Array:
