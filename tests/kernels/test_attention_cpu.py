@@ -500,12 +500,14 @@ def test_stream_tables_cover_every_tile_once():
 
 
 def test_mosaic_ptx_assembles(tmp_path):
-  """The Mosaic kernel's inline PTX (scale multipliers, nibble decode) assembles for sm_90a
-  (ptxas, where the CUDA toolkit is installed), wrapped in a kernel that uses every output."""
+  """The Mosaic kernels' inline PTX (scale multipliers, the cache's nibble decode, the matmul
+  weights' decode) assembles for sm_90a (ptxas, where the CUDA toolkit is installed), wrapped in
+  a kernel that uses every output."""
   import re
   import shutil
   import subprocess
   from trace_jax.kernels import attention_mgpu as AM
+  from trace_jax.kernels import fp4_mgpu
   ptxas = shutil.which("ptxas")
   if ptxas is None:
     pytest.skip("ptxas not installed")
@@ -517,8 +519,11 @@ def test_mosaic_ptx_assembles(tmp_path):
       "ld.global.u32 %r2, [%rd1];", "ld.global.u32 %r3, [%rd1+4];", "ld.global.u32 %r8, [%rd1+8];",
       sub(AM._SCALE_ASM, ["%r0", "%r1", "%r2", "%r3"]),
       sub(AM.DECODE_ASM, ["%r4", "%r5", "%r6", "%r7", "%r8", "%r0"]),
+      sub(fp4_mgpu.WEIGHT_DECODE_ASM, ["%r10", "%r11", "%r12", "%r13", "%r8", "%r1"]),
       "add.u32 %r9, %r4, %r5;", "add.u32 %r9, %r9, %r6;", "add.u32 %r9, %r9, %r7;",
-      "add.u32 %r9, %r9, %r1;", "st.global.u32 [%rd1], %r9;", "ret;", "}"])
+      "add.u32 %r9, %r9, %r10;", "add.u32 %r9, %r9, %r11;", "add.u32 %r9, %r9, %r12;",
+      "add.u32 %r9, %r9, %r13;", "add.u32 %r9, %r9, %r1;", "st.global.u32 [%rd1], %r9;",
+      "ret;", "}"])
   (tmp_path / "k.ptx").write_text(ptx)
   r = subprocess.run([ptxas, "-arch=sm_90a", str(tmp_path / "k.ptx"), "-o",
                       str(tmp_path / "k.cubin")], capture_output=True, text=True, timeout=60)

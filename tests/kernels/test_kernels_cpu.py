@@ -198,6 +198,18 @@ def _decode_word(x, mult):
           for sel, src in ((0x9180, w4), (0x9180, x), (0xB3A2, w4), (0xB3A2, x))]
 
 
+def _decode_weight_word(x, mult):
+  """fp4_mgpu.WEIGHT_DECODE_ASM on uint32 code words x with bf16x2 multipliers: register 0 the
+  word masked, 1 shifted left by 4, 2 rotated left by 10, 3 shifted left by 6 with its e1 bits
+  from the word shifted right by 2; each masked to bf16 bits 15, 8, 7, 6 of each half, then
+  multiplied."""
+  u = np.uint32
+  mag = u(0x81C081C0)
+  r3 = ((x << u(6)) & u(0x80C080C0)) | ((x >> u(2)) & u(0x01000100))
+  return [_bf16x2_mul(r, mult) for r in
+          (x & mag, (x << u(4)) & mag, ((x << u(10)) | (x >> u(22))) & mag, r3)]
+
+
 def _bf16x2_mul(a, b):
   """mul.rn.bf16x2 of uint32 pairs (exact products here, so f32 multiply then round)."""
   out = np.zeros_like(a)
@@ -210,7 +222,8 @@ def _bf16x2_mul(a, b):
 
 
 def emulate_kernel_decode(pw, e=0):
-  """Numpy re-enactment of the kernel's PTX (fp4_mgpu._SCALE_ASM / DECODE_ASM) on the packed
+  """Numpy re-enactment of the kernel's PTX (fp4_mgpu._SCALE_ASM / WEIGHT_DECODE_ASM) on the
+  packed
   words: returns A [N_pad, K_pad] bf16 values in the kernel's PHYSICAL K order."""
   words = np.asarray(pw.codes[e]).astype(np.uint32)
   sw = np.asarray(pw.scales[e]).astype(np.uint32)
@@ -229,9 +242,9 @@ def emulate_kernel_decode(pw, e=0):
       c = _prmt(word, np.zeros_like(word), 0x4040 | b | (b << 8))
       c = (c << np.uint32(4)) + np.uint32(0x76007600) if pw.fmt == "nvfp4" else c << np.uint32(7)
       cs.append(c)
-    for jw in range(4):  # word jw: 8 codes of row jw // 2, nibbles (0, 2), (1, 3), (4, 6), (5, 7)
+    for jw in range(4):  # word jw: 8 codes of row jw // 2
       x = w[:, j, :, jw]
-      for o, val in enumerate(_decode_word(x, cs[jw // 2])):
+      for o, val in enumerate(_decode_weight_word(x, cs[jw // 2])):
         ci, ri = 4 * (jw % 2) + o, jw // 2
         for v in range(2):
           h = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)

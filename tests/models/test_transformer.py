@@ -131,10 +131,11 @@ def test_per_row_cache_index_decodes_rows_of_different_lengths():
     M.apply(params, tok, cfg, cache=cache, cache_index=jnp.asarray([1, 2, 3]))
 
 
-# w4a16's weights are a subset of paper's (and its fused q|k|v: test_fused_qkv_projection_...):
-# slow, so the default suite stays under its 10 minutes; CI runs it
+# w4a16's weights are a subset of paper's (and its fused q|k|v: test_fused_qkv_projection_...),
+# all_linear's FP4 attention weights go through the dense path the kernel tests cover: both
+# slow, so the default suite stays under its 10 minutes; CI runs them
 @pytest.mark.parametrize("preset", [pytest.param("w4a16", marks=pytest.mark.slow), "paper",
-                                    "all_linear"])
+                                    pytest.param("all_linear", marks=pytest.mark.slow)])
 def test_fp4_modes_close_to_bf16_deterministic_and_one_code_path(preset):
   tokens, mask = _batch()
   policy = tq.make_policy(preset, "nvfp4")

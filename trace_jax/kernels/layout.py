@@ -16,16 +16,16 @@ its codes, instead of eight shared ones. The activations are permuted the same w
 (`permute_k`, a cheap gather XLA fuses into the producer of x).
 
 Per tile each thread reads 4 uint32 of codes. Word j holds 8 codes of one row (r0 for j < 2,
-r1 after), in natural nibble order (`_SRC` below): one shift and four (`prmt` in sign-replicate
-mode, shift, `and`) put every code's `s e1 e0 m` under bf16 bits 15, 8, 7, 6
-(`fp4_mgpu.DECODE_ASM`, the attention kernel's nibble decode too); as bf16 that is
-`E2M1(code) * 2**-126` exactly (0.5 is a bf16 subnormal). One `mul.rn.bf16x2` by the word's
-row multiplier `c = scale * 2**(126 - shift)` gives `q * scale * 2**-shift`, exact in bf16
-(NUMERICS: q*s is exact in bf16 for NVFP4, a power of two for MXFP4). The output is multiplied
-by the fp32 column factor `g * 2**shift` (NaN where a block scale of that column is NaN, so NaN
-never turns into a number). (Until session 23 a word held 4 codes of each row, bit-placed for
-three funnel rotates, four `prmt` and four `and`: 11 integer-pipe instructions a word against 8
-now, with the ALU the busiest pipe of the GEMV on the H200, Nsight Compute.)
+r1 after), bit-placed (`_SRC` below) so that each decoded register takes one word-wide move
+(none, shift, rotate) and one `and` to put every code's `s e1 e0 m` under bf16 bits 15, 8, 7, 6
+(`fp4_mgpu.WEIGHT_DECODE_ASM`: 9 integer instructions a word, 13 with the multiplies); as bf16
+that is `E2M1(code) * 2**-126` exactly (0.5 is a bf16 subnormal). One `mul.rn.bf16x2` by the
+word's row multiplier `c = scale * 2**(126 - shift)` gives `q * scale * 2**-shift`, exact in
+bf16 (NUMERICS: q*s is exact in bf16 for NVFP4, a power of two for MXFP4). The output is
+multiplied by the fp32 column factor `g * 2**shift` (NaN where a block scale of that column is
+NaN, so NaN never turns into a number). (Session 23's words held natural nibbles, decoded with
+the attention cache's sign-replicating `prmt`, shift and `and` per register: 17 instructions a
+word; before that 4 codes of each row, three funnel rotates, four `prmt` and four `and`.)
 
 Scale bytes (one per block and row, two per thread and tile, in thread order per kernel step of
 `kb` tiles):
@@ -58,12 +58,15 @@ NV_BIAS = 0x7600  # bf16 bits of 2**109 = 2**-9 * 2**118, the smallest NVFP4 mul
 
 def _bit_sources() -> np.ndarray:
   """src[o, v, b]: bit of a code word feeding E2M1 bit b (0 m, 1 e0, 2 e1, 3 s) of decoded
-  register o (0..3), half v: natural nibbles (code i in bits 4i..4i+3), register o holding
-  nibbles (0, 2), (1, 3), (4, 6), (5, 7) (`fp4_mgpu.DECODE_ASM`)."""
-  o = np.arange(4)[:, None, None]
-  v = np.arange(2)[None, :, None]
-  b = np.arange(4)[None, None, :]
-  src = 4 * (4 * (o // 2) + o % 2 + 2 * v) + b
+  register o (0..3), half v (`fp4_mgpu.WEIGHT_DECODE_ASM`). Each bit lands on its bf16 place
+  (m 6, e0 7, e1 8, s 15, + 16 v) by one word-wide move and one mask: register 0 in place,
+  register 1 shifted left by 4, register 2 rotated left by 10, register 3 shifted left by 6 but
+  for e1, shifted right by 2. (No four moves of one mask cover the word: the e1 bits of
+  register 3 take a second move.)"""
+  dst = np.array([6, 7, 8, 15])[None, None, :] + 16 * np.arange(2)[None, :, None]  # [1, v, b]
+  rot = np.array([0, 4, 10, 6])[:, None, None] + np.zeros((1, 2, 4), int)  # left by, per reg
+  rot[3, :, 2] = -2  # register 3's e1: right by 2
+  src = (dst - rot) % 32
   assert sorted(src.ravel().tolist()) == list(range(32))
   return src
 
