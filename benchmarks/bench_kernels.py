@@ -62,7 +62,8 @@ def main():
   ap.add_argument("--quick", action="store_true", help="one shape of each kind")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--hang_s", type=float, default=90)
-  ap.add_argument("--only", default="", help="comma list of row-name substrings to run")
+  ap.add_argument("--only", default="", help="comma list of row-name substrings to run (a "
+                  "trailing $: that exact name)")
   ap.add_argument("--grouped_rows", default="",
                   help="comma list of more row counts for both expert shapes (e.g. 3072,4096)")
   ap.add_argument("--dry", action="store_true",
@@ -155,7 +156,8 @@ def main():
         f"{row.get('error', '')[-300:]}")
 
   def want(name):
-    return not args.only or any(s in name for s in args.only.split(","))
+    return not args.only or any(name == s[:-1] if s.endswith("$") else s in name
+                                for s in args.only.split(","))
 
   force = True if args.dry else None  # dry: lower the kernel path off-GPU
   tokamax_ok = not args.dry and dispatch.grouped_backend().endswith("tokamax")
@@ -171,8 +173,6 @@ def main():
   # splits (_sS), `grouped_matmul`'s own rule (_rule)
   GROUP_VARIANTS = {"nvfp4_g": None, **{f"nvfp4_g_s{s}": dict(n_inner=1, splits=s)
                                         for s in (1, 2, 4)}, "nvfp4_g_rule": {}}
-  # _mtT: T 64x64 weight tiles per wgmma call (`fp4_mgpu._step_products`; default MMA_TILES)
-  MMA_TILE_VARIANTS = [t for t in (1, 2, 4) if t != fp4_mgpu.MMA_TILES]
   # 256 rows: the 8k-capacity rollout's decode batch through the fused q/k/v (2048 x 5120) and
   # o projections, past the GEMV kernel's 64 rows
   dense = [("ffn_8192x28672", 8192, 28672, (1, 16, 32, 64)),
@@ -192,7 +192,6 @@ def main():
     return (["xla_bf16"]
             + (["xla_bf16_engine"] if b == 1 else [])  # the engine's bf16 product differs
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
-            + [f"nvfp4_mt{t}" for t in MMA_TILE_VARIANTS]  # tiles per wgmma call
             + (["nvfp4_nosk"] if sk else [])
             + (["nvfp4_kb8"] + (["nvfp4_kb8_nosk"] if sk else [])
                if big and b != 64 else []))  # kb=8, 64-row chunks: over SMEM
@@ -210,7 +209,7 @@ def main():
     for var in ("nvfp4", "nvfp4_kb8"):
       if var in pws:
         pws[var + "_nosk"], qs[var + "_nosk"] = pws[var], qs[var]
-    for var in ("nvfp4_dot", *GROUP_VARIANTS, *(f"nvfp4_mt{t}" for t in MMA_TILE_VARIANTS)):
+    for var in ("nvfp4_dot", *GROUP_VARIANTS):
       pws[var], qs[var] = pws["nvfp4"], qs["nvfp4"]
     for b in bs:
       x = jax.random.normal(nk(), (b, k), jnp.float32).astype(jnp.bfloat16)
@@ -244,8 +243,6 @@ def main():
                 return dispatch.xla_matmul(x, (a[0], factor[0]), dt)
             else:
               cfg = dict(stream_k=0) if var.endswith("_nosk") else None
-              if "_mt" in var:
-                cfg = dict(mma_tiles=int(var.split("_mt")[1]))
               fn = lambda x, w, cfg=cfg, dt=jnp.bfloat16: kernels.matmul(
                   x, w, dt, use_kernel=force, config=cfg)
             wt = pw
@@ -287,7 +284,6 @@ def main():
     return (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
             + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else [])
             + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
-            + [f"nvfp4_auto_mt{t}" for t in MMA_TILE_VARIANTS]
             + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"]
             + ([f"nvfp4_auto_bm{b}" for b in fp4_mgpu.BM_CHOICES
                 if b != fp4_mgpu.grouped_bm(m, e)] if 1024 <= m <= 4096 else []))
@@ -344,8 +340,6 @@ def main():
             for o in opts:
               if o.startswith("bm"):  # rows per chunk (default: fp4_mgpu.grouped_bm)
                 cfg["bm"] = int(o[2:])
-              elif o.startswith("mt"):  # 64x64 tiles per wgmma call (fp4_mgpu._step_products)
-                cfg["mma_tiles"] = int(o[2:])
               elif o.startswith("in"):
                 cfg["n_inner"] = int(o[2:])
               elif o.startswith("s"):

@@ -12,7 +12,7 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
   `mul.rn.bf16x2` by the block scale: 13 instructions a word; the kernels are issue-bound: the
   GEMV's loop issued 64% of cycles, its ALU pipe the busiest, Nsight Compute, session 23) and
   multiplies the activation tile in SMEM (B side, transposed, N = the row chunk `bm` of
-  16/32/64 tokens), `mma_tiles` tiles a wgmma call (`_step_products`).
+  16/32/64 tokens).
 - 4 compute warpgroups + 1 TMA warpgroup per CTA (`emit_pipeline_warp_specialized`), `kb`
   tiles of 64 K per step, `stages` buffers.
 - grid (N / 256 / n_inner, chunks, K splits): a CTA runs n_inner column tiles as a chain of
@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 
 from trace_jax.kernels import layout as L
-from trace_jax.kernels.settings import choice_setting, int_setting
+from trace_jax.kernels.settings import choice_setting
 
 # wgmma N sides this kernel is built for (tokens per chunk)
 BM_CHOICES = (16, 32, 64)
@@ -137,69 +137,73 @@ DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
 # half), register 1 the word shifted left by 4, register 2 rotated left by 10, register 3 the
 # word shifted left by 6 with its e1 bits from the word shifted right by 2 (one `lop3`: y | (z &
 # mask)). 9 integer instructions a word and 4 multiplies, against 13 and 4 of `DECODE_ASM` on
-# natural nibbles (the attention cache's packing, which keeps it).
+# natural nibbles (the attention cache's packing, which keeps it). Two forms of the same bits
+# (A/B switch TRACE_JAX_WEIGHT_DECODE): "shifts" (the rotate and the right shift as funnel
+# shifts, ALU pipe: 7 ALU instructions a word) and "multiplies" (as `mul.wide` / `mul.hi` by
+# powers of two, FMA pipe: 5 ALU a word).
 _MAG = "0x81C081C0"
-WEIGHT_DECODE_ASM = f"""{{
+_ROT10 = {"shifts": f"""shf.l.wrap.b32 y, $4, $4, 10;
+and.b32 y, y, {_MAG};""", "multiplies": f"""mul.wide.u32 d, $4, 1024;
+mov.b64 {{y, z}}, d;
+lop3.b32 y, y, z, {_MAG}, 0xA8;"""}
+_SHR2 = {"shifts": "shr.b32 z, $4, 2;", "multiplies": "mul.hi.u32 z, $4, 0x40000000;"}
+WEIGHT_DECODE_ASMS = {form: f"""{{
 .reg .b32 y, z;
+.reg .b64 d;
 and.b32 y, $4, {_MAG};
 mul.rn.bf16x2 $0, y, $5;
 shl.b32 y, $4, 4;
 and.b32 y, y, {_MAG};
 mul.rn.bf16x2 $1, y, $5;
-shf.l.wrap.b32 y, $4, $4, 10;
-and.b32 y, y, {_MAG};
+{_ROT10[form]}
 mul.rn.bf16x2 $2, y, $5;
 shl.b32 y, $4, 6;
-shr.b32 z, $4, 2;
+{_SHR2[form]}
 and.b32 y, y, 0x80C080C0;
 lop3.b32 y, y, z, 0x01000100, 0xF8;
 mul.rn.bf16x2 $3, y, $5;
-}}"""
+}}""" for form in _ROT10}
+WEIGHT_DECODE_ASM = WEIGHT_DECODE_ASMS[choice_setting("TRACE_JAX_WEIGHT_DECODE", "shifts",
+                                                      tuple(_ROT10))]
 
 
-def _make_tile_decoder(fmt: str, kb: int, j0: int, tiles: int = 1):
-  """inline_mgpu function: (codes words of tiles j0 .. j0 + tiles - 1, scale words of the step)
-  -> bf16 (64, 64 * tiles) in the WGMMA layout (the A operand of one wgmma over those tiles)."""
+def _make_tile_decoder(fmt: str, kb: int, j: int):
+  """inline_mgpu function: (codes words of tile j, scale words of the step) -> bf16 (64, 64) in
+  the WGMMA layout."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import llvm, vector
 
-  wlay = plgpu.Layout.WG_STRIDED((16 * tiles, 32), vec_size=4)
+  wlay = plgpu.Layout.WG_STRIDED((16, 32), vec_size=4)
   slay = plgpu.Layout.WG_STRIDED((2 * kb, 32), vec_size=kb // 2)
-  scale_asm = []
-  for j in range(j0, j0 + tiles):
-    u, b0 = j // 2, 2 * (j % 2)  # scale word and byte of rows r0 (b0) and r1 (b0 + 1)
-    sel0 = 0x4040 | b0 | (b0 << 8)
-    sel1 = 0x4040 | (b0 + 1) | ((b0 + 1) << 8)
-    scale_asm.append((u, _SCALE_ASM[fmt].format(sel0=hex(sel0), sel1=hex(sel1))))
+  u, b0 = j // 2, 2 * (j % 2)  # scale word and byte of rows r0 (b0) and r1 (b0 + 1)
+  sel0 = 0x4040 | b0 | (b0 << 8)
+  sel1 = 0x4040 | (b0 + 1) | ((b0 + 1) << 8)
+  scale_asm = _SCALE_ASM[fmt].format(sel0=hex(sel0), sel1=hex(sel1))
 
   @plgpu.inline_mgpu(
       arg_types=(wlay, slay),
-      return_type=plgpu.ShapeDtypeStruct((64, 64 * tiles), jnp.bfloat16,
-                                         layout=plgpu.Layout.WGMMA),
+      return_type=plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
   )
   def decode(ctx, words, scales):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-    # vector t: this thread's 16 bytes of tile j0 + t (the strided layout's t-th vector)
-    wregs = list(words.registers.flat)
+    [wreg] = list(words.registers.flat)  # vector<4xi32>: this thread's 16 bytes of the tile
     [sreg] = list(scales.registers.flat)  # vector<(kb/2)xi32>: its scale bytes of the step
-    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, 64 * tiles)), dtype=object)
-    for t, (u, asm) in enumerate(scale_asm):
-      sw = vector.extract(sreg, [], [u])
-      cs = llvm.inline_asm(llvm.StructType.get_literal([i32] * 2), [sw], asm, "=r,=r,r")
-      c0, c1 = llvm.extractvalue(i32, cs, [0]), llvm.extractvalue(i32, cs, [1])
-      for jw in range(4):  # word jw: 8 codes of row jw // 2 (`layout._slot_tables`)
-        wj = vector.extract(wregs[t], [], [jw])
-        st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [wj, (c0, c1)[jw // 2]],
-                             WEIGHT_DECODE_ASM, "=r,=r,=r,=r,r,r")
-        for o in range(4):
-          val = llvm.extractvalue(i32, st, [o])
-          regs[0, 8 * t + 4 * (jw % 2) + o, 0, 0, jw // 2, 0, 0, 0, 0] = mutils.bitcast(
-              val, bf16x2)
+    sw = vector.extract(sreg, [], [u])
+    cs = llvm.inline_asm(llvm.StructType.get_literal([i32] * 2), [sw], scale_asm, "=r,=r,r")
+    c0, c1 = llvm.extractvalue(i32, cs, [0]), llvm.extractvalue(i32, cs, [1])
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, 64)), dtype=object)
+    for jw in range(4):  # word jw: 8 codes of row jw // 2 (`layout._slot_tables`)
+      wj = vector.extract(wreg, [], [jw])
+      st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [wj, (c0, c1)[jw // 2]],
+                           WEIGHT_DECODE_ASM, "=r,=r,=r,=r,r,r")
+      for o in range(4):
+        val = llvm.extractvalue(i32, st, [o])
+        regs[0, 4 * (jw % 2) + o, 0, 0, jw // 2, 0, 0, 0, 0] = mutils.bitcast(val, bf16x2)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return decode
@@ -303,30 +307,24 @@ def gather_rows(out, slot, out_rows, n: int, out_dtype):
   return y[0] if splits == 1 else jnp.sum(y, axis=0).astype(out_dtype)
 
 
-def _step_products(fmt: str, kb: int, mma_tiles: int = 1):
+def _step_products(fmt: str, kb: int):
   """The compute warpgroup's work in one pipeline step: its kb 64x64 tiles of W^T decoded in
-  registers (codes and the step's scale bytes from SMEM), multiplied into the accumulator with
-  the activation tile (SMEM, transposed), `mma_tiles` tiles per wgmma call: Mosaic makes each
-  call's activation descriptor from its SMEM address (shift, mask, 64-bit adds on the uniform
-  datapath) and steps it by constants inside the call, so fewer, wider calls issue fewer
-  instructions a step, at the price of decoding more tiles before the first product.
-  (Leaving a step's products in flight into the next step, buffers released a step late, was
-  slower on the H200: 8192 x 28672, 1 row, 42.3 -> 43.2 us at kb 4, 42.8 -> 60.9 at kb 8.)"""
+  registers (codes and the step's scale bytes from SMEM), each multiplied into the accumulator
+  with the activation tile (SMEM, transposed). (Leaving a step's products in flight into the
+  next step, buffers released a step late, was slower on the H200: 8192 x 28672, 1 row, 42.3
+  -> 43.2 us at kb 4, 42.8 -> 60.9 at kb 8.)"""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  if kb % mma_tiles:
-    raise ValueError(f"mma_tiles={mma_tiles} must divide kb={kb}")
-  decoders = [_make_tile_decoder(fmt, kb, j, mma_tiles) for j in range(0, kb, mma_tiles)]
-  wlay = plgpu.Layout.WG_STRIDED((16 * mma_tiles, 32), vec_size=4)
+  decoders = [_make_tile_decoder(fmt, kb, j) for j in range(kb)]
+  wlay = plgpu.Layout.WG_STRIDED((16, 32), vec_size=4)
   slay = plgpu.Layout.WG_STRIDED((2 * kb, 32), vec_size=kb // 2)
 
   def products(x_smem, w_smem, s_smem, acc_ref):
     wg = lax.axis_index("wg")
     sc = plgpu.load(s_smem.at[wg], layout=slay)
-    for g, decode in enumerate(decoders):
-      j = g * mma_tiles
-      words = plgpu.load(w_smem.at[wg, pl.ds(j * 16, 16 * mma_tiles)], layout=wlay)
-      plgpu.wgmma(acc_ref, decode(words, sc), x_smem.at[:, pl.ds(j * 64, 64 * mma_tiles)].T)
+    for j in range(kb):
+      words = plgpu.load(w_smem.at[wg, pl.ds(j * 16, 16)], layout=wlay)
+      plgpu.wgmma(acc_ref, decoders[j](words, sc), x_smem.at[:, pl.ds(j * 64, 64)].T)
     plgpu.wgmma_wait(0)
 
   return products
@@ -345,12 +343,11 @@ def _in_specs(bm: int, kb: int, wgs: int, unit):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
-                                             "n_inner", "stream_k", "out_dtype", "dense",
-                                             "mma_tiles"))
+                                             "n_inner", "stream_k", "out_dtype", "dense"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
                        n_inner: int = 1, stream_k: int = 0, out_dtype=jnp.bfloat16,
-                       dense: bool = False, mma_tiles: int | None = None):
+                       dense: bool = False):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
@@ -380,15 +377,14 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   n_chunks = chunk_expert.shape[0]
   assert xc.shape[1] == k_pad, (xc.shape, k_pad)
   assert nt % (wgs * n_inner) == 0 and k_pad % (64 * kb * splits) == 0 and bm in BM_CHOICES
-  mma_tiles = mma_tiles or MMA_TILES
   if stream_k:
     return _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, fmt=fmt, kb=kb, bm=bm,
-                            wgs=wgs, stages=stages, steps=stream_k, mma_tiles=mma_tiles)
+                            wgs=wgs, stages=stages, steps=stream_k)
   k_iters = k_pad // (64 * kb) // splits
   if n_inner > 1 and k_iters % stages:
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
                      f"tile to be a multiple of stages={stages}")
-  step_products = _step_products(fmt, kb, mma_tiles)
+  step_products = _step_products(fmt, kb)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, out_smem, f_smem,
              f_bar):
@@ -436,7 +432,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
 
 
 def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb: int, bm: int,
-                     wgs: int, stages: int, steps: int, mma_tiles: int):
+                     wgs: int, stages: int, steps: int):
   """`fp4_chunked_matmul`'s stream-K schedule (see there) for a dense call's one chunk (expert
   0 from row 0: the tables are not read)."""
   import jax.experimental.pallas as pl
@@ -447,7 +443,7 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
   units = tiles * k_steps
   n_ctas = -(-units // steps)
   slots = stream_k_slots(tiles, k_steps, steps).shape[0]
-  step_products = _step_products(fmt, kb, mma_tiles)
+  step_products = _step_products(fmt, kb)
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
     cta, _, _, e, row0, _ = chunk_coords(ce_gmem, cr_gmem, 0, dense=True)
@@ -606,8 +602,6 @@ GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
 # busiest SM than equal K splits) or "off".
 STREAM_K = choice_setting("TRACE_JAX_STREAM_K", "auto", ("auto", "off"))
 STREAM_K_MAX_BM = 32
-# 64x64 weight tiles per wgmma call in a step (`_step_products`; a divisor of kb): A/B switch
-MMA_TILES = int_setting("TRACE_JAX_MMA_TILES", 1, 1)
 
 
 def grouped_n_inner(n_tiles: int, setting: str | int | None = None) -> int:
