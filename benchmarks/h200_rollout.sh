@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -451,13 +451,20 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s25d ]; then
+  # (session 25) the FP4 matmul GPU tests s25a and s25b's limits cut, on the final decode:
+  # the last expert shapes, dense products as one group, the capacity batch, row-chunk routing
+  gpu_tests tests/kernels/test_kernels_gpu.py \
+    "grouped_expert_shapes and (8-4 or 8-6) or one_group or capacity or row_chunk" fp4d \
+    ${KTEST_TIMEOUT:-170}
 elif [ "$stage" = s25b ]; then
   # (session 25) the FP4 matmul weights' code words bit-placed for a move and a mask per decoded
   # register (WEIGHT_DECODE_ASM: 13 instructions a word against 17; s25a: GEMV 37.1 us kernel,
   # grouped 256 rows 58.4, against 39.5 / 64.4 in sessions 23-24). Rows of the old tree
-  # (ab_old: bcaa2bb) and of this one in both forms of the decode (TRACE_JAX_WEIGHT_DECODE:
-  # shifts on the ALU pipe, multiplies on the FMA pipe), each side its own process, tokamax and
-  # XLA bf16 beside; then the GPU tests s25a's limit cut (grouped, dense as one group, routing)
+  # (ab_old: bcaa2bb) and of this one in both forms of the decode (TRACE_JAX_WEIGHT_DECODE at
+  # 50037391: shifts on the ALU pipe, multiplies on the FMA pipe; the switch is gone since, with
+  # the multiplies), each side its own process, tokamax and XLA bf16 beside; then the GPU tests
+  # s25a's limit cut (grouped, dense as one group, routing)
   rows='ffn_8192x28672_B1_nvfp4$,ffn_8192x28672_B1_mxfp4$,ffn_8192x28672_B16_nvfp4$'
   rows+=',attn_q_2048x4096_B1_nvfp4$,moe_gateup_E128_K2048_N1536_M256_nvfp4_auto$'
   rows+=',moe_gateup_E128_K2048_N1536_M2208_nvfp4_auto$,moe_down_E128_K768_N2048_M256_nvfp4_auto$'

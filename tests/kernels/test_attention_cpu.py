@@ -519,8 +519,7 @@ def test_mosaic_ptx_assembles(tmp_path):
       "ld.global.u32 %r2, [%rd1];", "ld.global.u32 %r3, [%rd1+4];", "ld.global.u32 %r8, [%rd1+8];",
       sub(AM._SCALE_ASM, ["%r0", "%r1", "%r2", "%r3"]),
       sub(AM.DECODE_ASM, ["%r4", "%r5", "%r6", "%r7", "%r8", "%r0"]),
-      *(sub(asm, ["%r10", "%r11", "%r12", "%r13", "%r8", "%r1"])
-        for asm in fp4_mgpu.WEIGHT_DECODE_ASMS.values()),
+      sub(fp4_mgpu.WEIGHT_DECODE_ASM, ["%r10", "%r11", "%r12", "%r13", "%r8", "%r1"]),
       "add.u32 %r9, %r4, %r5;", "add.u32 %r9, %r9, %r6;", "add.u32 %r9, %r9, %r7;",
       "add.u32 %r9, %r9, %r10;", "add.u32 %r9, %r9, %r11;", "add.u32 %r9, %r9, %r12;",
       "add.u32 %r9, %r9, %r13;", "add.u32 %r9, %r9, %r1;", "st.global.u32 [%rd1], %r9;",

@@ -137,34 +137,28 @@ DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
 # half), register 1 the word shifted left by 4, register 2 rotated left by 10, register 3 the
 # word shifted left by 6 with its e1 bits from the word shifted right by 2 (one `lop3`: y | (z &
 # mask)). 9 integer instructions a word and 4 multiplies, against 13 and 4 of `DECODE_ASM` on
-# natural nibbles (the attention cache's packing, which keeps it). Two forms of the same bits
-# (A/B switch TRACE_JAX_WEIGHT_DECODE): "shifts" (the rotate and the right shift as funnel
-# shifts, ALU pipe: 7 ALU instructions a word) and "multiplies" (as `mul.wide` / `mul.hi` by
-# powers of two, FMA pipe: 5 ALU a word).
+# natural nibbles (the attention cache's packing, which keeps it). H200 (session 25, same run,
+# us kernel, old decode -> this): GEMV 8192 x 28672 one row 39.4 -> 37.3, grouped gate+up 256
+# rows 64.2 -> 59.1, 2,208 rows 83.1 -> 76.5. The same bits with the rotate and the right shift
+# as `mul.wide` / `mul.hi` by powers of two (FMA pipe instead of ALU: 5 ALU instructions a word
+# instead of 7) were slower than either: 40.0, 65.3, 87.7.
 _MAG = "0x81C081C0"
-_ROT10 = {"shifts": f"""shf.l.wrap.b32 y, $4, $4, 10;
-and.b32 y, y, {_MAG};""", "multiplies": f"""mul.wide.u32 d, $4, 1024;
-mov.b64 {{y, z}}, d;
-lop3.b32 y, y, z, {_MAG}, 0xA8;"""}
-_SHR2 = {"shifts": "shr.b32 z, $4, 2;", "multiplies": "mul.hi.u32 z, $4, 0x40000000;"}
-WEIGHT_DECODE_ASMS = {form: f"""{{
+WEIGHT_DECODE_ASM = f"""{{
 .reg .b32 y, z;
-.reg .b64 d;
 and.b32 y, $4, {_MAG};
 mul.rn.bf16x2 $0, y, $5;
 shl.b32 y, $4, 4;
 and.b32 y, y, {_MAG};
 mul.rn.bf16x2 $1, y, $5;
-{_ROT10[form]}
+shf.l.wrap.b32 y, $4, $4, 10;
+and.b32 y, y, {_MAG};
 mul.rn.bf16x2 $2, y, $5;
 shl.b32 y, $4, 6;
-{_SHR2[form]}
+shr.b32 z, $4, 2;
 and.b32 y, y, 0x80C080C0;
 lop3.b32 y, y, z, 0x01000100, 0xF8;
 mul.rn.bf16x2 $3, y, $5;
-}}""" for form in _ROT10}
-WEIGHT_DECODE_ASM = WEIGHT_DECODE_ASMS[choice_setting("TRACE_JAX_WEIGHT_DECODE", "shifts",
-                                                      tuple(_ROT10))]
+}}"""
 
 
 def _make_tile_decoder(fmt: str, kb: int, j: int):
@@ -312,7 +306,10 @@ def _step_products(fmt: str, kb: int):
   registers (codes and the step's scale bytes from SMEM), each multiplied into the accumulator
   with the activation tile (SMEM, transposed). (Leaving a step's products in flight into the
   next step, buffers released a step late, was slower on the H200: 8192 x 28672, 1 row, 42.3
-  -> 43.2 us at kb 4, 42.8 -> 60.9 at kb 8.)"""
+  -> 43.2 us at kb 4, 42.8 -> 60.9 at kb 8. One wgmma call over all kb tiles of a step, so
+  that Mosaic makes the activation descriptor once instead of per tile, took the GEMV's loop
+  from 403 to 373 SASS instructions and was no faster: us kernel 37.1 -> 37.4 (GEMV), 58.4 ->
+  58.2 (grouped, 256 rows), 78.7 -> 82.4 (2,208 rows; spills at 32-row chunks), session 25.)"""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   decoders = [_make_tile_decoder(fmt, kb, j) for j in range(kb)]
