@@ -223,8 +223,7 @@ def _bf16x2_mul(a, b):
 
 def emulate_kernel_decode(pw, e=0):
   """Numpy re-enactment of the kernel's PTX (fp4_mgpu._SCALE_ASM / WEIGHT_DECODE_ASM) on the
-  packed
-  words: returns A [N_pad, K_pad] bf16 values in the kernel's PHYSICAL K order."""
+  packed words: returns A [N_pad, K_pad] bf16 values in the kernel's PHYSICAL K order."""
   words = np.asarray(pw.codes[e]).astype(np.uint32)
   sw = np.asarray(pw.scales[e]).astype(np.uint32)
   nt, kt = words.shape[0], words.shape[1] // 16
