@@ -497,8 +497,8 @@ moe_down_E128_K768_N2048_M256_nvfp4_auto ,M256_tokamax ${BK_TIMEOUT:-170}
   gpu_tests tests/kernels/test_kernels_gpu.py "not bf16_grouped and not bf16_expert" fp4 \
     ${KTEST_TIMEOUT:-170}
 elif [ "$stage" = s24c ]; then
-  # (written in session 24, not yet run: no device time left) dense FP4 products past the GEMV
-  # kernel's 64 rows (policies with FP4 attention weights, w4a16 / w4a4 / all_linear, at decode
+  # (written in session 24; its GPU tests passed in s25d, its rows not yet run) dense FP4
+  # products past the GEMV kernel's 64 rows (policies with FP4 attention weights, w4a16 / w4a4 / all_linear, at decode
   # batches of 65-512; `paper` keeps them bf16): GPU tests of `fp4_mgpu.matmul_as_group`, then
   # at 256 rows through the fused q/k/v and o shapes the engine's path (the weight decoded to
   # bf16 every call, XLA's dot) against the grouped FP4 kernel with the rows as one group (its
