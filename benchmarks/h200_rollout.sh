@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -451,6 +451,15 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s26a ]; then
+  # (written in session 25, not yet run) what bounds the FP4 matmul kernels after the
+  # bit-placed decode (GEMV 37.3 us kernel, 403 SASS instructions a step; moving decode work to
+  # the FMA pipe or dropping uniform-datapath instructions did not help, s25a/s25b): Nsight
+  # Compute on the GEMV and the grouped kernel at 256 and 2,208 rows (stall reasons per SASS
+  # instruction: is the per-step wgmma wait the exposed latency?), then s24c's timing rows
+  NCU_CASES="gemv grouped256 grouped2208" bash $0 s23b_inner
+  timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 --only B256 \
+    --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" | grep "us_call" | cut -c1-150
 elif [ "$stage" = s25d ]; then
   # (session 25) the FP4 matmul GPU tests s25a and s25b's limits cut, on the final decode:
   # the last expert shapes, dense products as one group, the capacity batch, row-chunk routing
