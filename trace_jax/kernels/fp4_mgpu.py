@@ -9,8 +9,9 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
 - swap AB: a compute warpgroup owns 64 output columns; it decodes its 64x64 FP4 tile of W^T in
   registers straight into the wgmma A-operand layout (inline PTX `WEIGHT_DECODE_ASM`: per code
   word of 8 bit-placed codes of one row, a move and a mask per register, then one
-  `mul.rn.bf16x2` by the block scale: 13 instructions a word; the kernels are issue-bound: the
-  GEMV's loop issued 64% of cycles, its ALU pipe the busiest, Nsight Compute, session 23) and
+  `mul.rn.bf16x2` by the block scale: 13 instructions a word; the kernels' time follows their
+  loop's length: the GEMV's loop issued in 64% of cycles, its ALU pipe the busiest, Nsight
+  Compute, session 23, and each shorter decode made it faster, sessions 23 and 25) and
   multiplies the activation tile in SMEM (B side, transposed, N = the row chunk `bm` of
   16/32/64 tokens).
 - 4 compute warpgroups + 1 TMA warpgroup per CTA (`emit_pipeline_warp_specialized`), `kb`
@@ -120,9 +121,10 @@ shl.b32 $1, $1, 7;
 # decode attention's cache (natural NVFP4 packing) takes it; the matmul weights took it in
 # session 23 (`WEIGHT_DECODE_ASM` below since). (The attention's first decode took 22
 # instructions a word.)
-_NIBBLES_ASM = """prmt.b32 y, SRC, SRC, SEL;
+_MAG = "0x81C081C0"  # bf16 bits 15, 8, 7, 6 of both halves: the places of `s e1 e0 m`
+_NIBBLES_ASM = f"""prmt.b32 y, SRC, SRC, SEL;
 shl.b32 y, y, 2;
-and.b32 y, y, 0x81C081C0;
+and.b32 y, y, {_MAG};
 mul.rn.bf16x2 OUT, y, $5;
 """
 DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
@@ -142,7 +144,6 @@ DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
 # rows 64.2 -> 59.1, 2,208 rows 83.1 -> 76.5. The same bits with the rotate and the right shift
 # as `mul.wide` / `mul.hi` by powers of two (FMA pipe instead of ALU: 5 ALU instructions a word
 # instead of 7) were slower than either: 40.0, 65.3, 87.7.
-_MAG = "0x81C081C0"
 WEIGHT_DECODE_ASM = f"""{{
 .reg .b32 y, z;
 and.b32 y, $4, {_MAG};
