@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -451,6 +451,37 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s26b ]; then
+  # (session 26) `route`'s tables in four XLA kernels a layer (three reductions and a look-up;
+  # nine before), the grouped call's from group sizes in four (five), the kernel operand's
+  # padding rows by a clamped gather (no bounds-mask kernel): GPU tests of the grouped kernels
+  # and the routing tables, the engine smoke (kernel path vs jnp reference tokens), then rows
+  # of the old tree (ab_old) and this one, tokamax beside
+  gpu_tests tests/kernels/test_kernels_gpu.py \
+    "grouped_ragged or grouped_expert or row_chunk or capacity or one_group" grouped \
+    ${KTEST_TIMEOUT:-170}
+  gpu_tests tests/kernels/test_routing.py "" routing ${RTEST_TIMEOUT:-60}
+  timeout -k 5 ${SMOKE_TIMEOUT:-130} python3 benchmarks/gpu_engine_smoke.py --layers 2 \
+    --out $OUT/gpu_engine_smoke.json 2>&1 | grep -v "^I1\|^W1" | tail -4
+  rows='moe_gateup_E128_K2048_N1536_M256_nvfp4_auto$,moe_gateup_E128_K2048_N1536_M2208_nvfp4_auto$'
+  rows+=',moe_down_E128_K768_N2048_M256_nvfp4_auto$,ffn_8192x28672_B1_nvfp4$'
+  kernel_rows_ab $rows ',M256_tokamax' ${BK_TIMEOUT:-100}
+elif [ "$stage" = s26c ]; then
+  # (session 26) the 8k-capacity rollout, 48 layers, FP4 then BF16 in one run (s15c) with
+  # s26b's routing tables; SIDE=old runs the FP4 row of the tree carried as ab_old instead
+  if [ "${SIDE:-new}" = old ]; then
+    # bench_rollout puts its own tree first on sys.path: a tree of this one's scripts around
+    # the old package
+    old=/tmp/old_tree; script=$PWD/$0
+    rm -rf $old && mkdir -p $old && cp -r launch benchmarks configs .whl $old/
+    ln -s $PWD/ab_old/trace_jax $old/trace_jax
+    (cd $old && HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-320} \
+      ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-320} - 10 )) GEN=2048 bash $script cap8k_inner | tail -4)
+    mv $OUT/bench_rollout_cap8k_${LAYERS:-48}l.json \
+      $OUT/bench_rollout_cap8k_${LAYERS:-48}l_fp4_old.json
+  else
+    CAP_TIMEOUT=${CAP_TIMEOUT:-320} BF16_TIMEOUT=${BF16_TIMEOUT:-170} bash $0 s15c_inner
+  fi
 elif [ "$stage" = s26a ]; then
   # (written in session 25, not yet run) what bounds the FP4 matmul kernels after the
   # bit-placed decode (GEMV 37.3 us kernel, 403 SASS instructions a step; moving decode work to

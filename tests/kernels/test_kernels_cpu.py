@@ -574,6 +574,33 @@ def test_sort_and_count_by_group_vs_numpy(monkeypatch, small_sort):
   np.testing.assert_array_equal(np.asarray(sizes), np.bincount(ids, minlength=6))
 
 
+@pytest.mark.parametrize("m,e,ids_up_to,alpha", [(37, 9, 11, 0.3), (16, 128, 128, 5.0),
+                                                   (600, 128, 128, 0.05)],
+                         ids=["past_groups", "fewer_rows_than_groups", "skewed_empty_groups"])
+def test_route_tables_equal_the_separate_reductions(m, e, ids_up_to, alpha):
+  """`route`'s fused tables (three reductions and a look-up) equal `sort_by_group`,
+  `count_by_group` and `chunk_tables` computed apart, bit for bit: ids past the groups (rows
+  no group holds: the expert-parallel path's), fewer rows than groups, skewed routing with
+  empty groups."""
+  rng = np.random.default_rng(m)
+  ids = jnp.asarray(rng.choice(ids_up_to, size=m, p=rng.dirichlet(np.full(ids_up_to, alpha))),
+                    jnp.int32)
+
+  def apart(ids):
+    order, inverse = kernels.sort_by_group(ids)
+    sizes = kernels.count_by_group(ids, e)
+    return (order, inverse, sizes) + fp4_mgpu.chunk_tables(sizes, m, fp4_mgpu.grouped_bm(m, e))
+
+  def fused(ids):
+    order, inverse, sizes, (bm, *tables) = dispatch._routed_by_counts(ids, e)
+    assert bm == fp4_mgpu.grouped_bm(m, e)
+    return (order, inverse, sizes, *tables)
+
+  names = ("order", "inverse", "sizes", "chunk_expert", "chunk_row", "slot")
+  for name, a, b in zip(names, jax.jit(fused)(ids), jax.jit(apart)(ids), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def test_chunk_tables_vs_loop():
   """The grouped kernel's chunk tables against a plain loop over groups: windows of bm rows
   from the group's first row rounded down to 8, each row's (chunk, row-in-window) slot, rows
@@ -611,17 +638,17 @@ def test_chunk_tables_vs_loop():
 
 
 def test_permute_k_rows_is_gather_pad_permute():
-  """The fused operand gather equals row gather, row pad, K pad and `permute_k` done apart,
-  bit for bit (K = 96: not a multiple of the 64 tile; rows repeat and leave some out)."""
+  """The fused operand gather equals row gather, padding rows (copies of row 0), K pad and
+  `permute_k` done apart, bit for bit (K = 96: not a multiple of the 64 tile; rows repeat and
+  leave some out)."""
   x = jax.random.normal(jax.random.key(4), (9, 96), jnp.float32).astype(jnp.bfloat16)
-  rows = jnp.asarray([3, 3, 0, 8, 5, 1], jnp.int32)
-  want = layout.permute_k(jnp.pad(x[rows], ((0, 16 - 6), (0, 128 - 96))))
-  got = jax.jit(layout.permute_k_rows, static_argnums=(2, 3))(x, rows, 16, 128)
-  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
-  whole = jax.jit(layout.permute_k_rows, static_argnums=(2, 3))(x, None, 16, 128)
-  np.testing.assert_array_equal(
-      np.asarray(whole).view(np.uint16),
-      np.asarray(layout.permute_k(jnp.pad(x, ((0, 7), (0, 32))))).view(np.uint16))
+  rows = np.asarray([3, 3, 0, 8, 5, 1], np.int32)
+  fn = jax.jit(layout.permute_k_rows, static_argnums=(2, 3))
+  for src, got in ((rows, fn(x, jnp.asarray(rows), 16, 128)), (np.arange(9), fn(x, None, 16, 128))):
+    padded = np.concatenate([src, np.zeros(16 - src.shape[0], np.int32)])
+    want = layout.permute_k(jnp.pad(x[padded], ((0, 0), (0, 128 - 96))))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
 
 
 def test_grouped_wrapper_rows_and_out_rows_emulated():

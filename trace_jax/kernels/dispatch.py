@@ -45,7 +45,8 @@ The trainer's attention (no cache, differentiated) stays the reference formula.
 
 Decode routing tables: `sort_by_group` and `count_by_group` order and count (token, slot) rows
 by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
-XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel's chunk tables;
+XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel's chunk tables
+(all of them from three reductions and a look-up, `_routed_by_counts`);
 `TRACE_JAX_ROUTING=kernel` computes all of them in one Pallas kernel (`routing.py`, opt-in; 18x
 slower than the XLA kernels it replaces on the H200). Up to `ROW_CHUNK_ROWS` rows on the GPU
 (one token's top-k: a batch-1 decode step) `route` orders nothing: every row is a chunk of its
@@ -382,11 +383,11 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   and `count_by_group` give them; tables: the FP4 grouped kernel's chunk tables
   (`fp4_mgpu.chunk_tables` with its rows per chunk) for a `grouped_matmul` of these rows with
   `w` (a packed expert weight up to `SMALL_SORT` rows, or bf16 experts for `bf16_mgpu` up to
-  its `MAX_ROWS`), or None (the grouped matmul builds them if it needs them). With
-  `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed expert weight and up to
-  `routing.MAX_ROWS` rows, all of them come from one kernel
-  (`routing.py`) instead of about seven small XLA kernels a layer (18x slower on the H200,
-  session 11: off by default)."""
+  its `MAX_ROWS`), or None (the grouped matmul builds them if it needs them). With tables, up
+  to `SMALL_SORT` rows: four small XLA kernels a layer (`_routed_by_counts`; nine before
+  session 26). With `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed expert weight and up
+  to `routing.MAX_ROWS` rows, all of them come from one Pallas kernel (`routing.py`; 18x
+  slower than the XLA kernels on the H200, session 11: off by default)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
@@ -400,16 +401,48 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   takes_tables = _kernel_takes_tables(w, group_ids, num_groups)
   if takes_tables and m <= ROW_CHUNK_ROWS and on_gpu():
     return row_chunks(group_ids, num_groups)
-  order, inverse = sort_by_group(group_ids)
   if takes_tables and m <= SMALL_SORT:
-    # the grouped kernels' chunk tables here, from group ends counted beside the sizes (one
-    # kernel for both instead of a prefix sum after the count)
-    g = jnp.arange(num_groups, dtype=group_ids.dtype)[:, None]
-    sizes = count_by_group(group_ids, num_groups)
-    ends = jnp.sum(group_ids[None, :] <= g, axis=1, dtype=jnp.int32)
-    bm = fp4_mgpu.grouped_bm(m, num_groups)
-    return order, inverse, sizes, (bm, *fp4_mgpu.chunk_tables(sizes, m, bm, ends=ends))
+    return _routed_by_counts(group_ids, num_groups)
+  order, inverse = sort_by_group(group_ids)
   return order, inverse, count_by_group(group_ids, num_groups), None
+
+
+def _routed_by_counts(group_ids: jax.Array, num_groups: int):
+  """`route`'s tables with the grouped kernels' chunk tables in three dependent reductions
+  (one XLA kernel each, where `sort_by_group`, `count_by_group` and `fp4_mgpu.chunk_tables`
+  take about nine), the same values bit for bit:
+    1. over M + E rows: a row's sorted position counts the rows before it in (group, row)
+       order; group e's end counts the rows before (e, M) in that order (the ids <= e);
+    2. over M + E rows: the order (the row at each sorted position) and the groups' first
+       and end chunks (prefix sums of the chunks each group takes);
+    3. the chunk owners and window starts (`fp4_mgpu.chunk_owners`).
+  A sorted row's slot is its position plus its group's offset: a look-up, which XLA fuses into
+  the output gather (`chunk_tables` has no group ids and searches for each row's group)."""
+  m = group_ids.shape[0]
+  g = group_ids.astype(jnp.int32)
+  i = jnp.arange(m, dtype=jnp.int32)
+  key_g = jnp.concatenate([g, jnp.arange(num_groups, dtype=jnp.int32)])[:, None]
+  key_i = jnp.concatenate([i, jnp.full((num_groups,), m, jnp.int32)])[:, None]
+  before = (g[None, :] < key_g) | ((g[None, :] == key_g) & (i[None, :] < key_i))
+  counts = jnp.sum(before, axis=1, dtype=jnp.int32)
+  inverse, ends = counts[:m], counts[m:]
+  sizes = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  bm = fp4_mgpu.grouped_bm(m, num_groups)
+  w = max(m, num_groups)  # columns: rows j for the order, groups e' for the chunk ends
+  j = jnp.arange(w, dtype=jnp.int32)[None, :]
+  inv_j = jnp.pad(inverse, (0, w - m), constant_values=-1)[None, :]
+  nch_j = jnp.pad(fp4_mgpu.chunks_per_group(sizes, ends, bm), (0, w - num_groups))[None, :]
+  r = jnp.arange(m + num_groups, dtype=jnp.int32)[:, None]
+  sums = jnp.sum(jnp.where(r < m, jnp.where(inv_j == r, j, 0),
+                           jnp.where(j <= r - m, nch_j, 0)), axis=1, dtype=jnp.int32)
+  # the exclusive sums beside (sibling terms: the chunk counts stay unmaterialized)
+  ch_first = jnp.sum(jnp.where(j < r - m, nch_j, 0), axis=1, dtype=jnp.int32)[m:]
+  order, ch_end = sums[:m], sums[m:]
+  ce, row0, off = fp4_mgpu.chunk_owners(sizes, ends, ch_first, ch_end, m, bm)
+  g_sorted = g[order]
+  owned = g_sorted < num_groups  # ids >= num_groups: rows no group holds, read as zeros
+  slot = jnp.where(owned, i + off[jnp.minimum(g_sorted, num_groups - 1)], ce.shape[0] * bm)
+  return order, inverse, sizes, (bm, ce, row0, slot)
 
 
 def _kernel_takes_tables(w, group_ids, num_groups: int) -> bool:

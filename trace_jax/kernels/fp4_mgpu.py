@@ -745,10 +745,13 @@ def _prefix_sum(v: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(lower, v[None, :], 0), axis=1, dtype=jnp.int32)
 
 
-def _count_le(edges: jax.Array, x: jax.Array) -> jax.Array:
-  """`searchsorted(edges, x, side="right")` for ascending `edges`: how many edges are <= each x
-  (one compare-and-sum over the last axis)."""
-  return jnp.sum(edges[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
+def _prefix_sums(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(exclusive, inclusive) prefix sums of a short int vector: two sibling [n, n] reductions
+  of the same terms, one kernel (v stays unmaterialized: inclusive - v would need it)."""
+  n = v.shape[0]
+  j, i = jnp.arange(n)[None, :], jnp.arange(n)[:, None]
+  return (jnp.sum(jnp.where(j < i, v[None, :], 0), axis=1, dtype=jnp.int32),
+          jnp.sum(jnp.where(j <= i, v[None, :], 0), axis=1, dtype=jnp.int32))
 
 
 def grouped_bm(m: int, e: int) -> int:
@@ -777,37 +780,50 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
   past its last row. A window also holds rows of neighbouring groups; they are computed and
   never gathered. Returns (chunk_expert [C] (-1 = unused), chunk_row [C] (window start), slot
   [m]: each row's index in the kernel output's (chunk, row-in-window) order, C*bm for rows past
-  the sum). ends: the inclusive prefix sum of group_sizes if the caller has it (`route` counts
-  it from the ids beside the sizes, in the same kernel).
+  the sum). ends: the inclusive prefix sum of group_sizes if the caller has it.
 
-  Each chunk (each row) has at most one owning group, and a table entry is the owner's value:
-  a max (min) over groups of [C, E] ([M, E]) terms, so XLA computes a table in one kernel (a
-  look-up after finding the owner was a reduction and a select kernel more per table). Row r of
-  group e lands at slot r + off[e], and e's chunk c starts at row c * bm - off[e], with
-  off = ch_first * bm - al; bm is a power of two, so no term divides."""
-  e = group_sizes.shape[0]
-  if bm & (bm - 1):
-    raise ValueError(f"rows per chunk must be a power of two, got {bm}")
-  n_chunks = chunk_count(m, e, bm)
+  Four small reductions: the group ends, the chunk ends (prefix sum of `chunks_per_group`),
+  (chunk_expert, chunk_row) as one pair (`chunk_owners`), the slots. Each row has at most one
+  owning group, and its slot is the owner's term: a min over groups of [M, E] terms, so no
+  look-up follows a search. (`dispatch.route`, which has each row's group, makes the slots
+  without a search.)"""
   gs = group_sizes.astype(jnp.int32)
   ends = _prefix_sum(gs) if ends is None else ends.astype(jnp.int32)
-  starts = ends - gs
-  al = starts & -8  # (>= 0) rounded down to 8
-  nch = jnp.where(gs > 0, (ends - al + bm - 1) >> (bm.bit_length() - 1), 0)
-  ch_end = _prefix_sum(nch)
-  ch_first = ch_end - nch
-  off = (ch_first * bm - al)[None, :]
-  g = jnp.arange(e, dtype=jnp.int32)[None, :]
-  c = jnp.arange(n_chunks, dtype=jnp.int32)[:, None]
-  owns = (ch_first[None, :] <= c) & (c < ch_end[None, :])  # [C, E]: one owner or none
-  ce = jnp.max(jnp.where(owns, g, -1), axis=1)  # -1: unused
-  row0 = jnp.max(jnp.where(owns, c * bm - off, 0), axis=1)
+  ce, row0, off = chunk_owners(gs, ends, *_prefix_sums(chunks_per_group(gs, ends, bm)), m, bm)
+  n_chunks = ce.shape[0]
   r = jnp.arange(m, dtype=jnp.int32)[:, None]
-  holds = (starts[None, :] <= r) & (r < ends[None, :])  # [M, E]: the row's group, if any
-  slot = jnp.min(jnp.where(holds, r + off, n_chunks * bm), axis=1)
+  holds = ((ends - gs)[None, :] <= r) & (r < ends[None, :])  # [M, E]: the row's group, if any
+  slot = jnp.min(jnp.where(holds, r + off[None, :], n_chunks * bm), axis=1)
   # materialize the small tables: fused into the big gathers they would be recomputed per
   # element (measured: 140 us of XLA glue around a 73 us kernel at 256 rows)
-  return lax.optimization_barrier(tuple(t.astype(jnp.int32) for t in (ce, row0, slot)))
+  return ce, row0, lax.optimization_barrier(slot)
+
+
+def chunks_per_group(group_sizes: jax.Array, ends: jax.Array, bm: int) -> jax.Array:
+  """Chunks of `chunk_tables` each group takes: ceil((end - start rounded down to 8) / bm), 0
+  for an empty group; its inclusive prefix sum is the groups' chunk ends."""
+  if bm & (bm - 1):
+    raise ValueError(f"rows per chunk must be a power of two, got {bm}")
+  al = (ends - group_sizes) & -8  # the group's first row (>= 0) rounded down to 8
+  return jnp.where(group_sizes > 0, (ends - al + bm - 1) >> (bm.bit_length() - 1), 0)
+
+
+def chunk_owners(group_sizes: jax.Array, ends: jax.Array, ch_first: jax.Array, ch_end: jax.Array,
+                 m: int, bm: int):
+  """(chunk_expert, chunk_row, off) of `chunk_tables` from the groups' row ends and first and
+  end chunks (exclusive and inclusive prefix sums of `chunks_per_group`): each chunk's owning
+  group (-1: none) and window start, one kernel (two max-reductions over the same [C, E]
+  terms, which XLA fuses as siblings); off [E]: group e's row r lands at slot r + off[e], its
+  chunk c starts at row c * bm - off[e] (off = first chunk * bm - first row rounded down to 8;
+  bm a power of two: nothing divides)."""
+  n_chunks = chunk_count(m, group_sizes.shape[0], bm)
+  off = ch_first * bm - ((ends - group_sizes) & -8)
+  g = jnp.arange(group_sizes.shape[0], dtype=jnp.int32)[None, :]
+  c = jnp.arange(n_chunks, dtype=jnp.int32)[:, None]
+  owns = (ch_first[None, :] <= c) & (c < ch_end[None, :])  # [C, E]: one owner or none
+  ce = jnp.max(jnp.where(owns, g, -1), axis=1)
+  row0 = jnp.max(jnp.where(owns, c * bm - off[None, :], 0), axis=1)
+  return *lax.optimization_barrier((ce, row0)), off
 
 
 def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,

@@ -114,18 +114,21 @@ def permute_k(x: jax.Array) -> jax.Array:
 
 
 def permute_k_rows(x: jax.Array, rows: jax.Array | None, n_rows: int, k_pad: int) -> jax.Array:
-  """`permute_k` of the bf16 rows `x[rows]` (`x` itself without `rows`), zero-padded to `n_rows`
-  rows and `k_pad` columns: the kernel's activation operand from a row gather (past the rows:
-  filled with 0, no separate pad pass) and the pair permutation, two gathers with 1-D indices
-  that XLA may fuse. x `[n, K]`, K <= k_pad."""
+  """`permute_k` of the bf16 rows `x[rows]` (`x` itself without `rows`), padded to `n_rows`
+  rows with copies of row 0 and to `k_pad` columns with zeros: the kernel's activation operand
+  from a row gather and the pair permutation, two gathers with 1-D indices that XLA may fuse.
+  x `[n, K]` (n >= 1), K <= k_pad; `rows` must be in range. The rows past `rows` are only ever
+  computed into output rows nobody gathers (windows past the last group, a dense call's padding),
+  so they need not be zeros, and a clamped gather needs no mask kernel (the
+  fill-with-zeros form made XLA compute the rows' bounds as a kernel of its own)."""
   n, k = x.shape
   src = jnp.arange(n, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
-  src = jnp.pad(src, (0, n_rows - src.shape[0]), constant_values=n)  # out of range: fill 0
+  src = jnp.pad(src, (0, n_rows - src.shape[0]))
   x = x.astype(jnp.bfloat16)
   if k != k_pad:  # K not a multiple of the tile: pad the (unsorted, smaller) operand
     x = jnp.pad(x, ((0, 0), (0, k_pad - k)))
   u = jax.lax.bitcast_convert_type(x.reshape(n, k_pad // 2, 2), jnp.uint32)
-  g = jnp.take(u, src, axis=0, mode="fill", fill_value=0)
+  g = jnp.take(u, src, axis=0, mode="clip")
   g = jnp.take(g, jnp.asarray(_pair_perm(k_pad), jnp.int32), axis=1)
   return jax.lax.bitcast_convert_type(g, jnp.bfloat16).reshape(n_rows, k_pad)
 

@@ -4,8 +4,9 @@ slot) rows and its inverse, the rows per expert, and the FP4 grouped kernel's ch
 Owns the kernel, its size limit and its wrapper. The results are defined by
 `dispatch.sort_by_group`, `dispatch.count_by_group` and `fp4_mgpu.chunk_tables`: the same
 values, bit for bit. At a decode step's size (512 rows at B=64, top-8, 128 experts) XLA
-computes them as about nine dependent small kernels per layer on the H200 (session 8's listing:
-reductions over [128], [216] and [512] rows and their selects); this is one program.
+computed them as about nine dependent small kernels per layer on the H200 (session 8's listing:
+reductions over [128], [216] and [512] rows and their selects; four since session 26,
+`dispatch._routed_by_counts`); this is one program.
 
 Everything is a comparison-and-sum over register tiles, as the XLA path computes it: a row's
 sorted position counts the rows before it in (expert, row) order; the order is the row at each
