@@ -1,5 +1,6 @@
 """Bar charts of `benchmarks/bench_kernels.py` rows side by side: kernel us per variant, one
-panel per shape and row count, one bar per (labelled JSON, variant).
+panel per shape and row count, one bar per (labelled JSON, variant); `--metric us_call` for
+the call's time (all its kernels) instead.
 
   python benchmarks/plot_kernels.py --out bm.png --only moe_ \
       s14a=benchmarks/results/session14_h200_2026-12-01/call1_bench_kernels_m2208_bm.json \
@@ -18,14 +19,14 @@ import math
 import bench_util  # (a sibling module: see its docstring)
 
 
-def load_panels(label_paths, only=""):
-  """{panel name: [(bar label, kernel us)]} in first-seen order; a panel is a row name less its
-  variant (`<shape>_M<rows>` or `<shape>_B<batch>`)."""
+def load_panels(label_paths, only="", metric="us_kernel"):
+  """{panel name: [(bar label, us)]} in first-seen order; a panel is a row name less its
+  variant (`<shape>_M<rows>` or `<shape>_B<batch>`); metric: us_kernel or us_call."""
   panels = collections.OrderedDict()
   for label, d in bench_util.labelled_json(label_paths):
     rows = d.get("rows", [])
     for r in rows:
-      us, var = r.get("us_kernel"), r.get("variant", "")
+      us, var = r.get(metric), r.get("variant", "")
       if r.get("error") or not us or (only and only not in r["name"]) or math.isnan(us):
         continue
       panel = r["name"][: -len(var) - 1] if var and r["name"].endswith(var) else r["name"]
@@ -39,8 +40,10 @@ def main():
   ap.add_argument("files", nargs="+", help="label=path of bench_kernels JSONs")
   ap.add_argument("--out", required=True, help="PNG path")
   ap.add_argument("--only", default="", help="keep rows whose name holds this substring")
+  ap.add_argument("--metric", default="us_kernel", choices=("us_kernel", "us_call"),
+                  help="the main kernel's us, or the call's (all its kernels)")
   a = ap.parse_args()
-  panels = load_panels(a.files, a.only)
+  panels = load_panels(a.files, a.only, a.metric)
   if not panels:
     raise SystemExit("no rows to plot")
   for panel, bars in panels.items():
@@ -61,7 +64,7 @@ def main():
     for i, v in enumerate(us):
       ax.text(v, i, f" {v:.1f}", va="center", fontsize=7)
     ax.set_title(panel, fontsize=9)
-    ax.set_xlabel("kernel us (CUPTI)", fontsize=8)
+    ax.set_xlabel(("kernel" if a.metric == "us_kernel" else "call") + " us (CUPTI)", fontsize=8)
     ax.set_xlim(0, max(us) * 1.15)
   fig.tight_layout()
   fig.savefig(a.out, dpi=110)

@@ -4,7 +4,7 @@ Kernel path (GPU backend, an FP4 `PackedWeight` from `prepare_weight`, bf16/f32 
 activations): the Mosaic GPU kernel of `fp4_mgpu.py` for decode shapes (dense: <= 64 rows) and
 for grouped expert matmuls of any size; dense prefill (> 64 rows) decodes the weight once to
 bf16 (`q * scale`, exact) and uses XLA's dot, then applies the fp32 column factor (up to
-`DENSE_GROUP_ROWS` rows, off by default, the grouped kernel with the rows as one group instead).
+`DENSE_GROUP_ROWS` rows, 256 by default, the grouped kernel with the rows as one group instead).
 
 XLA path (GPU backend, bf16 activations, bf16 or block-scaled `QArray` weights that are not in
 the kernel layout): the weight is decoded to bf16 `q * scale` (exact: an E2M1/E4M3 element times
@@ -91,10 +91,12 @@ _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
 SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
 # Dense FP4 products of more rows than the GEMV kernel takes, up to this many, through the
 # grouped kernel with the rows as one group (`fp4_mgpu.matmul_as_group`); past it (prefill) the
-# weight is decoded to bf16 once and XLA's dot runs. 0 (default until timed on the H200: stage
-# s24c): the decode + dot from 65 rows on. Policies with FP4 dense weights only (w4a16, w4a4,
-# all_linear); `paper` keeps the attention projections bf16.
-DENSE_GROUP_ROWS = int_setting("TRACE_JAX_DENSE_GROUP_ROWS", 0, minimum=0)
+# weight is decoded to bf16 once and XLA's dot runs (0: always). Policies with FP4 dense
+# weights only (w4a16, w4a4, all_linear); `paper` keeps the attention projections bf16. H200,
+# 256 rows, us per call (session 26, benchmarks/results/session26_h200_2026-12-02): attention o
+# 4096x2048 kernel 15.4 against decode + dot 88.1 (XLA bf16 17.5); fused q/k/v 2048x5120 19.3
+# against 100.9 (XLA bf16 17.3). Not timed past 256 rows.
+DENSE_GROUP_ROWS = int_setting("TRACE_JAX_DENSE_GROUP_ROWS", 256, minimum=0)
 _SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
 _ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
