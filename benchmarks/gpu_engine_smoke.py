@@ -1,5 +1,6 @@
 """GPU smoke test of the rollout engine on the Mosaic FP4 kernels vs the jnp reference path:
-30B-A3B layer shapes (1-2 layers, small vocab), paper policy, greedy; same tokens expected.
+30B-A3B layer shapes (1-2 layers, small vocab), paper policy (`--policy`), greedy; same tokens
+expected.
 
   PYTHONPATH=. python benchmarks/gpu_engine_smoke.py --out $OUT/gpu_engine_smoke.json
 """
@@ -20,6 +21,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--layers", type=int, default=1)
   ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--policy", default="paper", help="a tq.make_policy name")
   ap.add_argument("--out", default="gpu_engine_smoke.json")
   a = ap.parse_args()
   cfg = M.qwen3_30b_a3b(num_layers=a.layers, vocab_size=4096, max_seq_len=128)
@@ -27,11 +29,11 @@ def main():
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, 4096, 32)) for _ in range(a.batch)]
   from trace_jax.provenance import run_info
-  out = {**run_info(), "layers": a.layers,
+  out = {**run_info(), "layers": a.layers, "policy": a.policy,
          "batch": a.batch, "runs": {}}
   toks = {}
   for use in (False, True):
-    eng = RolloutEngine(cfg, tq.make_policy("paper"), max_new_tokens=16, prompt_bucket=32,
+    eng = RolloutEngine(cfg, tq.make_policy(a.policy), max_new_tokens=16, prompt_bucket=32,
                         use_kernels=use, record_guidance=False)
     eng.sync(params)
     s = SamplingParams(temperature=0.0)
