@@ -418,8 +418,9 @@ def _routed_by_counts(group_ids: jax.Array, num_groups: int):
     2. over M + E rows: the order (the row at each sorted position) and the groups' first
        and end chunks (prefix sums of the chunks each group takes);
     3. the chunk owners and window starts (`fp4_mgpu.chunk_owners`).
-  A sorted row's slot is its position plus its group's offset: a look-up, which XLA fuses into
-  the output gather (`chunk_tables` has no group ids and searches for each row's group)."""
+  A sorted row's slot is its position plus its group's offset: a look-up, one small elementwise
+  kernel with the output gathers' bounds masks (`chunk_tables` has no group ids and searches
+  for each row's group: a reduction over [M, E])."""
   m = group_ids.shape[0]
   g = group_ids.astype(jnp.int32)
   i = jnp.arange(m, dtype=jnp.int32)
