@@ -29,7 +29,9 @@ Prefill rows (`prefill_attention`, the flash kernel, against `prefill_attention_
 materializes float32 scores): B prompts of T tokens in a cache of T + 256 slots, the first row
 left-padded by T/10; TFLOP/s count 4 * H * hd flops per visible (query, slot) pair.
 
-Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 cache.
+Row `nvfp4_mosaic`: the Mosaic GPU NVFP4 kernel (`attention_mgpu`) on the NVFP4 cache; row
+`nvfp4_mosaic_kvwords`: the same on the cache's codes bit-placed ("kv_words", the GPU default
+since session 27: the kernel's decode 13 instructions a word instead of 17).
 
 --sweep: launch configurations (tile, splits, warps, stages) of the decode kernels (Pallas, and
 Mosaic splits/stages) at B=16/S=8k and B=64/S=1k (the RL rollout's shape) and of the prefill
@@ -54,7 +56,8 @@ import bench_util
 READ_CEILING_TBPS = bench_util.READ_CEILING_TBPS
 L2_BYTES = bench_util.L2_BYTES
 H, KVH, HD = 32, 4, 128
-FORMATS = ("bf16", "mxfp8", "nvfp4", "nvfp4_mosaic", "mxfp4")  # nvfp4_mosaic: attention_mgpu
+# nvfp4_mosaic: attention_mgpu on nibble-packed codes, nvfp4_mosaic_kvwords: on "kv_words"
+FORMATS = ("bf16", "mxfp8", "nvfp4", "nvfp4_mosaic", "nvfp4_mosaic_kvwords", "mxfp4")
 T0 = time.time()
 
 
@@ -270,8 +273,10 @@ def main():
     key, kq, kk, kv = jax.random.split(key, 4)
     shape = (b, s, KVH, HD)
     data_fmt, _, variant = fmt.partition("_")
-    kfn = mosaic_fn if variant == "mosaic" else kernel_fn
+    kfn = mosaic_fn if variant.startswith("mosaic") else kernel_fn
     k, v = make_kv(data_fmt, shape, kk), make_kv(data_fmt, shape, kv)
+    if variant.endswith("kvwords"):
+      k, v = (jax.jit(functools.partial(tq.with_packing, packing="kv_words"))(x) for x in (k, v))
     q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
          else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
     valid = np.ones((b, s), bool)

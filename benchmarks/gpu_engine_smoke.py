@@ -48,8 +48,20 @@ def main():
     out["runs"]["kernels" if use else "reference"] = {"first_call_s": first,
                                                       "steady_call_s": time.perf_counter() - t}
     print(use, out["runs"], flush=True)
-  out["same_tokens_frac"] = float(np.mean(toks[True][0] == toks[False][0]))
+  same = toks[True][0] == toks[False][0]  # [rows, new tokens]
+  out["same_tokens_frac"] = float(np.mean(same))
   out["max_abs_logprob_diff"] = float(np.max(np.abs(toks[True][1] - toks[False][1])))
+  # where a row's tokens first differ: before it both paths saw the same inputs, so the
+  # logprob differences there are the paths' rounding; a flip at a near-tie shows as a first
+  # divergence whose two chosen tokens have about equal logprobs (each path's argmax)
+  first = np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
+  before = np.arange(same.shape[1])[None] < first[:, None]
+  diff = np.abs(toks[True][1] - toks[False][1])
+  rows = np.flatnonzero(first < same.shape[1])
+  out["diverging_rows"] = int(rows.size)
+  out["first_divergence"] = first[rows].tolist()
+  out["max_abs_logprob_diff_before_divergence"] = float(diff[before].max(initial=0.0))
+  out["chosen_logprob_gap_at_divergence"] = [float(diff[r, first[r]]) for r in rows]
   print(json.dumps(out, indent=1))
   with open(a.out, "w") as f:
     json.dump(out, f, indent=2)

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -451,6 +451,30 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s27a ]; then
+  # (session 27) FP4 KV caches of bit-placed code words ("kv_words": the Mosaic attention's
+  # decode 13 instructions a word instead of 17): GPU tests (placed = nibble caches bit for bit
+  # in every compiled kernel, the append kernel's placement, the Mosaic kernel against the
+  # reference), decode attention nibbles vs kv_words side by side, the engine smokes (paper B8
+  # 2 layers; w4a16 B80 1 layer with the first divergences of the dense-rows-as-a-group path)
+  gpu_tests "tests/kernels/test_attention_gpu.py tests/kernels/test_kv_append.py" \
+    "kv_words or mosaic_kernel_vs_reference or model_decode or model_prefill or xla_path" \
+    kvwords ${ATEST_TIMEOUT:-200}
+  timeout -k 5 ${BA_TIMEOUT:-200} python3 benchmarks/bench_attention.py --what decode \
+    --batches 16,64 --contexts 8192,32768 --formats bf16,nvfp4_mosaic,nvfp4_mosaic_kvwords \
+    --budget_s 160 --out $OUT/bench_attention_kvwords.json 2>&1 | grep -v "^I1\|^W1" | tail -14
+  timeout -k 5 ${SMOKE_TIMEOUT:-100} python3 benchmarks/gpu_engine_smoke.py --layers 2 \
+    --out $OUT/gpu_engine_smoke_paper.json 2>&1 | grep -v "^I1\|^W1" | tail -3
+  timeout -k 5 ${SMOKE_TIMEOUT:-100} python3 benchmarks/gpu_engine_smoke.py --layers 1 \
+    --batch 80 --policy w4a16 --out $OUT/gpu_engine_smoke_w4a16_b80.json 2>&1 \
+    | grep -v "^I1\|^W1" | grep -E "same_tokens|divergen|diverging|logprob" | tail -8
+elif [ "$stage" = s27b ]; then
+  # (session 27) the 8k-capacity FP4 rollout, 48 layers, with the cache packing of
+  # TRACE_JAX_KV_WORDS (placed: the default; nibbles: the A side), one row a call
+  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-330} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-330} - 10 )) \
+    GEN=2048 bash $0 cap8k_inner | tail -4
+  mv $OUT/bench_rollout_cap8k_${LAYERS:-48}l.json \
+    $OUT/bench_rollout_cap8k_${LAYERS:-48}l_fp4_${TRACE_JAX_KV_WORDS:-placed}.json
 elif [ "$stage" = s26b ]; then
   # (session 26) `route`'s tables in four XLA kernels a layer (three reductions and a look-up;
   # nine before), the grouped call's from group sizes in four (five), the kernel operand's

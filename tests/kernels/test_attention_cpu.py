@@ -312,6 +312,27 @@ def test_dispatch_on_gpu_sends_short_caches_to_pallas(monkeypatch):
   assert kernels.decode_attention(jnp.zeros((2, 8, 128), jnp.bfloat16), k2, k2, valid) == "pallas"
 
 
+def test_kv_packing_places_the_words_the_mosaic_kernel_reads(monkeypatch):
+  """New caches hold "kv_words" exactly where the Mosaic kernel will read them: on the GPU
+  (faked), NVFP4, 4 KV heads x 128, the Mosaic kernel on and TRACE_JAX_KV_WORDS not
+  "nibbles"; nibble packing everywhere else (CPU: always)."""
+  from trace_jax import models as M  # noqa: PLC0415
+  from trace_jax.kernels import dispatch  # noqa: PLC0415
+  assert kernels.kv_packing(4, 128, "nvfp4") == "nibbles"  # CPU
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "_ATTENTION_MOSAIC", True)
+  assert kernels.kv_packing(4, 128, "nvfp4") == "kv_words"
+  for args in ((2, 128, "nvfp4"), (4, 64, "nvfp4"), (4, 128, "mxfp4"), (4, 128, None)):
+    assert kernels.kv_packing(*args) == "nibbles", args
+  cfg = M.tiny(num_layers=1, num_kv_heads=4, head_dim=128)
+  assert M.init_cache(cfg, 2, 8, "nvfp4").layers[0].k.packing == "kv_words"
+  monkeypatch.setattr(dispatch, "_KV_WORDS", "nibbles")
+  assert kernels.kv_packing(4, 128, "nvfp4") == "nibbles"
+  monkeypatch.setattr(dispatch, "_KV_WORDS", "placed")
+  monkeypatch.setattr(dispatch, "_ATTENTION_MOSAIC", False)
+  assert kernels.kv_packing(4, 128, "nvfp4") == "nibbles"
+
+
 def test_bad_inputs_are_named():
   k = make_kv(None, (2, 9, 2, 32), 0)
   q = jnp.zeros((2, 4, 32), jnp.bfloat16)
@@ -355,6 +376,14 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b, 300, h, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_),
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
+    if fmt == "nvfp4":  # bit-placed code words: the Pallas kernels' un-placing
+      placed = tq.with_packing(kv, "kv_words")
+      for fn, args in ((AP.decode_attention, (sds((b, h, hd), jnp.bfloat16), placed, placed,
+                                              sds((b, s), jnp.bool_))),
+                       (AP.prefill_attention, (sds((b, 300, h, hd), jnp.bfloat16), placed,
+                                               placed, sds((b, s), jnp.bool_),
+                                               sds((b,), jnp.int32)))):
+        assert "triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     if fmt == "nvfp4":  # the Mosaic kernels (layouts, inline PTX): split schedule (V decode
       # overlapped; both N sides, G 8 here, then 16; merges) and stream schedule
       from trace_jax.kernels import attention_mgpu as AM
@@ -373,12 +402,14 @@ def _lower_all(sds, b, s, kvh, h, hd):
 
 # ------------------------------------------------------------------ Mosaic NVFP4 kernel (CPU parts)
 
-def _emulate_mosaic_decode(codes_u8, scales_u8, h):
-  """Numpy re-enactment of attention_mgpu's PTX (_SCALE_ASM, DECODE_ASM) for one 64-token
-  tile: codes [64, 4*64] and scale bytes [64, 4*8] of the cache rows, warpgroup (= KV head) h.
-  Returns the two bf16 fragments as float32 [2, 64 rows, 64 physical columns]."""
+def _emulate_mosaic_decode(codes_u8, scales_u8, h, placed=False):
+  """Numpy re-enactment of attention_mgpu's PTX (_SCALE_ASM, DECODE_ASM; placed: the
+  "kv_words" cache's WEIGHT_DECODE_ASM) for one 64-token tile: codes [64, 4*64] and scale
+  bytes [64, 4*8] of the cache rows, warpgroup (= KV head) h. Returns the two bf16 fragments
+  as float32 [2, 64 rows, 64 physical columns]."""
   import ml_dtypes
-  from tests.kernels.test_kernels_cpu import _decode_word, _prmt
+  from tests.kernels.test_kernels_cpu import _decode_weight_word, _decode_word, _prmt
+  decode_word = _decode_weight_word if placed else _decode_word
   words = codes_u8.reshape(64, 64, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 64]
   swords = scales_u8.reshape(64, 8, 4).view(np.uint32)[..., 0].astype(np.uint32)  # [64, 8]
   out = np.zeros((2, 64, 64), np.float32)
@@ -397,7 +428,7 @@ def _emulate_mosaic_decode(codes_u8, scales_u8, h):
       for j in range(2):
         for wi in range(2):
           x = np.array([words[r, 16 * h + 8 * j + 2 * c + wi]], np.uint32)
-          for o, val in enumerate(_decode_word(x, mults[j])):
+          for o, val in enumerate(decode_word(x, mults[j])):
             for v in range(2):
               hb = ((val >> np.uint32(16 * v)) & np.uint32(0xFFFF)).astype(np.uint16)
               out[j, r, 8 * (4 * wi + o) + 2 * c + v] = hb.view(ml_dtypes.bfloat16).astype(
@@ -405,19 +436,22 @@ def _emulate_mosaic_decode(codes_u8, scales_u8, h):
   return out
 
 
-def test_mosaic_decode_ptx_places_code_times_scale():
+@pytest.mark.parametrize("placed", [False, True], ids=["nibbles", "kv_words"])
+def test_mosaic_decode_ptx_places_code_times_scale(placed):
   """The Mosaic kernel's decode (PTX re-enacted in numpy) puts, at each fragment position,
   the cache element that `PHYS_TO_LOGICAL` names, as `code * s * 2**-8` exactly; NaN scales
-  give NaN. Every warpgroup (KV head) of a 64-token tile of an NVFP4 cache."""
+  give NaN. Every warpgroup (KV head) of a 64-token tile of an NVFP4 cache, its codes
+  nibble-packed (`DECODE_ASM`) or bit-placed ("kv_words", `WEIGHT_DECODE_ASM`)."""
   from trace_jax.kernels import attention_mgpu as AM
   k = make_kv("nvfp4", (1, 64, 4, 128), 31)
   sb = np.asarray(k.scales).view(np.uint8).copy()
   sb[0, 5, 2, 3] = 0x7F  # a NaN block scale (head 2, block 3 of token 5)
   k = dataclasses.replace(k, scales=jnp.asarray(sb).view(jnp.float8_e4m3fn))
-  codes = np.asarray(k.codes).reshape(64, 256)
+  codes = np.asarray(tq.with_packing(k, "kv_words" if placed else "nibbles").codes)
+  codes = codes.reshape(64, 256)
   want = np_dequant(dataclasses.replace(k, global_scale=jnp.ones_like(k.global_scale)))[0]
   for h in range(4):
-    got = _emulate_mosaic_decode(codes, sb.reshape(64, 32), h)
+    got = _emulate_mosaic_decode(codes, sb.reshape(64, 32), h, placed)
     for j in range(2):
       exp = want[:, h, 64 * j + AM.PHYS_TO_LOGICAL[:64]] * 2.0 ** -8  # [64 rows, 64 phys]
       np.testing.assert_array_equal(got[j], exp.astype(np.float32))
@@ -463,6 +497,38 @@ def test_mosaic_wrapper_emulated_matches_reference():
   q16 = jnp.zeros((b, 16 * kvh, hd), jnp.bfloat16)
   with pytest.raises(ValueError, match="1 to 2 fit"):
     AM.decode_attention(q16, k, v, valid, stages=3, merge=False)
+
+
+def test_kv_words_caches_read_as_nibble_caches():
+  """Caches of bit-placed code words ("kv_words") give every attention path the same result,
+  bit for bit, as the same caches nibble-packed: the Pallas decode and prefill kernels
+  (interpret mode: their in-kernel un-placing), the Mosaic kernel's jnp models (both
+  schedules) and the references (through `dequantize`). Mixed packings are refused."""
+  from trace_jax.kernels import attention_mgpu as AM
+  words = lambda *xs: [tq.with_packing(x, "kv_words") for x in xs]  # noqa: E731
+  b, s, kvh, g, hd = 3, 37, 2, 3, 64
+  k, v = make_kv("nvfp4", (b, s, kvh, hd), 5), make_kv("nvfp4", (b, s, kvh, hd), 6)
+  q = jax.random.normal(jax.random.key(7), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  valid = ragged_valid(b, s)
+  for fn in (_interpreted((("block_k", 16), ("splits", 3))), jax.jit(R.decode_attention_ref)):
+    np.testing.assert_array_equal(np.asarray(fn(q, *words(k, v), valid)),
+                                  np.asarray(fn(q, k, v, valid)))
+  q, k, v, key_mask, q_start = _prefill_case("nvfp4")
+  kern = _interpreted((("block_q", 16), ("block_k", 16)), AP.prefill_attention)
+  start = jnp.asarray(q_start)
+  np.testing.assert_array_equal(np.asarray(kern(q, *words(k, v), key_mask, start)),
+                                np.asarray(kern(q, k, v, key_mask, start)))
+  b, s, kvh, g, hd = 2, 152, 4, 8, 128
+  k, v = make_kv("nvfp4", (b, s, kvh, hd), 41), make_kv("nvfp4", (b, s, kvh, hd), 42)
+  q = jax.random.normal(jax.random.key(43), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  valid = jnp.asarray(np.arange(s)[None] < np.array([[150], [9]]))
+  for kw in (dict(splits=3, kernel_fn=AM.emulate_kernel),
+             dict(schedule="stream", kernel_fn=AM.emulate_stream_kernel)):
+    fn = jax.jit(functools.partial(AM.decode_attention, out_dtype=jnp.float32, **kw))
+    np.testing.assert_array_equal(np.asarray(fn(q, *words(k, v), valid)),
+                                  np.asarray(fn(q, k, v, valid)))
+  assert "packed as nibbles, V as kv_words" in AM.kernel_supported(q, k, *words(v))
+  assert "code packing" in AP.kernel_supported(q, k, *words(v))
 
 
 def test_stream_tables_cover_every_tile_once():

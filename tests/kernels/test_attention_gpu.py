@@ -283,3 +283,33 @@ def test_mosaic_stream_schedule(b, s, stages, g, lazy):
     assert not np.asarray(got[~seen]).any()
   got = _mosaic(q, k, v, valid, **kw)
   assert got.dtype == jnp.bfloat16 and relerr(got[seen], ref(q, k, v, valid)[seen]) < MOSAIC_TOL
+
+
+@pytest.mark.parametrize("s", [1000, 8192])
+def test_kv_words_caches_equal_nibble_caches(s):
+  """Caches of bit-placed code words ("kv_words", the GPU default where the Mosaic kernel reads
+  the cache) give the compiled kernels the same outputs, bit for bit, as the same caches
+  nibble-packed: the Mosaic kernel (its `WEIGHT_DECODE_ASM` decode against `DECODE_ASM`; both
+  schedules), the Pallas decode kernel (its in-kernel un-placing) and the prefill kernel."""
+  b, kvh, g, hd = 4, 4, 8, 128
+  k, v = make_kv("nvfp4", (b, s, kvh, hd), s + 3), make_kv("nvfp4", (b, s, kvh, hd), s + 4)
+  kw, vw = (jax.jit(tq.with_packing, static_argnums=1)(x, "kv_words") for x in (k, v))
+  assert kw.packing == "kv_words"
+  q = jax.random.normal(jax.random.key(s), (b, kvh * g, hd), jnp.float32).astype(jnp.bfloat16)
+  valid = np.ones((b, s), bool)
+  valid[1, : s // 3] = False
+  valid[3, 1:] = False
+  valid = jnp.asarray(valid)
+  from trace_jax.kernels import attention_pallas
+  for run in (functools.partial(_mosaic, schedule="stream"),
+              functools.partial(_mosaic, schedule="splits"),
+              functools.partial(_attn, use_kernel=True),  # the dispatch's choice
+              jax.jit(attention_pallas.decode_attention)):
+    np.testing.assert_array_equal(np.asarray(run(q, kw, vw, valid)),
+                                  np.asarray(run(q, k, v, valid)))
+  t = 64
+  qp = jax.random.normal(jax.random.key(s + 1), (b, t, kvh * g, hd),
+                         jnp.float32).astype(jnp.bfloat16)
+  start = jnp.asarray([0, 5, s - t, 17], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(_prefill(qp, kw, vw, valid, start, True)),
+                                np.asarray(_prefill(qp, k, v, valid, start, True)))

@@ -55,17 +55,23 @@ def _bits(q):
   return [np.asarray(a).view(np.uint8) for a in (q.codes, q.scales, q.global_scale)]
 
 
-@pytest.mark.parametrize("index", [5, [0, 7, 3]], ids=["shared", "per_row"])
-def test_append_equals_quantize_and_write(index):
-  kc, vc = _cache(0), _cache(1)
+@pytest.mark.parametrize("index,packing", [(5, "nibbles"), ([0, 7, 3], "nibbles"),
+                                            ([0, 7, 3], "kv_words")],
+                         ids=["shared", "per_row", "per_row_kv_words"])
+def test_append_equals_quantize_and_write(index, packing):
+  """Every field bit for bit; a cache of bit-placed words ("kv_words") gets its new codes
+  placed (as `write_layer` places the XLA path's), the returned rows stay nibble-packed."""
+  kc, vc = (tq.with_packing(c, packing) for c in (_cache(0), _cache(1)))
   k, v = _rows(2), _rows(3)
   idx = jnp.asarray(index, jnp.int32)
   got = jax.jit(lambda *a: kv_append.append(*a, interpret=True))(kc, vc, k, v, idx)
   kq = tq.quantize(k, "nvfp4", second_level="row", validate=False)
   vq = tq.quantize(v, "nvfp4", second_level="row", validate=False)
   want = kvc.write_layer(kvc.LayerKV(kc, vc), kq, vq, idx)
+  assert [g.packing for g in got] == [packing, packing, "nibbles", "nibbles"]
   for g, w in zip(got, (want.k, want.v, kq, vq)):
     assert g.shape == w.shape and g.fmt == w.fmt and g.axis == w.axis
+    assert g.packing == w.packing
     for a, b in zip(_bits(g), _bits(w)):
       np.testing.assert_array_equal(a, b)
   # the slots not written keep their bytes
@@ -99,13 +105,16 @@ def test_lowers_for_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", [100, "per_row"])
-def test_kernel_on_gpu_equals_xla_path(index):
-  """The compiled kernel (Triton, the PTX division) at the 30B-A3B decode shape against the
-  XLA path, every field bit for bit."""
+@pytest.mark.parametrize("index,packing", [(100, "nibbles"), ("per_row", "nibbles"),
+                                            ("per_row", "kv_words")])
+def test_kernel_on_gpu_equals_xla_path(index, packing):
+  """The compiled kernel (Triton, the PTX division; the in-kernel bit placement of a
+  "kv_words" cache) at the 30B-A3B decode shape against the XLA path, every field bit for
+  bit."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
-  case = decode_case(index)
+  kc, vc, *rest = decode_case(index)
+  case = (*(tq.with_packing(c, packing) for c in (kc, vc)), *rest)
   got = jax.jit(kv_append.append)(*case)
 
   def xla(kc, vc, k, v, i):

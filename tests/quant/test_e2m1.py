@@ -108,3 +108,40 @@ def test_as_e4m3_bits_is_e2m1_over_64_for_every_code_pair():
     got = np.asarray(f8.astype(jnp.float32)) * e2m1.E4M3_OF_E2M1_SCALE
     want = np.asarray(e2m1.decode(jnp.asarray(codes)))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# ------------------------------------------------------------------ bit-placed KV words
+
+def _np_place(words: np.ndarray, places) -> np.ndarray:
+  """Bit n of each uint32 word to bit places[n], one bit at a time (numpy)."""
+  out = np.zeros_like(words)
+  for n, p in enumerate(places):
+    out |= ((words >> np.uint32(n)) & np.uint32(1)) << np.uint32(p)
+  return out
+
+
+def test_kv_word_places_route_codes_to_the_decoders_registers():
+  """`KV_WORD_PLACES` sends code e's bits (m, e0, e1, s) to the bits `wgmma_bit_sources` names
+  for register o, half v, where the decode attention kernel wants code 4 (o // 2) + o % 2 + 2 v
+  (its registers hold codes (0, 2), (1, 3), (4, 6), (5, 7) of a word); a permutation."""
+  src = e2m1.wgmma_bit_sources()
+  pairs = {0: (0, 2), 1: (1, 3), 2: (4, 6), 3: (5, 7)}
+  for o, codes in pairs.items():
+    for v, e in enumerate(codes):
+      np.testing.assert_array_equal(e2m1.KV_WORD_PLACES[4 * e:4 * e + 4], src[o, v])
+  assert sorted(e2m1.KV_WORD_PLACES.tolist()) == list(range(32))
+
+
+def test_place_kv_words_moves_every_bit_and_round_trips():
+  """Every single-bit word and random bytes against a bit-by-bit numpy permutation of the
+  little-endian words (the GPU's view of 4 cache bytes); `unplace_kv_words` inverts it."""
+  rng = np.random.default_rng(0)
+  single = (np.uint32(1) << np.arange(32, dtype=np.uint32))
+  words = np.concatenate([single, rng.integers(0, 2**32, 500, dtype=np.uint64).astype(np.uint32)])
+  packed = words.view(np.uint8).reshape(-1, 8)  # rows of two words
+  got = np.asarray(e2m1.place_kv_words(jnp.asarray(packed)))
+  want = _np_place(words, e2m1.KV_WORD_PLACES).view(np.uint8).reshape(-1, 8)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.asarray(e2m1.unplace_kv_words(jnp.asarray(got))), packed)
+  with pytest.raises(ValueError, match="multiple of 4 bytes"):
+    e2m1.place_kv_words(jnp.zeros((3, 6), jnp.uint8))

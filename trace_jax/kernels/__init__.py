@@ -28,7 +28,7 @@ chunk tables) build the MoE routing tables; `float32_dot` computes the router's 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
 from trace_jax.kernels.dispatch import (append_kv, count_by_group, decode_attention,
                                         float32_dot, grouped_backend, grouped_matmul,
-                                        import_gpu_libraries,
+                                        import_gpu_libraries, kv_packing,
                                         matmul, on_gpu,
                                         prefill_attention, quantize_rows, route,
                                         sort_by_group)
@@ -38,6 +38,6 @@ from trace_jax.kernels.layout import (PackedWeight, decode_packed, fuse_projecti
 __all__ = ["PackedWeight", "append_kv", "attention", "count_by_group", "decode_attention",
            "decode_attention_ref", "decode_packed", "float32_dot", "fuse_projections",
            "grouped_backend",
-           "grouped_matmul", "import_gpu_libraries", "matmul",
+           "grouped_matmul", "import_gpu_libraries", "kv_packing", "matmul",
            "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
            "prepare_weight", "quantize_rows", "route", "sort_by_group"]

@@ -92,7 +92,7 @@ import numpy as np
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels.attention_pallas import combine_splits
-from trace_jax.kernels.fp4_mgpu import DECODE_ASM
+from trace_jax.kernels.fp4_mgpu import DECODE_ASM, WEIGHT_DECODE_ASM
 from trace_jax.kernels.settings import choice_setting, int_setting
 from trace_jax.quant import e2m1
 
@@ -171,6 +171,8 @@ def kernel_supported(q, k, v) -> str | None:
     return "K/V are not quantized"
   if k.fmt.name != "nvfp4" or v.fmt.name != "nvfp4":
     return f"K/V format {k.fmt.name}, the kernel reads nvfp4"
+  if k.packing != v.packing:
+    return f"K codes packed as {k.packing}, V as {v.packing}"
   if k.shape[-1] != HEAD_DIM or k.shape[2] != KV_HEADS:
     return f"{k.shape[2]} KV heads x head_dim {k.shape[-1]}, the kernel takes 4 x 128"
   if q.shape[1] // k.shape[2] > GP:
@@ -216,11 +218,14 @@ cvt.rn.bf16x2.f32 $1, x1, x1;
 
 
 @functools.cache
-def _tile_decoder(stacked: bool = False):
+def _tile_decoder(stacked: bool = False, placed: bool = False):
   """inline_mgpu function: (codes uint32 [64, 16], scales uint32 [64, 8], both wgmma layout)
   -> the two 64 x 64 halves of head_dim as bf16 wgmma-layout arrays (physical order), or with
   `stacked` one [128, 64] array, half j in rows 64j.. (one SMEM store instead of two: Mosaic
-  brackets each store of a warpgroup with barriers)."""
+  brackets each store of a warpgroup with barriers). placed: the code words are "kv_words"
+  (`e2m1.KV_WORD_PLACES`), decoded by the matmul weights' `WEIGHT_DECODE_ASM` (13
+  instructions a word) instead of `DECODE_ASM` (17): the same registers, bit for bit."""
+  word_asm = WEIGHT_DECODE_ASM if placed else DECODE_ASM
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils
@@ -252,7 +257,7 @@ def _tile_decoder(stacked: bool = False):
         for wi in range(2):  # word 2c (block elements 0-7), 2c + 1 (8-15)
           word = vector.extract(cw, [], [wi])
           st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [word, mults[ri][j]],
-                               DECODE_ASM, "=r,=r,=r,=r,r,r")
+                               word_asm, "=r,=r,=r,=r,r,r")
           for o in range(4):
             regs[0, 4 * wi + o, 0, 0, ri, 0, 0, 0, 0] = mutils.bitcast(
                 llvm.extractvalue(i32, st, [o]), bf16x2)
@@ -562,7 +567,7 @@ def _bf16_smem(shape, swizzle: int):
 
 
 def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None,
-               overlap: bool):
+               overlap: bool, placed: bool = False):
   """The kernels' work on one 64-token tile, shared by both schedules: (wg, q [gp, 128] SMEM
   ref of this warpgroup's queries, the pipeline slot's tile refs, scratch refs, state) ->
   state (m [gp] running max in log2 units, l [64, gp] per-thread partial sums, o0 / o1
@@ -572,7 +577,7 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
   from jax import lax
 
   wgmma_layout = plgpu.Layout.WGMMA
-  decode, decode_stacked = _tile_decoder(), _tile_decoder(stacked=True)
+  decode, decode_stacked = _tile_decoder(placed=placed), _tile_decoder(True, placed)
   col_max = _column_reducer("max", gp)
   raise_vote = _raise_vote()
 
@@ -665,17 +670,18 @@ def _compiler_params(auto_barriers: bool):
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
                                              "v_factor", "overlap", "lazy_tau", "heads",
-                                             "out_dtype"))
+                                             "out_dtype", "placed"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
-                       heads: int | None = None, out_dtype=jnp.bfloat16):
+                       heads: int | None = None, out_dtype=jnp.bfloat16, placed: bool = False):
   """The raw kernel, split schedule: CTA (row, split) runs tiles [split * split_tiles, ...) of
   its row. kt int32 [B]: 64-token tiles each row needs (through its last visible slot; later
   tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
   [B, 4, gp, 128] (head_dim physical; gp the wgmma N side, 8 or 16: `query_lanes`); kc/vc
-  uint32 [B, S, 64] (codes of the 4 heads); ks/vs uint32 [B, S, 8] (scale bytes); kg/vg
-  float32 [B, S, 4] (the cache's own row scales g, read in place), times k_factor / v_factor
+  uint32 [B, S, 64] (codes of the 4 heads; `placed`: "kv_words"); ks/vs uint32 [B, S, 8]
+  (scale bytes); kg/vg float32 [B, S, 4] (the cache's own row scales g, read in place), times
+  k_factor / v_factor
   in the kernel (2**8, K's also times the softmax scale and log2(e): the softmax is `exp2` of
   scores in log2 units, and the returned maxima are in those units); vf float32 [B, S_pad] (1:
   slot visible, 0 not).
@@ -703,7 +709,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   b = qp.shape[0]
   gp = qp.shape[2]  # the N side: query heads per KV head, padded (`query_lanes`)
   col_sum = _column_reducer("add", gp)
-  step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap)
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap, placed)
   if heads is not None:
     merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
@@ -841,10 +847,11 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
-                                             "heads", "out_dtype"))
+                                             "heads", "out_dtype", "placed"))
 def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                        v_factor: float, heads: int, stages: int = 2,
-                       lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
+                       lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
+                       placed: bool = False):
   """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
   of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
   length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
@@ -863,7 +870,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   b, n_ctas = rows.shape[0], units.shape[0]
   gp = qp.shape[2]
   col_sum = _column_reducer("add", gp)
-  step = _tile_step(gp, k_factor, v_factor, lazy_tau, False)
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, False, placed)
   merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
   def decode_attention_stream(units_gmem, rows_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem,
@@ -945,7 +952,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
 
 
 def _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_pad: int, k_factor: float,
-                       v_factor: float):
+                       v_factor: float, placed: bool):
   """The emulations' view of the cache: K / V decoded (`code * s * 2**-8`, float32) in the
   kernel's physical head_dim order [B, S_pad, 4, 128]; the row factors as the kernel forms them
   (g times the factor, rounded to float32) [B, 4, S_pad]; the validity row [B, S_pad]."""
@@ -953,6 +960,8 @@ def _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_pad: int, k_factor: float,
 
   def decode(codes, scales):
     c8 = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(b, s, KV_HEADS, 64)
+    if placed:
+      c8 = e2m1.unplace_kv_words(c8)
     vals = e2m1.decode(e2m1.unpack_nibbles(c8)).astype(jnp.float32)  # [B, S, 4, 128]
     sb = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(b, s, KV_HEADS, 8)
     sv = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(jnp.float32)
@@ -1008,7 +1017,7 @@ def _to_kernel_layout(m, l, o):
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
                    lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
-                   out_dtype=jnp.bfloat16):
+                   out_dtype=jnp.bfloat16, placed: bool = False):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order, multiplies in the kernel's physical head_dim order, runs the same online
   softmax per 64-token tile (tiles at or past `kt` leave the state as it is), and with `heads`
@@ -1017,7 +1026,8 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
   b = kc.shape[0]
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,
-                                          n_splits * split_tiles * TILE, k_factor, v_factor)
+                                          n_splits * split_tiles * TILE, k_factor, v_factor,
+                                          placed)
   qf = qp.astype(jnp.float32)  # [B, 4, gp, 128]
   sl = lambda a, i, ax: jax.lax.dynamic_slice_in_dim(a, i * TILE, TILE, ax)  # noqa: E731
   os_, mls = [], []
@@ -1040,7 +1050,8 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 
 def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                           v_factor: float, heads: int, stages: int = 2,
-                          lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16):
+                          lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
+                          placed: bool = False):
   """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
   every CTA steps through its units (all CTAs at once, a scan over steps), skips empty ones,
   and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
@@ -1050,7 +1061,7 @@ def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_fact
   b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
-                                          k_factor, v_factor)
+                                          k_factor, v_factor, placed)
   qf = qp.astype(jnp.float32)
   ctas = jnp.arange(n_ctas)
   slots = b + n_ctas
@@ -1198,6 +1209,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   u32 = lambda a, n: jax.lax.bitcast_convert_type(  # noqa: E731  (bytes -> words, a view)
       jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(b, s, n, 4), jnp.uint32)
   kc, vc = u32(k.codes, 64), u32(v.codes, 64)
+  placed = k.packing == "kv_words"
   ks, vs = u32(k.scales, 8), u32(v.scales, 8)
   kg, vg = (x.global_scale[..., 0].astype(jnp.float32) for x in (k, v))  # views of the cache
   # the per-call validity row is padded to whole tiles: TMA needs 16-byte row strides (S = 1
@@ -1211,13 +1223,13 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     res = (kernel_fn or mgpu_stream_kernel)(
         units, rows, qp, kc, vc, ks, vs, kg, vg, vf,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
-        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype)
+        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, placed=placed)
     return res[2].astype(out_dtype)
   res = (kernel_fn or mgpu_decode_kernel)(
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
       stages=stages, overlap=overlap, lazy_tau=lazy_tau,
       k_factor=float(2 ** ROW_SHIFT * scale * LOG2E), v_factor=float(2 ** ROW_SHIFT),
-      heads=g if merge else None, out_dtype=kernel_dtype)
+      heads=g if merge else None, out_dtype=kernel_dtype, placed=placed)
   if merge:
     return res[2].astype(out_dtype)
   o, ml = res

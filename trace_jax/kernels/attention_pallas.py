@@ -16,6 +16,9 @@ Design:
   with q's even/odd halves (split outside, once per call); the output halves are interleaved
   back outside. No shuffle in the kernel. A nibble becomes an e4m3 bit pattern worth
   `E2M1 * 2**-6` in four integer ops (`e2m1.as_e4m3_bits`), then the hardware e4m3 conversion.
+  A cache of "kv_words" (`QArray.packing`, the Mosaic kernel's bit-placed words: the GPU
+  default for caches that kernel reads, which this one reads when they are short and in
+  prefill) gets its tile's words put back in nibble order first (9 masked rotations a word).
 - scales are decoded in the kernel from their bytes (E8M0 by the integer rule
   `formats.e8m0_from_bits`, E4M3 by the e4m3 conversion; NVFP4 `d = s * g` formed in float32 as
   `formats.nvfp4_divisor` does), each element `q * d` in float32 then rounded to bf16: exactly
@@ -74,8 +77,9 @@ def kernel_supported(q, k, v) -> str | None:
         return f"{x.fmt.name} block {x.fmt.block} does not divide head_dim {hd}"
     elif x.dtype != jnp.bfloat16:
       return f"K/V arrays are {x.dtype}, the kernel takes bfloat16 or QArrays"
-  if type(k) is not type(v) or (isinstance(k, tq.QArray) and k.fmt != v.fmt):
-    return "K and V differ in format"
+  if type(k) is not type(v) or (isinstance(k, tq.QArray) and (k.fmt, k.packing)
+                                 != (v.fmt, v.packing)):
+    return "K and V differ in format or code packing"
   return None
 
 
@@ -92,6 +96,11 @@ def _kv_operands(x) -> tuple[list[jax.Array], tq.Format | None]:
   if x.fmt.two_level:
     ops.append(x.global_scale[..., 0].astype(jnp.float32))
   return ops, x.fmt
+
+
+def _placed(x) -> bool:
+  """Whether cache operand `x` holds bit-placed code words ("kv_words")."""
+  return isinstance(x, tq.QArray) and x.packing == "kv_words"
 
 
 def _split_q(q, kvh: int, gp: int, parts: int) -> jax.Array:
@@ -122,12 +131,15 @@ def _e4m3(u8):
   return lax.bitcast_convert_type(u8, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-def _decode_tile(ops, fmt: tq.Format | None, parts: int, dtype):
+def _decode_tile(ops, fmt: tq.Format | None, parts: int, dtype, placed: bool = False):
   """Loaded tile operands -> `parts` arrays `[T, hd / parts]` of K or V values in `dtype`:
-  `code * d` in float32 (d the block scale, NVFP4 `s * g` formed first), rounded once."""
+  `code * d` in float32 (d the block scale, NVFP4 `s * g` formed first), rounded once.
+  placed: the codes are "kv_words" (`QArray.packing`), put back in nibble order first."""
   if fmt is None:
     return [ops[0].astype(dtype)]
   codes, sbytes = ops[0], ops[1]
+  if placed:
+    codes = e2m1.unplace_kv_words(codes)
   t, w = codes.shape
   nb = sbytes.shape[1]
   if fmt.scale == "e8m0":
@@ -153,14 +165,14 @@ def _load_slots(ref, off, ok, *, block_k: int):
 
 
 def _attend_tile(carry, qs, k_refs, v_refs, off, inb, allowed, *, fmt, parts: int,
-                 block_k: int, scale: float):
+                 block_k: int, scale: float, placed: bool):
   """One online-softmax step over the slot tile at `off` (shared by the decode and prefill
   kernels): `carry` (running max, running sum, unnormalized outputs per part) updated by the
   query rows `qs` against the tile's K/V; `allowed` (broadcastable to [rows, block_k]) masks
   scores, `inb` masks the loads."""
   m, l, accs = carry
   ks = _decode_tile([_load_slots(r, off, inb, block_k=block_k) for r in k_refs], fmt, parts,
-                    jnp.bfloat16)
+                    jnp.bfloat16, placed)
   s = sum(lax.dot_general(qp, kp, (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32) for qp, kp in zip(qs, ks))
   s = jnp.where(allowed, s * scale, R.NEG)
@@ -168,7 +180,7 @@ def _attend_tile(carry, qs, k_refs, v_refs, off, inb, allowed, *, fmt, parts: in
   p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)
   corr = jnp.exp(m - m_new)
   vs = _decode_tile([_load_slots(r, off, inb, block_k=block_k) for r in v_refs], fmt, parts,
-                    jnp.bfloat16)
+                    jnp.bfloat16, placed)
   pb = p.astype(jnp.bfloat16)
   accs = tuple(a * corr[:, None] + lax.dot_general(pb, vp, (((1,), (0,)), ((), ())),
                                                   preferred_element_type=jnp.float32)
@@ -183,7 +195,7 @@ def _attend_init(rows: int, width: int, parts: int):
 
 
 def _kernel(len_ref, valid_ref, q_ref, *refs, n_k: int, fmt, parts: int, block_k: int,
-            split_len: int, scale: float):
+            split_len: int, scale: float, placed: bool):
   k_refs, v_refs = refs[:n_k], refs[n_k:2 * n_k]
   o_ref, m_ref, l_ref = refs[2 * n_k:]
   gp = q_ref.shape[1]
@@ -198,7 +210,7 @@ def _kernel(len_ref, valid_ref, q_ref, *refs, n_k: int, fmt, parts: int, block_k
     inb = (off + ar) < end
     ok = inb & (_load_slots(valid_ref, off, inb, block_k=block_k) != 0)
     return _attend_tile(carry, qs, k_refs, v_refs, off, inb, ok[None, :], fmt=fmt,
-                        parts=parts, block_k=block_k, scale=scale)
+                        parts=parts, block_k=block_k, scale=scale, placed=placed)
 
   init = _attend_init(gp, qs[0].shape[1], parts)
   m, l, accs = lax.fori_loop(0, n_tiles, body, init)
@@ -260,7 +272,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   valid8 = allowed.astype(jnp.int8)
 
   kernel = functools.partial(_kernel, n_k=len(k_ops), fmt=fmt, parts=parts, block_k=block_k,
-                             split_len=split_len, scale=float(scale))
+                             split_len=split_len, scale=float(scale), placed=_placed(k))
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
@@ -294,7 +306,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
 # --------------------------------------------------------------------------- prefill (flash)
 
 def _prefill_kernel(start_ref, first_ref, mask_ref, q_ref, *refs, n_k: int, fmt, parts: int,
-                    block_q: int, block_k: int, g: int, t: int, scale: float):
+                    block_q: int, block_k: int, g: int, t: int, scale: float, placed: bool):
   """One program: `block_q` query rows (token-major, the G heads of one KV head) of one batch
   row against the cache slots they may see, flash-style (online softmax over slot tiles)."""
   k_refs, v_refs, o_ref = refs[:n_k], refs[n_k:2 * n_k], refs[2 * n_k]
@@ -314,7 +326,7 @@ def _prefill_kernel(start_ref, first_ref, mask_ref, q_ref, *refs, n_k: int, fmt,
     ok = inb & (_load_slots(mask_ref, off, inb, block_k=block_k) != 0)
     allowed = ok[None, :] & ((off + ar)[None, :] <= q_slot[:, None])
     return _attend_tile(carry, qs, k_refs, v_refs, off, inb, allowed, fmt=fmt, parts=parts,
-                        block_k=block_k, scale=scale)
+                        block_k=block_k, scale=scale, placed=placed)
 
   init = _attend_init(block_q, qs[0].shape[1], parts)
   _, l, accs = lax.fori_loop(0, n_tiles, body, init)
@@ -368,7 +380,8 @@ def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
   first = jnp.where(jnp.any(allowed, axis=1), jnp.argmax(allowed, axis=1), s).astype(jnp.int32)
 
   kernel = functools.partial(_prefill_kernel, n_k=len(k_ops), fmt=fmt, parts=parts,
-                             block_q=block_q, block_k=block_k, g=g, t=t, scale=float(scale))
+                             block_q=block_q, block_k=block_k, g=g, t=t, scale=float(scale),
+                             placed=_placed(k))
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt

@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax import quant as tq
 # fp4_mgpu imports no Pallas at module level (its kernels import Mosaic when they trace)
 from trace_jax.kernels import attention_ref, fp4_mgpu, reference
 from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
@@ -76,8 +77,8 @@ from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["append_kv", "count_by_group", "decode_attention", "float32_dot", "grouped_backend",
-           "grouped_matmul", "matmul", "on_gpu", "prefill_attention", "prepare_weight",
-           "quantize_rows", "route", "sort_by_group"]
+           "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
+           "prepare_weight", "quantize_rows", "route", "sort_by_group"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
@@ -86,6 +87,10 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
+# FP4 KV caches the Mosaic decode attention kernel reads hold bit-placed code words ("kv_words":
+# its decode 13 instructions a word instead of 17); TRACE_JAX_KV_WORDS=nibbles keeps the nibble
+# packing (A/B runs)
+_KV_WORDS = _setting("TRACE_JAX_KV_WORDS", "placed", ("placed", "nibbles"))
 # decode attention over at most this many cache slots (batch x slots) takes the Pallas kernel
 # where the Mosaic one also applies (see the module docstring); 0: the Mosaic kernel always
 SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
@@ -507,6 +512,19 @@ def quantize_rows(x, fmt):
 def _quantize_rows(x, *, fmt):
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
   return row_quant.quantize_rows(x, fmt)
+
+
+def kv_packing(kv_heads: int, head_dim: int, kv_format) -> str:
+  """The FP4 code packing (`QArray.packing`) of a new KV cache: "kv_words" where the Mosaic
+  NVFP4 decode attention kernel reads it (on the GPU, its head shapes; the Pallas kernels and
+  the references read either), else "nibbles"."""
+  from trace_jax.kernels import attention_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  fmt = None if kv_format is None else tq.get_format(kv_format)
+  if (_KV_WORDS == "placed" and _ATTENTION_MOSAIC and on_gpu() and fmt is not None
+      and fmt.name == "nvfp4" and (kv_heads, head_dim)
+      == (attention_mgpu.KV_HEADS, attention_mgpu.HEAD_DIM)):
+    return "kv_words"
+  return "nibbles"
 
 
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,

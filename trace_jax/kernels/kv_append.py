@@ -3,9 +3,11 @@ and V rows and store their codes, block scales and row scales into the cache slo
 
 Owns the kernel, its support check and its wrapper. The result is defined by the XLA path it
 replaces (`quant.quantize(..., second_level="row")` of the new rows, then
-`kv_cache.write_layer`): the same bits in every cache field. That path is ten kernels per layer
-in a decode step on the H200 (the K/V stack, block and row maxima, the codes, six
-dynamic-update-slices: 12.5 us per layer in the session-7 profile); this is one.
+`kv_cache.write_layer`): the same bits in every cache field (codes bit-placed in the kernel
+where the cache's packing is "kv_words"; the new rows it returns stay nibble-packed). That
+path is ten kernels per layer in a decode step on the H200 (the K/V stack, block and row
+maxima, the codes, six dynamic-update-slices: 12.5 us per layer in the session-7 profile); this
+is one.
 
 The encoding is `quant.qarray.encode_blocks` itself, traced inside the kernel
 (`row_quant.encode_tile`), with one difference of means, not of result: the correctly rounded
@@ -30,6 +32,7 @@ from jax.experimental import pallas as pl
 
 from trace_jax import quant as tq
 from trace_jax.kernels.row_quant import encode_tile, reciprocal
+from trace_jax.quant import e2m1
 from trace_jax.quant import qarray as Q
 
 
@@ -56,7 +59,7 @@ def kernel_supported(k_cache, k_new) -> str | None:
   return None
 
 
-def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip):
+def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip, packings):
   # refs: 6 aliased cache inputs (unused: their buffers are the outputs), 6 cache outputs
   # (K codes, scales, row scales, then V's), 6 new-row outputs in the same order
   caches, rows = refs[6:12], refs[12:]
@@ -66,17 +69,20 @@ def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip):
     x = x_ref[...].astype(jnp.float32)  # [KVH, hd]
     kvh, hd = x.shape
     blk, packed = encode_tile(x.reshape(kvh, hd // fmt.block, fmt.block), fmt, recip)
-    fields = (packed.reshape(kvh, hd // 2), blk.scales, blk.g.reshape(kvh, 1))
-    for f, val in enumerate(fields):
-      caches[3 * j + f][pl.ds(b, 1), pl.ds(slot, 1)] = val[None, None]
-      rows[3 * j + f][...] = val
+    codes = packed.reshape(kvh, hd // 2)
+    placed = e2m1.place_kv_words(codes) if packings[j] == "kv_words" else codes
+    for f, (cache_val, row_val) in enumerate(((placed, codes), (blk.scales, blk.scales),
+                                             (blk.g.reshape(kvh, 1), blk.g.reshape(kvh, 1)))):
+      caches[3 * j + f][pl.ds(b, 1), pl.ds(slot, 1)] = cache_val[None, None]
+      rows[3 * j + f][...] = row_val
 
 
 def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, index, *,
            interpret: bool = False):
   """Write the NVFP4 encodings of `k`, `v` `[B, 1, KVH, hd]` into slot `index` (a scalar shared
-  by the batch, or `[B]`) of the caches; returns (k_cache, v_cache, kq, vq), kq/vq the new rows
-  as `QArray`s `[B, 1, KVH, hd]` (what guidance and code records take)."""
+  by the batch, or `[B]`) of the caches, in each cache's code packing; returns (k_cache,
+  v_cache, kq, vq), kq/vq the new rows as nibble-packed `QArray`s `[B, 1, KVH, hd]` (what
+  guidance and code records take)."""
   for cache, new in ((k_cache, k), (v_cache, v)):
     why = kernel_supported(cache, new)
     if why:
@@ -97,7 +103,8 @@ def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, i
     from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
     compiler_params = plt.CompilerParams(num_warps=4, num_stages=1)
   out = pl.pallas_call(
-      functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret)),
+      functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret),
+                        packings=(k_cache.packing, v_cache.packing)),
       grid=(b,),
       in_specs=[whole(idx), new_spec, new_spec] + [whole(a) for a in leaves],
       out_specs=[whole(a) for a in leaves] + row_specs,
@@ -107,6 +114,9 @@ def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, i
       interpret=interpret,
       name="kv_append_nvfp4",
   )(idx, k, v, *leaves)
-  as_q = lambda f, like, shape: Q.QArray(*f, like.fmt, like.axis, tuple(shape))  # noqa: E731
-  return (as_q(out[0:3], k_cache, k_cache.shape), as_q(out[3:6], v_cache, v_cache.shape),
-          as_q(out[6:9], k_cache, (b, 1, kvh, hd)), as_q(out[9:12], v_cache, (b, 1, kvh, hd)))
+  as_q = lambda f, like, shape, packing: Q.QArray(  # noqa: E731
+      *f, like.fmt, like.axis, tuple(shape), packing)
+  return (as_q(out[0:3], k_cache, k_cache.shape, k_cache.packing),
+          as_q(out[3:6], v_cache, v_cache.shape, v_cache.packing),
+          as_q(out[6:9], k_cache, (b, 1, kvh, hd), "nibbles"),
+          as_q(out[9:12], v_cache, (b, 1, kvh, hd), "nibbles"))

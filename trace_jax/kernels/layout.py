@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.quant import QArray
+from trace_jax.quant import e2m1
 from trace_jax.quant import formats as F
 
 TILE = 64  # rows and K columns of one decoded wgmma operand tile
@@ -56,22 +57,7 @@ NV_BIAS = 0x7600  # bf16 bits of 2**109 = 2**-9 * 2**118, the smallest NVFP4 mul
 
 # --------------------------------------------------------------------------- static tables
 
-def _bit_sources() -> np.ndarray:
-  """src[o, v, b]: bit of a code word feeding E2M1 bit b (0 m, 1 e0, 2 e1, 3 s) of decoded
-  register o (0..3), half v (`fp4_mgpu.WEIGHT_DECODE_ASM`). Each bit lands on its bf16 place
-  (m 6, e0 7, e1 8, s 15, + 16 v) by one word-wide move and one mask: register 0 in place,
-  register 1 shifted left by 4, register 2 rotated left by 10, register 3 shifted left by 6 but
-  for e1, shifted right by 2. (No four moves of one mask cover the word: the e1 bits of
-  register 3 take a second move.)"""
-  dst = np.array([6, 7, 8, 15])[None, None, :] + 16 * np.arange(2)[None, :, None]  # [1, v, b]
-  rot = np.array([0, 4, 10, 6])[:, None, None] + np.zeros((1, 2, 4), int)  # left by, per reg
-  rot[3, :, 2] = -2  # register 3's e1: right by 2
-  src = (dst - rot) % 32
-  assert sorted(src.ravel().tolist()) == list(range(32))
-  return src
-
-
-_SRC = _bit_sources()
+_SRC = e2m1.wgmma_bit_sources()  # [register o, half v, E2M1 bit b] -> code word bit
 
 
 def _slot_tables() -> tuple[np.ndarray, np.ndarray]:

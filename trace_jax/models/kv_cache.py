@@ -1,6 +1,11 @@
 """The KV cache: per-layer K and V in bf16/f32 or block-quantized (FP4/FP8 `QArray`s, blocks along
 head_dim, one second-level scale per token and head: row-local), plus which slots hold tokens.
 
+NVFP4 caches read by the Mosaic decode attention kernel (the GPU default) hold their codes as
+"kv_words" (`QArray.packing`: each 4-byte word bit-placed for the kernel's decode); the rows
+quantized for a write (and the guidance and code records taken from them) keep the nibble
+packing, and `write_layer` places them.
+
 Slots are written at an index shared by the batch (the rollout engine: prompts are left-padded)
 or at one index per row (`[B]`: the slot decoder, whose rows hold sequences of different lengths),
 and `valid` marks real tokens so padding never takes part in attention.
@@ -14,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from trace_jax import kernels
 from trace_jax import quant as tq
 from trace_jax.kernels.attention_mgpu import SLOT_MULTIPLE
 from trace_jax.kernels.attention_ref import read_kv
@@ -50,7 +56,7 @@ class KVCache:
 jax.tree_util.register_dataclass(KVCache, data_fields=["layers", "valid"], meta_fields=[])
 
 
-def _empty(shape, fmt: tq.Format | None, dtype):
+def _empty(shape, fmt: tq.Format | None, dtype, packing: str = "nibbles"):
   if fmt is None:
     return jnp.zeros(shape, dtype)
   # Quantize one zero row and broadcast its fields: quantizing the whole zero cache inside a jit
@@ -58,6 +64,7 @@ def _empty(shape, fmt: tq.Format | None, dtype):
   # H200). Rows are independent ("row" second level), so the fields are the same bits.
   one = tq.quantize(jnp.zeros((1,) * (len(shape) - 1) + shape[-1:], jnp.float32), fmt, axis=-1,
                     second_level="row", validate=False)
+  one = tq.with_packing(one, packing)
   grow = lambda a: None if a is None else jnp.broadcast_to(a, shape[:-1] + a.shape[-1:])  # noqa: E731
   return dataclasses.replace(one, codes=grow(one.codes), scales=grow(one.scales),
                              global_scale=grow(one.global_scale), shape=tuple(shape))
@@ -74,12 +81,16 @@ def padded_length(n: int) -> int:
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, kv_format: str | tq.Format | None,
-               dtype=None) -> KVCache:
-  """An empty cache; `kv_format` None keeps K/V in `dtype` (default: the compute dtype)."""
+               dtype=None, packing: str | None = None) -> KVCache:
+  """An empty cache; `kv_format` None keeps K/V in `dtype` (default: the compute dtype);
+  `packing` the FP4 codes' (`QArray.packing`; default `kernels.kv_packing`: "kv_words" where
+  the Mosaic decode attention kernel reads the cache)."""
   fmt = None if kv_format is None else tq.get_format(kv_format)
+  if packing is None:
+    packing = kernels.kv_packing(config.num_kv_heads, config.head_dim, kv_format)
   dtype = dtype or config.compute_dtype
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-  layers = tuple(LayerKV(_empty(shape, fmt, dtype), _empty(shape, fmt, dtype))
+  layers = tuple(LayerKV(_empty(shape, fmt, dtype, packing), _empty(shape, fmt, dtype, packing))
                  for _ in range(config.num_layers))
   return KVCache(layers, jnp.zeros((batch, max_len), bool))
 
@@ -119,8 +130,16 @@ def put_rows(buf, rows, index):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _as_cache(buf, new):
+  """New rows in the cache's code packing (quantized rows arrive nibble-packed)."""
+  if isinstance(buf, tq.QArray) and isinstance(new, tq.QArray):
+    return tq.with_packing(new, buf.packing)
+  return new
+
+
 def write_layer(layer: LayerKV, k_new, v_new, index) -> LayerKV:
-  return LayerKV(update_slice(layer.k, k_new, index), update_slice(layer.v, v_new, index))
+  return LayerKV(update_slice(layer.k, _as_cache(layer.k, k_new), index),
+                 update_slice(layer.v, _as_cache(layer.v, v_new), index))
 
 
 read = read_kv  # K or V as `dtype` values (the definition lives with the attention reference)

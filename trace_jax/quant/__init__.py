@@ -13,11 +13,13 @@ from trace_jax.quant.guided_round import (Guidance, concatenate, guidance_bits_p
                                           reshape_rows,
                                           take_rows)
 from trace_jax.quant.policy import PRESETS, QuantPolicy, make_policy
-from trace_jax.quant.qarray import QArray, dequantize, quantize, quantize_with_value
+from trace_jax.quant.qarray import (QArray, dequantize, quantize, quantize_with_value,
+                                    with_packing)
 
 __all__ = [
     "E2M1_GRID", "E2M1_VALUES", "FORMATS", "concatenate", "Format", "Guidance", "PRESETS", "QArray",
     "QuantPolicy", "dequantize", "fake_quant", "get_format", "guidance_bits_per_element",
     "guided_fake_quant", "guided_quantize", "make_guidance", "make_policy", "map_blocked", "quantize",
     "quantize_grad", "quantize_with_value", "reshape_rows", "stochastic_fake_quant", "take_rows",
+    "with_packing",
 ]

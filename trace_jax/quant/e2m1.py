@@ -2,7 +2,9 @@
 
 One definition of each element rule lives here (see NUMERICS.md): round to nearest with ties to
 the even mantissa bit, saturating at +-6; stochastic rounding between grid neighbours; the
-bracket of grid neighbours used by guided rounding; two codes per byte, low nibble = even index.
+bracket of grid neighbours used by guided rounding; two codes per byte, low nibble = even index;
+the bit placement of 32-bit code words that the Mosaic GPU kernels decode in registers
+(`wgmma_bit_sources`, the KV cache's `place_kv_words`).
 Codes are `uint8` in 0..15: bit 3 is the sign, bits 2..0 index the magnitude grid.
 """
 
@@ -125,3 +127,88 @@ def unpack_bits(packed: jax.Array) -> jax.Array:
   shifts = jnp.arange(8, dtype=jnp.uint8)
   bits = (packed[..., None] >> shifts) & 1
   return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8).astype(jnp.uint8)
+
+
+# --------------------------------------------------------------------------- bit-placed words
+
+def wgmma_bit_sources() -> np.ndarray:
+  """src[o, v, b]: bit of a 32-bit code word feeding E2M1 bit b (0 m, 1 e0, 2 e1, 3 s) of
+  decoded register o (0..3), half v (`kernels.fp4_mgpu.WEIGHT_DECODE_ASM`). Each bit lands on
+  its bf16 place (m 6, e0 7, e1 8, s 15, + 16 v) by one word-wide move and one mask: register 0
+  in place, register 1 shifted left by 4, register 2 rotated left by 10, register 3 shifted
+  left by 6 but for e1, shifted right by 2. (No four moves of one mask cover the word: the e1
+  bits of register 3 take a second move.)"""
+  dst = np.array([6, 7, 8, 15])[None, None, :] + 16 * np.arange(2)[None, :, None]  # [1, v, b]
+  rot = np.array([0, 4, 10, 6])[:, None, None] + np.zeros((1, 2, 4), int)  # left by, per reg
+  rot[3, :, 2] = -2  # register 3's e1: right by 2
+  src = (dst - rot) % 32
+  assert sorted(src.ravel().tolist()) == list(range(32))
+  return src
+
+
+def _kv_word_places() -> np.ndarray:
+  """places[n]: the bit of a placed KV word that holds bit n of the natural word (8 codes,
+  code e in bits 4e..4e+3, as `pack_nibbles` lays 4 bytes out little-endian). The decode
+  attention kernel pairs the word's codes as (0, 2), (1, 3), (4, 6), (5, 7) into its four
+  bf16x2 registers (the head_dim order `attention_mgpu.PHYS_TO_LOGICAL` undoes), so code
+  `e = 4 (o // 2) + o % 2 + 2 v` goes to register o, half v of `wgmma_bit_sources`."""
+  src = wgmma_bit_sources()
+  places = np.empty(32, int)
+  for o in range(4):
+    for v in range(2):
+      e = 4 * (o // 2) + o % 2 + 2 * v
+      places[4 * e:4 * e + 4] = src[o, v]
+  return places
+
+
+KV_WORD_PLACES = _kv_word_places()
+
+
+def _rotations(places: np.ndarray) -> list[tuple[int, int]]:
+  """A bit permutation (bit n -> places[n]) as (mask, left rotation) pairs: the bits that
+  move by the same rotation travel together (9 pairs for the KV words)."""
+  turn = (places - np.arange(32)) % 32
+  return [(sum(1 << int(n) for n in np.flatnonzero(turn == d)), int(d))
+          for d in np.unique(turn)]
+
+
+def _permute_word_bits(w: jax.Array, places: np.ndarray) -> jax.Array:
+  """uint32 words with bit n moved to bit places[n] (shifts, masks and ors only: traceable
+  inside Pallas kernel bodies)."""
+  out = jnp.zeros_like(w)
+  for mask, d in _rotations(places):
+    m = w & jnp.uint32(mask)
+    out = out | (m if d == 0 else (m << jnp.uint32(d)) | (m >> jnp.uint32(32 - d)))
+  return out
+
+
+def _bytes_to_words(packed: jax.Array) -> jax.Array:
+  """[..., 4n] uint8 -> [..., n] uint32, byte k of each 4 in bits 8k.. (little-endian, the
+  GPU's view of the bytes as words). A sum of disjoint bits, not a bitcast: Pallas's Triton
+  lowering slices and bitcasts no register arrays."""
+  *lead, n4 = packed.shape
+  if n4 % 4:
+    raise ValueError(f"code words need a last axis that is a multiple of 4 bytes, got {n4}")
+  b = packed.reshape(*lead, n4 // 4, 4).astype(jnp.uint32)
+  shift = (8 * jax.lax.broadcasted_iota(jnp.int32, (1,) * len(lead) + (1, 4), len(lead) + 1))
+  return jnp.sum(b << shift.astype(jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+def _words_to_bytes(w: jax.Array) -> jax.Array:
+  """Inverse of `_bytes_to_words`."""
+  *lead, n = w.shape
+  shift = (8 * jax.lax.broadcasted_iota(jnp.int32, (1,) * len(lead) + (1, 4), len(lead) + 1))
+  b = (w[..., None] >> shift.astype(jnp.uint32)) & jnp.uint32(0xFF)
+  return b.astype(jnp.uint8).reshape(*lead, 4 * n)
+
+
+def place_kv_words(packed: jax.Array) -> jax.Array:
+  """Nibble-packed FP4 codes `[..., 4n]` uint8 (`pack_nibbles`, the last axis the block axis)
+  -> the same bytes with each 4-byte word's bits in the decode attention kernel's order
+  (`KV_WORD_PLACES`): its decode then takes 13 instructions a word instead of 17."""
+  return _words_to_bytes(_permute_word_bits(_bytes_to_words(packed), KV_WORD_PLACES))
+
+
+def unplace_kv_words(packed: jax.Array) -> jax.Array:
+  """Inverse of `place_kv_words`."""
+  return _words_to_bytes(_permute_word_bits(_bytes_to_words(packed), np.argsort(KV_WORD_PLACES)))

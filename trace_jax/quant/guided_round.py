@@ -81,7 +81,7 @@ def make_guidance(q: Q.QArray, compact: bool = True) -> Guidance:
     bits = bits.reshape(*bits.shape[:-2], -1)
     payload = jnp.moveaxis(e2m1.pack_bits(bits), -1, q.axis)
   else:
-    payload = q.codes
+    payload = Q.with_packing(q, "nibbles").codes
   return Guidance(payload, q.scales, q.global_scale, q.fmt, q.axis, q.shape, compact)
 
 

@@ -178,6 +178,9 @@ class QArray:
   scales: one per block, the block axis at `axis` (length ceil(K/block)).
   global_scale: NVFP4 float32 second-level scale, keepdims (broadcastable to `scales`);
           None for MX formats.
+  packing: FP4 codes' byte order: "nibbles" (`e2m1.pack_nibbles`, everywhere but the KV
+          cache), or "kv_words" (each 4 bytes along `axis` bit-placed as the decode attention
+          kernel reads them, `e2m1.place_kv_words`; see `with_packing`).
   """
 
   codes: jax.Array
@@ -186,6 +189,7 @@ class QArray:
   fmt: F.Format = dataclasses.field(metadata=dict(static=True))
   axis: int = dataclasses.field(metadata=dict(static=True))
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  packing: str = dataclasses.field(default="nibbles", metadata=dict(static=True))
 
   @property
   def ndim(self) -> int:
@@ -219,6 +223,8 @@ class QArray:
   def blocked_codes(self) -> jax.Array:
     """Codes unpacked into the blocked layout (lead..., nb, block)."""
     c = jnp.moveaxis(self.codes, self.axis, -1)
+    if self.packing == "kv_words":
+      c = e2m1.unplace_kv_words(c)
     if self.fmt.is_fp4:
       c = e2m1.unpack_nibbles(c)
     return c.reshape(*c.shape[:-1], c.shape[-1] // self.fmt.block, self.fmt.block)
@@ -238,7 +244,23 @@ class QArray:
 
 
 jax.tree_util.register_dataclass(
-    QArray, data_fields=["codes", "scales", "global_scale"], meta_fields=["fmt", "axis", "shape"])
+    QArray, data_fields=["codes", "scales", "global_scale"],
+    meta_fields=["fmt", "axis", "shape", "packing"])
+
+PACKINGS = ("nibbles", "kv_words")
+
+
+def with_packing(q: QArray, packing: str) -> QArray:
+  """`q` with its FP4 codes in `packing` (the same values; only the codes' bytes move)."""
+  if packing not in PACKINGS:
+    raise ValueError(f"unknown FP4 code packing {packing!r}; expected one of {PACKINGS}")
+  if packing == q.packing:
+    return q
+  if not q.fmt.is_fp4:
+    raise ValueError(f"{packing} packing is defined for FP4 codes, not {q.fmt.name}")
+  c = jnp.moveaxis(q.codes, q.axis, -1)
+  c = e2m1.place_kv_words(c) if packing == "kv_words" else e2m1.unplace_kv_words(c)
+  return dataclasses.replace(q, codes=jnp.moveaxis(c, -1, q.axis), packing=packing)
 
 
 def pack_blocked(blk: Blocked, fmt: F.Format, axis: int, shape: tuple[int, ...]) -> QArray:
