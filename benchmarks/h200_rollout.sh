@@ -470,7 +470,10 @@ elif [ "$stage" = s27a ]; then
     | grep -v "^I1\|^W1" | grep -E "same_tokens|divergen|diverging|logprob" | tail -8
 elif [ "$stage" = s27b ]; then
   # (session 27) the 8k-capacity FP4 rollout, 48 layers, with the cache packing of
-  # TRACE_JAX_KV_WORDS (placed: the default; nibbles: the A side), one row a call
+  # TRACE_JAX_KV_WORDS (placed: the default; nibbles: the A side), one row a call; TESTS=1
+  # first reruns s27a's kv_words equality test and the model decode step's kernel choice
+  [ "${TESTS:-0}" = 1 ] && gpu_tests tests/kernels/test_attention_gpu.py \
+    "kv_words or model_decode" kvwords2 ${ATEST_TIMEOUT:-150}
   HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-330} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-330} - 10 )) \
     GEN=2048 bash $0 cap8k_inner | tail -4
   mv $OUT/bench_rollout_cap8k_${LAYERS:-48}l.json \
