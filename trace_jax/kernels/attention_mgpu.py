@@ -1,7 +1,7 @@
 """Mosaic GPU (Pallas `plgpu`, Hopper sm_90) decode attention over an NVFP4 KV cache: K and V
 decoded in registers straight into wgmma operands, the technique of the FP4 matmul kernels.
 
-Owns the kernel body, its inline PTX (the natural-layout nibble decode, the scale
+Owns the kernel body, its inline PTX (the code word decodes, the scale
 multipliers, the split merge), the per-call plumbing (q permutation, validity row) and a
 `jnp` model of the kernel (`emulate_kernel`) for CPU tests of that plumbing. The result is
 defined by `attention_ref.decode_attention_ref`.
@@ -48,7 +48,11 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   830 with the earlier decode (22 a code word), accurate exp, N 16, a zeroed PV accumulator
   and the wgmma descriptors computed in the loop (H200, B 16 x 8k: 51.4 us kernel); 518 with
   the exact max every tile (38.4 us); 495 on a tile that leaves the lazy max as it is (45 more
-  where it rises), 272 of them the nibble decode (17 a word).
+  where it rises), 272 of them the nibble decode (17 a word). Caches of "kv_words"
+  (`QArray.packing`, the GPU default since session 27: each word's bits placed by
+  `e2m1.KV_WORD_PLACES`) take the matmul weights' `WEIGHT_DECODE_ASM`, 13 a word, for the same
+  registers (H200, kernel us, nibbles -> kv_words: B 16 x 8k 39.7 -> 38.2, B 64 x 8k 132.9 ->
+  121.6, B 64 x 32k 470.8 -> 436.6).
 - per part of a row (a split, or a stream CTA's share of the row): unnormalized O^T, running
   max and sum. A row of one part writes its normalized output; otherwise the last part of a
   row to finish merges them all (`_split_merger`: plain global stores, a fence and an atomic
@@ -681,10 +685,9 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   [B, 4, gp, 128] (head_dim physical; gp the wgmma N side, 8 or 16: `query_lanes`); kc/vc
   uint32 [B, S, 64] (codes of the 4 heads; `placed`: "kv_words"); ks/vs uint32 [B, S, 8]
   (scale bytes); kg/vg float32 [B, S, 4] (the cache's own row scales g, read in place), times
-  k_factor / v_factor
-  in the kernel (2**8, K's also times the softmax scale and log2(e): the softmax is `exp2` of
-  scores in log2 units, and the returned maxima are in those units); vf float32 [B, S_pad] (1:
-  slot visible, 0 not).
+  k_factor / v_factor in the kernel (2**8, K's also times the softmax scale and log2(e): the
+  softmax is `exp2` of scores in log2 units, and the returned maxima are in those units); vf
+  float32 [B, S_pad] (1: slot visible, 0 not).
   The softmax denominator stays a per-thread [64, gp] partial (rescaled with the output) and is
   reduced across warps once per split, so a tile has one cross-warp reduction (the max), not
   two: 5-7% faster on the H200 than a reduction per tile (B 16/64 x S 8k/32k, 2026-11-30).
@@ -1019,10 +1022,10 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
                    lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
                    out_dtype=jnp.bfloat16, placed: bool = False):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
-  their natural order, multiplies in the kernel's physical head_dim order, runs the same online
-  softmax per 64-token tile (tiles at or past `kt` leave the state as it is), and with `heads`
-  the merged output (`merge_partials`, the combine the in-kernel merge equals). Lets CPU tests
-  cover the plumbing around the kernel."""
+  their natural order (un-placing "kv_words"), multiplies in the kernel's physical head_dim
+  order, runs the same online softmax per 64-token tile (tiles at or past `kt` leave the state
+  as it is), and with `heads` the merged output (`merge_partials`, the combine the in-kernel
+  merge equals). Lets CPU tests cover the plumbing around the kernel."""
   del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
   b = kc.shape[0]
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,

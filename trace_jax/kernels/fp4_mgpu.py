@@ -118,7 +118,7 @@ shl.b32 $1, $1, 7;
 # on bit 15; one `and` keeps those: `E2M1 * 2**-126`, then times the multiplier. The low
 # nibbles are the high nibbles of the word shifted left by 4. 17 instructions per word, 8 of
 # them on the integer (ALU) pipe: ptxas issues the shifts as IMAD.SHL on the FMA pipe. The
-# decode attention's cache (natural NVFP4 packing) takes it; the matmul weights took it in
+# decode attention's nibble-packed caches take it; the matmul weights took it in
 # session 23 (`WEIGHT_DECODE_ASM` below since). (The attention's first decode took 22
 # instructions a word.)
 _MAG = "0x81C081C0"  # bf16 bits 15, 8, 7, 6 of both halves: the places of `s e1 e0 m`
@@ -133,13 +133,14 @@ DECODE_ASM = ("{\n.reg .b32 w4, y;\nshl.b32 w4, $4, 4;\n"
                                               ("0xB3A2", "w4", "$2"), ("0xB3A2", "$4", "$3")))
               + "}")
 
-# The matmul weights' decode: one code word ($4, bit-placed by `layout._bit_sources`) and a
+# The matmul weights' decode: one code word ($4, bit-placed by `e2m1.wgmma_bit_sources`) and a
 # multiplier ($5, bf16x2) -> four bf16x2 registers, each `E2M1 * 2**-126` times the multiplier.
 # Register 0 is the word masked to the bf16 places of `s e1 e0 m` (bits 15, 8, 7, 6 of each
 # half), register 1 the word shifted left by 4, register 2 rotated left by 10, register 3 the
 # word shifted left by 6 with its e1 bits from the word shifted right by 2 (one `lop3`: y | (z &
 # mask)). 9 integer instructions a word and 4 multiplies, against 13 and 4 of `DECODE_ASM` on
-# natural nibbles (the attention cache's packing, which keeps it). H200 (session 25, same run,
+# natural nibbles. The attention cache's "kv_words" (session 27, placed by
+# `e2m1.KV_WORD_PLACES`) take it too. H200 (session 25, same run,
 # us kernel, old decode -> this): GEMV 8192 x 28672 one row 39.4 -> 37.3, grouped gate+up 256
 # rows 64.2 -> 59.1, 2,208 rows 83.1 -> 76.5. The same bits with the rotate and the right shift
 # as `mul.wide` / `mul.hi` by powers of two (FMA pipe instead of ALU: 5 ALU instructions a word
