@@ -98,6 +98,8 @@ def main():
   ap.add_argument("--context", type=int, default=8192)
   ap.add_argument("--heads", type=int, default=32, help="query heads (4 KV heads x 128)")
   ap.add_argument("--lazy", default="on", choices=("on", "off"), help="attention's lazy max")
+  ap.add_argument("--packing", default="kv_words", choices=("kv_words", "nibbles"),
+                  help="attention cache's code packing (kv_words: the GPU default)")
   ap.add_argument("--n", type=int, default=28672)
   ap.add_argument("--k", type=int, default=8192)
   ap.add_argument("--rows", type=int, default=1)
@@ -129,8 +131,8 @@ def main():
   sds = jax.ShapeDtypeStruct
   if a.what == "attention":
     shape = (a.batch, a.context, attention_mgpu.KV_HEADS, attention_mgpu.HEAD_DIM)
-    kv = jax.eval_shape(lambda x: tq.quantize(x, "nvfp4", second_level="row", validate=False),
-                        sds(shape, jnp.float32))
+    kv = jax.eval_shape(lambda x: tq.with_packing(tq.quantize(
+        x, "nvfp4", second_level="row", validate=False), a.packing), sds(shape, jnp.float32))
     fn = functools.partial(attention_mgpu.decode_attention,
                            lazy_tau=attention_mgpu.LAZY_TAU if a.lazy == "on" else None)
     args = (sds((a.batch, a.heads, attention_mgpu.HEAD_DIM), jnp.bfloat16), kv, kv,

@@ -76,12 +76,13 @@ def make_guidance(q: Q.QArray, compact: bool = True) -> Guidance:
     raise TypeError(f"make_guidance expects a QArray, got {type(q).__name__}")
   if not q.fmt.is_fp4:
     raise ValueError(f"guided rounding is defined for FP4 formats, not {q.fmt.name}")
+  q = Q.with_packing(q, "nibbles")  # the trainer reads nibble-packed codes
   if compact:
     bits = e2m1.mantissa_bit(q.blocked_codes())
     bits = bits.reshape(*bits.shape[:-2], -1)
     payload = jnp.moveaxis(e2m1.pack_bits(bits), -1, q.axis)
   else:
-    payload = Q.with_packing(q, "nibbles").codes
+    payload = q.codes
   return Guidance(payload, q.scales, q.global_scale, q.fmt, q.axis, q.shape, compact)
 
 
