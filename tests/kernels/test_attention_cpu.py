@@ -377,7 +377,7 @@ def _lower_all(sds, b, s, kvh, h, hd):
         sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
     if fmt == "nvfp4":  # bit-placed code words: the Pallas kernels' un-placing
-      placed = tq.with_packing(kv, "kv_words")
+      placed = jax.eval_shape(lambda x: tq.with_packing(x, "kv_words"), kv)
       for fn, args in ((AP.decode_attention, (sds((b, h, hd), jnp.bfloat16), placed, placed,
                                               sds((b, s), jnp.bool_))),
                        (AP.prefill_attention, (sds((b, 300, h, hd), jnp.bfloat16), placed,
