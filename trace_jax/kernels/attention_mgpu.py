@@ -167,18 +167,28 @@ assert (np.arange(64).reshape(_HALF_AXES).transpose(_HALF_TO_LOGICAL).reshape(64
         == np.argsort(PHYS_TO_LOGICAL[:64])).all()
 
 
+def cache_supported(fmt_name: str, kv_heads: int, head_dim: int) -> str | None:
+  """None if this kernel reads a quantized cache of this format and head shape, else the reason
+  it does not (also what `kernels.kv_packing` asks before placing a new cache's words)."""
+  if fmt_name != "nvfp4":
+    return f"K/V format {fmt_name}, the kernel reads nvfp4"
+  if (kv_heads, head_dim) != (KV_HEADS, HEAD_DIM):
+    return f"{kv_heads} KV heads x head_dim {head_dim}, the kernel takes 4 x 128"
+  return None
+
+
 def kernel_supported(q, k, v) -> str | None:
   """None if this kernel handles these operands, else the reason it does not."""
   if q.dtype != jnp.bfloat16:
     return f"queries are {q.dtype}, the kernel takes bfloat16"
   if not (isinstance(k, tq.QArray) and isinstance(v, tq.QArray)):
     return "K/V are not quantized"
-  if k.fmt.name != "nvfp4" or v.fmt.name != "nvfp4":
-    return f"K/V format {k.fmt.name}, the kernel reads nvfp4"
+  for x in (k, v):
+    why = cache_supported(x.fmt.name, x.shape[2], x.shape[-1])
+    if why:
+      return why
   if k.packing != v.packing:
     return f"K codes packed as {k.packing}, V as {v.packing}"
-  if k.shape[-1] != HEAD_DIM or k.shape[2] != KV_HEADS:
-    return f"{k.shape[2]} KV heads x head_dim {k.shape[-1]}, the kernel takes 4 x 128"
   if q.shape[1] // k.shape[2] > GP:
     return f"more than {GP} query heads per KV head"
   if k.shape[1] % SLOT_MULTIPLE:

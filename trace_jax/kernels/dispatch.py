@@ -519,10 +519,9 @@ def kv_packing(kv_heads: int, head_dim: int, kv_format) -> str:
   NVFP4 decode attention kernel reads it (on the GPU, its head shapes; the Pallas kernels and
   the references read either), else "nibbles"."""
   from trace_jax.kernels import attention_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
-  fmt = None if kv_format is None else tq.get_format(kv_format)
-  if (_KV_WORDS == "placed" and _ATTENTION_MOSAIC and on_gpu() and fmt is not None
-      and fmt.name == "nvfp4" and (kv_heads, head_dim)
-      == (attention_mgpu.KV_HEADS, attention_mgpu.HEAD_DIM)):
+  if (_KV_WORDS == "placed" and _ATTENTION_MOSAIC and on_gpu() and kv_format is not None
+      and attention_mgpu.cache_supported(tq.get_format(kv_format).name, kv_heads,
+                                         head_dim) is None):
     return "kv_words"
   return "nibbles"
 

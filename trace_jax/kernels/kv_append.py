@@ -69,12 +69,12 @@ def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip, packings):
     x = x_ref[...].astype(jnp.float32)  # [KVH, hd]
     kvh, hd = x.shape
     blk, packed = encode_tile(x.reshape(kvh, hd // fmt.block, fmt.block), fmt, recip)
-    codes = packed.reshape(kvh, hd // 2)
-    placed = e2m1.place_kv_words(codes) if packings[j] == "kv_words" else codes
-    for f, (cache_val, row_val) in enumerate(((placed, codes), (blk.scales, blk.scales),
-                                             (blk.g.reshape(kvh, 1), blk.g.reshape(kvh, 1)))):
-      caches[3 * j + f][pl.ds(b, 1), pl.ds(slot, 1)] = cache_val[None, None]
-      rows[3 * j + f][...] = row_val
+    fields = (packed.reshape(kvh, hd // 2), blk.scales, blk.g.reshape(kvh, 1))
+    for f, val in enumerate(fields):
+      rows[3 * j + f][...] = val  # the new rows stay nibble-packed
+      if f == 0 and packings[j] == "kv_words":
+        val = e2m1.place_kv_words(val)
+      caches[3 * j + f][pl.ds(b, 1), pl.ds(slot, 1)] = val[None, None]
 
 
 def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, index, *,
