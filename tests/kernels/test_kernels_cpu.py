@@ -624,18 +624,25 @@ def test_route_tables_equal_the_separate_reductions(m, e, ids_up_to, alpha):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-def test_chunk_tables_vs_loop():
-  """The grouped kernel's chunk tables against a plain loop over groups: windows of bm rows
-  from the group's first row rounded down to 8, each row's (chunk, row-in-window) slot, rows
-  past the sum at C * bm."""
+@pytest.mark.parametrize("e,m,total", [(9, 70, 61), (4, 600, 597)],
+                         ids=["owners_beside_slots", "owners_then_slots"])
+def test_chunk_tables_vs_loop(e, m, total):
+  """The grouped kernel's chunk tables against a plain loop over groups: ceil((size + 7) / bm)
+  windows reserved per group, of bm rows from the group's first row rounded down to 8, those
+  that start past the group's last row unused (-1, 0); each row's (chunk, row-in-window) slot,
+  rows past the sum at C * bm. Both forms: the owners and slots in one reduction (M rows a
+  little past the chunks needed: C = M), and apart (M far past C)."""
   rng = np.random.default_rng(3)
-  e, bm, m = 9, 16, 70
-  gs = rng.multinomial(61, np.ones(e) / e)
-  gs[[2, 5]] = 0, 0
-  gs[0] += 61 - gs.sum()
+  bm = 16
+  gs = rng.multinomial(total, np.ones(e) / e)
+  gs[[2, e - 1]] = 0, 0
+  gs[0] += total - gs.sum()
   ce, row0, slot = jax.jit(fp4_mgpu.chunk_tables, static_argnums=(1, 2))(
       jnp.asarray(gs, jnp.int32), m, bm)
   ce, row0, slot = map(np.asarray, (ce, row0, slot))
+  n_chunks = fp4_mgpu.chunk_count(m, e, bm)
+  assert ce.shape == row0.shape == (n_chunks,)
+  assert (m <= n_chunks) == (m == 70)  # one reduction for owners and slots, or two
   # with the group ends given (as `route` counts them) the same tables
   given = jax.jit(fp4_mgpu.chunk_tables, static_argnums=(1, 2))(
       jnp.asarray(gs, jnp.int32), m, bm, jnp.asarray(np.cumsum(gs), jnp.int32))
@@ -644,16 +651,16 @@ def test_chunk_tables_vs_loop():
   want_ce, want_row0, want_slot = [], [], np.full(m, ce.shape[0] * bm)
   start = 0
   for g, size in enumerate(gs):
-    if size:
-      r = start // 8 * 8
-      while r < start + size:
-        for row in range(max(r, start), min(r + bm, start + size)):
-          want_slot[row] = len(want_ce) * bm + row - r
-        want_ce.append(g)
-        want_row0.append(r)
-        r += bm
+    for j in range(-(-(size + 7) // bm) if size else 0):
+      r = start // 8 * 8 + j * bm
+      used = r < start + size
+      for row in range(max(r, start), min(r + bm, start + size)):
+        want_slot[row] = len(want_ce) * bm + row - r
+      want_ce.append(g if used else -1)
+      want_row0.append(r if used else 0)
     start += size
   n = len(want_ce)
+  assert (-1 in want_ce) == (m == 70)  # there, a reserved window starts past its group's end
   np.testing.assert_array_equal(ce[:n], want_ce)
   np.testing.assert_array_equal(row0[:n], want_row0)
   assert (ce[n:] == -1).all() and (row0[n:] == 0).all()

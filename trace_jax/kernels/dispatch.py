@@ -439,7 +439,7 @@ def _routed_by_counts(group_ids: jax.Array, num_groups: int):
   w = max(m, num_groups)  # columns: rows j for the order, groups e' for the chunk ends
   j = jnp.arange(w, dtype=jnp.int32)[None, :]
   inv_j = jnp.pad(inverse, (0, w - m), constant_values=-1)[None, :]
-  nch_j = jnp.pad(fp4_mgpu.chunks_per_group(sizes, ends, bm), (0, w - num_groups))[None, :]
+  nch_j = jnp.pad(fp4_mgpu.chunks_per_group(sizes, bm), (0, w - num_groups))[None, :]
   r = jnp.arange(m + num_groups, dtype=jnp.int32)[:, None]
   sums = jnp.sum(jnp.where(r < m, jnp.where(inv_j == r, j, 0),
                            jnp.where(j <= r - m, nch_j, 0)), axis=1, dtype=jnp.int32)

@@ -739,20 +739,17 @@ def dense_group_config(rows: int, n_tiles: int, k_steps: int) -> dict:
   return dict(n_inner=n_inner, splits=splits)
 
 
-def _prefix_sum(v: jax.Array) -> jax.Array:
-  """Inclusive prefix sum of a short int vector as one [n, n] reduction (no scan kernels)."""
-  n = v.shape[0]
-  lower = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
-  return jnp.sum(jnp.where(lower, v[None, :], 0), axis=1, dtype=jnp.int32)
-
-
-def _prefix_sums(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(exclusive, inclusive) prefix sums of a short int vector: two sibling [n, n] reductions
-  of the same terms, one kernel (v stays unmaterialized: inclusive - v would need it)."""
-  n = v.shape[0]
+def _prefix_sums(gs: jax.Array, bm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(ends, ch_first, ch_end) of a short vector of group sizes: the groups' inclusive row
+  ends and their first and end chunks (exclusive and inclusive prefix sums of
+  `chunks_per_group`): three sibling [E, E] reductions of terms made from the sizes alone, one
+  kernel (no scan kernels)."""
+  n = gs.shape[0]
   j, i = jnp.arange(n)[None, :], jnp.arange(n)[:, None]
-  return (jnp.sum(jnp.where(j < i, v[None, :], 0), axis=1, dtype=jnp.int32),
-          jnp.sum(jnp.where(j <= i, v[None, :], 0), axis=1, dtype=jnp.int32))
+  nch = chunks_per_group(gs, bm)[None, :]
+  return (jnp.sum(jnp.where(j <= i, gs[None, :], 0), axis=1, dtype=jnp.int32),
+          jnp.sum(jnp.where(j < i, nch, 0), axis=1, dtype=jnp.int32),
+          jnp.sum(jnp.where(j <= i, nch, 0), axis=1, dtype=jnp.int32))
 
 
 def grouped_bm(m: int, e: int) -> int:
@@ -769,10 +766,19 @@ def grouped_bm(m: int, e: int) -> int:
 
 
 def chunk_count(m: int, e: int, bm: int) -> int:
-  """Chunks the tables hold for m rows over e groups: at least sum_e ceil((size_e + start_e %
-  8) / bm) for any sizes."""
+  """Chunks the tables hold for m rows over e groups: at least sum_e ceil((size_e + 7) / bm)
+  (`chunks_per_group`) for any sizes, and m where that is up to `JOINT_TABLE_SLACK` more, so
+  that `chunk_tables` makes the chunk owners and the row slots in one reduction."""
   ne = min(e, m)  # groups that can hold rows
-  return -(-(m + 7 * ne) // bm) + ne
+  need = -(-(m + 7 * ne) // bm) + ne
+  return m if need < m <= need + JOINT_TABLE_SLACK else need
+
+
+# Up to this many chunks past the need (`chunk_count`) are added so that the chunk owners and
+# the row slots come from one reduction over the same rows (`chunk_tables`). They are empty
+# CTAs of the grouped kernel, which exit at once (256 rows over 128 experts, bm 16: 200
+# chunks needed, 256 held; 88 empty CTAs before).
+JOINT_TABLE_SLACK = NUM_SMS // 2
 
 
 def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None = None):
@@ -783,51 +789,66 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
   [m]: each row's index in the kernel output's (chunk, row-in-window) order, C*bm for rows past
   the sum). ends: the inclusive prefix sum of group_sizes if the caller has it.
 
-  Four small reductions: the group ends, the chunk ends (prefix sum of `chunks_per_group`),
-  (chunk_expert, chunk_row) as one pair (`chunk_owners`), the slots. Each row has at most one
-  owning group, and its slot is the owner's term: a min over groups of [M, E] terms, so no
-  look-up follows a search. (`dispatch.route`, which has each row's group, makes the slots
-  without a search.)"""
+  Group e reserves `chunks_per_group` chunks, a count of its size alone, so two small
+  reductions make the tables: the prefix sums (group ends, first and end chunks:
+  `_prefix_sums`), then the chunk owners and window starts (`chunk_owners`' terms) beside the
+  slots (each row has at most one owning group, and its slot is the owner's term: a min over
+  groups of [M, E] terms, so no look-up follows a search). Beside, not after: one reduction
+  over C rows where M <= C (`chunk_count` makes C = M where M is a little past the need),
+  where the H200 ran four kernels, ~1.2 us each, around a 59 us kernel at 256 rows.
+  (`dispatch.route`, which has each row's group, makes the slots without a search.)"""
   gs = group_sizes.astype(jnp.int32)
-  ends = _prefix_sum(gs) if ends is None else ends.astype(jnp.int32)
-  ce, row0, off = chunk_owners(gs, ends, *_prefix_sums(chunks_per_group(gs, ends, bm)), m, bm)
-  n_chunks = ce.shape[0]
-  r = jnp.arange(m, dtype=jnp.int32)[:, None]
-  holds = ((ends - gs)[None, :] <= r) & (r < ends[None, :])  # [M, E]: the row's group, if any
+  prefix = _prefix_sums(gs, bm)
+  ends = prefix[0] if ends is None else ends.astype(jnp.int32)
+  n_chunks = chunk_count(m, gs.shape[0], bm)
+  ce_t, row0_t, off = _owner_terms(jnp.arange(n_chunks, dtype=jnp.int32)[:, None], gs, ends,
+                                   *prefix[1:], bm)
+  # the slots' rows: the chunks' where m fits (one reduction with the owners', sliced after)
+  r = jnp.arange(max(m, n_chunks), dtype=jnp.int32)[:, None]
+  holds = ((ends - gs)[None, :] <= r) & (r < ends[None, :])  # [R, E]: the row's group, if any
+  ce, row0 = jnp.max(ce_t, axis=1), jnp.max(row0_t, axis=1)
   slot = jnp.min(jnp.where(holds, r + off[None, :], n_chunks * bm), axis=1)
   # materialize the small tables: fused into the big gathers they would be recomputed per
   # element (measured: 140 us of XLA glue around a 73 us kernel at 256 rows)
-  return ce, row0, lax.optimization_barrier(slot)
+  ce, row0, slot = lax.optimization_barrier((ce, row0, slot))
+  return ce, row0, slot[:m]
 
 
-def chunks_per_group(group_sizes: jax.Array, ends: jax.Array, bm: int) -> jax.Array:
-  """Chunks of `chunk_tables` each group takes: ceil((end - start rounded down to 8) / bm), 0
-  for an empty group; its inclusive prefix sum is the groups' chunk ends."""
+def chunks_per_group(group_sizes: jax.Array, bm: int) -> jax.Array:
+  """Chunks `chunk_tables` reserves for each group: ceil((size + 7) / bm), 0 for an empty
+  group, enough for a window from its first row rounded down to 8 (any of 8 alignments) that
+  steps by bm past its last row; the reserved windows that start past the last row are unused.
+  A count of the size alone, so the chunk ends are a prefix sum beside the row ends'."""
   if bm & (bm - 1):
     raise ValueError(f"rows per chunk must be a power of two, got {bm}")
-  al = (ends - group_sizes) & -8  # the group's first row (>= 0) rounded down to 8
-  return jnp.where(group_sizes > 0, (ends - al + bm - 1) >> (bm.bit_length() - 1), 0)
+  return jnp.where(group_sizes > 0, (group_sizes + 7 + bm - 1) >> (bm.bit_length() - 1), 0)
+
+
+def _owner_terms(c: jax.Array, group_sizes, ends, ch_first, ch_end, bm: int):
+  """[C, E] terms whose max over groups is chunk c's owning group (-1: none; a reserved window
+  that starts past its group's last row has none) and its window start (0 where none), and off
+  [E]: group e's row r lands at slot r + off[e], its chunk c starts at row c * bm - off[e] (off
+  = first chunk * bm - first row rounded down to 8; bm a power of two: nothing divides)."""
+  off = ch_first * bm - ((ends - group_sizes) & -8)
+  g = jnp.arange(group_sizes.shape[0], dtype=jnp.int32)[None, :]
+  start = c * bm - off[None, :]
+  owns = (ch_first[None, :] <= c) & (c < ch_end[None, :]) & (start < ends[None, :])
+  return jnp.where(owns, g, -1), jnp.where(owns, start, 0), off
 
 
 def chunk_owners(group_sizes: jax.Array, ends: jax.Array, ch_first: jax.Array, ch_end: jax.Array,
                  m: int, bm: int):
   """(chunk_expert, chunk_row, off) of `chunk_tables` from the groups' row ends and first and
-  end chunks (exclusive and inclusive prefix sums of `chunks_per_group`): each chunk's owning
-  group (-1: none) and window start, one kernel (two max-reductions over the same [C, E]
-  terms, which XLA fuses as siblings); off [E]: group e's row r lands at slot r + off[e], its
-  chunk c starts at row c * bm - off[e] (off = first chunk * bm - first row rounded down to 8;
-  bm a power of two: nothing divides)."""
-  n_chunks = chunk_count(m, group_sizes.shape[0], bm)
-  off = ch_first * bm - ((ends - group_sizes) & -8)
-  g = jnp.arange(group_sizes.shape[0], dtype=jnp.int32)[None, :]
-  c = jnp.arange(n_chunks, dtype=jnp.int32)[:, None]
-  owns = (ch_first[None, :] <= c) & (c < ch_end[None, :])  # [C, E]: one owner or none
-  ce = jnp.max(jnp.where(owns, g, -1), axis=1)
-  row0 = jnp.max(jnp.where(owns, c * bm - off[None, :], 0), axis=1)
-  return *lax.optimization_barrier((ce, row0)), off
+  end chunks (`_prefix_sums`): each chunk's owning group (-1: none) and window start, one kernel
+  (two max-reductions over the same [C, E] terms, `_owner_terms`, which XLA fuses as
+  siblings); off as there."""
+  c = jnp.arange(chunk_count(m, group_sizes.shape[0], bm), dtype=jnp.int32)[:, None]
+  ce_t, row0_t, off = _owner_terms(c, group_sizes, ends, ch_first, ch_end, bm)
+  return *lax.optimization_barrier((jnp.max(ce_t, axis=1), jnp.max(row0_t, axis=1))), off
 
 
-def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
+def grouped_matmul(
+x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
                    out_dtype=jnp.bfloat16, bm: int | None = None, config=None,
                    kernel_fn=None, rows: jax.Array | None = None,
                    out_rows: jax.Array | None = None, tables=None):

@@ -92,7 +92,7 @@ def _kernel(ids_ref, order_ref, inv_ref, gs_ref, ce_ref, row0_ref, slot_ref, *, 
   real = e_all < e
   starts = ends - gs
   al = div(starts, 8) * 8
-  nch = jnp.where(real & (gs > 0), div(ends - al + bm - 1, bm), 0)
+  nch = jnp.where(real & (gs > 0), div(gs + 7 + bm - 1, bm), 0)  # reserved (chunks_per_group)
   ch_end = jnp.sum(jnp.where(e_all[None, :] <= e_all[:, None], nch[None, :], 0), axis=1)
   ch_first = ch_end - nch
   n_used = jnp.sum(nch)
@@ -106,8 +106,9 @@ def _kernel(ids_ref, order_ref, inv_ref, gs_ref, ce_ref, row0_ref, slot_ref, *, 
   for c0 in range(0, cp, _TILE):
     ci = c0 + jnp.arange(_TILE, dtype=i32)
     ce = jnp.minimum(jnp.sum((ch_end_cmp[None, :] <= ci[:, None]).astype(i32), axis=1), e - 1)
-    valid = ci < n_used
-    row0 = jnp.where(valid, look_up(al, ce) + (ci - look_up(ch_first, ce)) * bm, 0)
+    start = look_up(al, ce) + (ci - look_up(ch_first, ce)) * bm
+    valid = (ci < n_used) & (start < look_up(ends, ce))  # reserved windows past the end: unused
+    row0 = jnp.where(valid, start, 0)
     plt.store(at(ce_ref, c0, _TILE), jnp.where(valid, ce, -1), mask=ci < c)
     plt.store(at(row0_ref, c0, _TILE), row0, mask=ci < c)
   for r0 in range(0, mp, _TILE):
