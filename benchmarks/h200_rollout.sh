@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28b | s28c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -469,6 +469,15 @@ elif [ "$stage" = s28a ]; then
 elif [ "$stage" = s28b ]; then
   # (session 28) the 8k-capacity rollout, 48 layers, FP4 then BF16 in one run (s15c)
   CAP_TIMEOUT=${CAP_TIMEOUT:-320} BF16_TIMEOUT=${BF16_TIMEOUT:-170} bash $0 s15c_inner
+elif [ "$stage" = s28c ]; then
+  # (session 28) where the decode step's time goes now, kernel by kernel (command buffers off:
+  # inside them the profiler sees no kernels): the FP4 `paper` step at the 8k-capacity shape (4
+  # layers, B 256), then `w4a16` at HF's batch-1 load (12 layers, prompt 64, 128 new)
+  cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-240} --no_command_buffers \
+    --out $OUT/profile_cap_4l_b256_nocb.json | tail -45
+  timeout -k 5 ${B1_TIMEOUT:-170} python3 benchmarks/profile_decode.py --layers 12 \
+    --policy w4a16 --path kernels --batch 1 --prompt_len 64 --new_tokens 128 --repeats 1 \
+    --out $OUT/profile_b1_w4a16.json 2>&1 | grep -v "^I1\|^W1" | tail -45
 elif [ "$stage" = s27a ]; then
   # (session 27) FP4 KV caches of bit-placed code words ("kv_words": the Mosaic attention's
   # decode 13 instructions a word instead of 17): GPU tests (placed = nibble caches bit for bit
