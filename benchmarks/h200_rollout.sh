@@ -471,13 +471,14 @@ elif [ "$stage" = s28b ]; then
   CAP_TIMEOUT=${CAP_TIMEOUT:-320} BF16_TIMEOUT=${BF16_TIMEOUT:-170} bash $0 s15c_inner
 elif [ "$stage" = s28c ]; then
   # (session 28) where the decode step's time goes now, kernel by kernel (command buffers off:
-  # inside them the profiler sees no kernels): the FP4 `paper` step at the 8k-capacity shape (4
-  # layers, B 256), then `w4a16` at HF's batch-1 load (12 layers, prompt 64, 128 new)
+  # inside them the profiler sees no kernels; the loop's kernels told from the prefill's by
+  # their program): the FP4 `paper` step at the 8k-capacity shape (4 layers, B 256), then
+  # `w4a16` at HF's batch-1 load (12 layers, prompt 64, 128 new)
   cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-240} --no_command_buffers \
     --out $OUT/profile_cap_4l_b256_nocb.json | tail -45
   timeout -k 5 ${B1_TIMEOUT:-170} python3 benchmarks/profile_decode.py --layers 12 \
     --policy w4a16 --path kernels --batch 1 --prompt_len 64 --new_tokens 128 --repeats 1 \
-    --out $OUT/profile_b1_w4a16.json 2>&1 | grep -v "^I1\|^W1" | tail -45
+    --no_command_buffers --out $OUT/profile_b1_w4a16.json 2>&1 | grep -v "^I1\|^W1" | tail -45
 elif [ "$stage" = s27a ]; then
   # (session 27) FP4 KV caches of bit-placed code words ("kv_words": the Mosaic attention's
   # decode 13 instructions a word instead of 17): GPU tests (placed = nibble caches bit for bit

@@ -121,6 +121,11 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
   count, ops_by_scope = collections.Counter(), collections.Counter()
   name_source = {}
   arg_keys = set()
+  # kernels of the decode window programs (`jit__decode`), by the module each event names:
+  # the prefill's kernels share names with the loop's (every Mosaic kernel is
+  # "kernel_mosaic_gpu_kernel"), so a count per step alone counts the prefill's big expert
+  # products in
+  loop_us, loop_count, loop_source = (collections.Counter() for _ in range(3))
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
       continue
@@ -144,6 +149,9 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
     src = bench_util.source_scope(op) if op else "(unattributed) " + e["name"][:60]
     by_source[src] += e["dur"]
     name_source[e["name"][:120]] = src
+    if "_decode" in str(args.get("hlo_module", "")):
+      loop_us[src] += e["dur"]
+      loop_count[src] += 1
   total = sum(by_name.values())
   per_step = lambda us: us / max(steps, 1) / 1e3  # noqa: E731 - ms per decode step
   # the decode loop alone: kernels that run at least once per step (prefill kernels, which the
@@ -154,6 +162,12 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
     decode_source[name_source.get(k, k)] += by_name[k]
     decode_calls[name_source.get(k, k)] += count[k]
   decode_total = sum(by_name[k] for k in decode_names)
+  decode_calls_total = sum(count[k] for k in decode_names)
+  loop_rule = "kernels run at least every other step (prefill kernels of the same name in)"
+  if loop_us:
+    decode_source, decode_calls = loop_us, loop_count
+    decode_total, decode_calls_total = sum(loop_us.values()), sum(loop_count.values())
+    loop_rule = "kernels of the decode window programs (hlo_module jit__decode)"
   return {
       "trace_file": os.path.basename(files[0]),
       "device_kernel_ms_per_step": per_step(total),
@@ -165,8 +179,9 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
       "top_sources": [{"source": k, "ms_per_step": per_step(v), "frac": v / max(total, 1)}
                       for k, v in by_source.most_common(top)],
       "decode_loop": {
+          "rule": loop_rule,
           "kernel_ms_per_step": per_step(decode_total),
-          "kernels_per_step": sum(count[k] for k in decode_names) / max(steps, 1),
+          "kernels_per_step": decode_calls_total / max(steps, 1),
           "sources": [{"source": k, "ms_per_step": per_step(v),
                        "calls_per_step": decode_calls[k] / max(steps, 1)}
                       for k, v in decode_source.most_common(60)]},
@@ -244,7 +259,10 @@ def main():
             "| HLO instructions mapped:", p.get("hlo_instructions_mapped"))
       loop = p.get("decode_loop", {})
       print(f"decode loop: {loop.get('kernel_ms_per_step', 0):.3f} ms of kernels, "
-            f"{loop.get('kernels_per_step', 0):.0f} kernels per step")
+            f"{loop.get('kernels_per_step', 0):.0f} kernels per step ({loop.get('rule')})")
+      if loop.get("kernels_per_step", 0) < 1 and not a.no_command_buffers:
+        print("  (no kernels per step: the decode loop ran in command buffers, whose kernels the "
+              "trace does not show; profile with --no_command_buffers)")
       for row in loop.get("sources", [])[:45]:
         print(f"  loop {1e3 * row['ms_per_step']:7.1f} us x{row['calls_per_step']:5.1f}"
               f"  {row['source']}")
