@@ -71,6 +71,16 @@ def plot(json_path: str) -> str:
   return out
 
 
+def _dense_launch(rows: int, k: int, n: int) -> dict:
+  """n_inner 1 and the most K splits with every chunk's column tiles in one wave of SMs."""
+  from trace_jax.kernels import bf16_mgpu, fp4_mgpu
+  chunks = -(-rows // fp4_mgpu.grouped_bm(rows, 1))
+  ctas, steps = chunks * (n // (64 * bf16_mgpu.WGS)), k // (64 * bf16_mgpu.KB)
+  splits = max(s for s in range(1, steps + 1) if steps % s == 0 and ctas * s <= fp4_mgpu.NUM_SMS
+               or s == 1)
+  return dict(n_inner=1, splits=splits)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
@@ -172,6 +182,11 @@ def main():
                                              )[:x.shape[0]].astype(jnp.bfloat16),
           "mgpu": lambda x, w: bf16_mgpu.grouped_matmul(
               x, w[None], jnp.asarray([x.shape[0]], jnp.int32), out_dtype=jnp.bfloat16),
+          # one column tile a CTA, K split the most ways that keep every chunk's CTAs in one
+          # wave (the FP4 dense-as-a-group launch, `fp4_mgpu.dense_group_config`)
+          "mgpu_dense": lambda x, w: bf16_mgpu.grouped_matmul(
+              x, w[None], jnp.asarray([x.shape[0]], jnp.int32), out_dtype=jnp.bfloat16,
+              config_override=_dense_launch(x.shape[0], w.shape[0], w.shape[1])),
       }
       for tag, fn in dv.items():
         row(f"{shape_tag}_{tag}_r{r}", fn, xb, wb, ref, wb.size * 2)
