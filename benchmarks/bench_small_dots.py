@@ -71,6 +71,24 @@ def plot(json_path: str) -> str:
   return out
 
 
+def _hopper_variants(rows: int) -> dict:
+  """JAX's Mosaic GPU bf16 matmul (`pallas.ops.gpu.hopper_matmul_mgpu`, a persistent kernel,
+  no K split) at a few tilings whose CTA rows divide `rows`: a peer for XLA's dot at decode
+  batches of 64-256 rows (not in the engine)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+  dims = hm.MatmulDimension
+  configs = {"hopper_m128n64_wgM": (128, 64, dims.M), "hopper_m128n128_wgM": (128, 128, dims.M),
+             "hopper_m64n128_wgN": (64, 128, dims.N), "hopper_m64n64_wgN": (64, 64, dims.N)}
+  out = {}
+  for tag, (tm, tn, wg) in configs.items():
+    if rows % (tm * (2 if wg == dims.M else 1)):
+      continue
+    cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=4,
+                          epi_tile_m=64, epi_tile_n=64, wg_dimension=wg)
+    out[tag] = lambda x, w, cfg=cfg: hm.matmul(x, w, None, cfg)
+  return out
+
+
 def _dense_launch(rows: int, k: int, n: int) -> dict:
   """n_inner 1 and the most K splits with every chunk's column tiles in one wave of SMs."""
   from trace_jax.kernels import bf16_mgpu, fp4_mgpu
@@ -86,6 +104,8 @@ def main():
   ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
   ap.add_argument("--out", default="bench_small_dots.json")
   ap.add_argument("--rows", default="1,8")
+  ap.add_argument("--hopper", action="store_true",
+                  help="also JAX's hopper_matmul_mgpu at the q/k/v and o shapes")
   ap.add_argument("--iters", type=int, default=20)
   args = ap.parse_args()
   if args.plot:
@@ -188,6 +208,7 @@ def main():
               x, w[None], jnp.asarray([x.shape[0]], jnp.int32), out_dtype=jnp.bfloat16,
               config_override=_dense_launch(x.shape[0], w.shape[0], w.shape[1])),
       }
+      dv.update(_hopper_variants(r) if args.hopper else {})
       for tag, fn in dv.items():
         row(f"{shape_tag}_{tag}_r{r}", fn, xb, wb, ref, wb.size * 2)
   res["total_s"] = time.time() - t0

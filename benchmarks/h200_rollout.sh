@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28b | s28c | s28d | s28e), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28b | s28c | s28d | s28e | s28f), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -492,6 +492,22 @@ elif [ "$stage" = s28e ]; then
   gpu_tests tests/kernels/test_kernels_gpu.py \
     "grouped_expert or row_chunk or capacity or one_group" grouped2 ${KTEST_TIMEOUT:-210}
   gpu_tests tests/kernels/test_routing.py "" routing2 ${RTEST_TIMEOUT:-90}
+elif [ "$stage" = s28f ]; then
+  # (session 28; prepared, not run: the device budget was spent) the inverse-CDF sampler
+  # (TRACE_JAX_SAMPLER=inverse_cdf; s28c: the Gumbel draw 257 us a step at B 256) against the
+  # default in the capacity-shaped step, each in its own process, the rollout GPU tests under
+  # it; then JAX's Hopper bf16 matmul beside XLA's dot for the bf16 attention projections at
+  # 128 and 256 rows (s28d: XLA 19.7 / 17.4 us at 256 rows against 4.9 / 3.9 of weight bytes)
+  for sampler in gumbel inverse_cdf; do
+    TRACE_JAX_SAMPLER=$sampler cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
+      --no_command_buffers --out $OUT/profile_cap_4l_b256_$sampler.json \
+      | grep -E "guidance_on|decode loop|reduce" | head -8 | sed "s/^/[$sampler] /"
+  done
+  TRACE_JAX_SAMPLER=inverse_cdf gpu_tests tests/rollout/test_engine_gpu.py "" sampler \
+    ${RTEST_TIMEOUT:-120}
+  timeout -k 5 ${SD_TIMEOUT:-150} python3 benchmarks/bench_small_dots.py --rows 128,256 \
+    --hopper --out $OUT/bench_small_dots_hopper.json 2>&1 | grep -v "^I1\|^W1" \
+    | grep -E "qkv|o_" | tail -24
 elif [ "$stage" = s27a ]; then
   # (session 27) FP4 KV caches of bit-placed code words ("kv_words": the Mosaic attention's
   # decode 13 instructions a word instead of 17): GPU tests (placed = nibble caches bit for bit

@@ -27,3 +27,63 @@ def test_row_settings_sample_what_each_setting_samples_alone():
   tok, _ = sample(row, keys, RowSampling.of([SETTINGS[2]] * 64))
   top5 = set(np.argsort(-np.asarray(logits[2]))[:5].tolist())
   assert set(np.asarray(tok).tolist()) <= top5 and len(set(np.asarray(tok).tolist())) > 1
+
+
+def _chi2_ok(counts, probs, n):
+  """Pearson's chi-square of counts against n * probs under a bound no correct sampler exceeds
+  but by chance (~1e-6 for these degrees of freedom): a wrong sampler is far above it."""
+  keep = probs * n >= 5
+  exp = probs[keep] * n
+  stat = float(np.sum((counts[keep] - exp) ** 2 / exp))
+  dof = int(keep.sum()) - 1
+  return stat < dof + 10 * np.sqrt(2 * dof) + 30, (stat, dof)
+
+
+def test_inverse_cdf_draws_the_softmax_distribution(monkeypatch):
+  """`inverse_cdf_sample` against the probabilities: frequencies over many keys (a row across
+  several blocks, -inf entries never drawn; blocks of 64 entries, so that 20,000 draws stay
+  cheap on CPU), the same token for a row whatever else is in the batch, and at the real block
+  size the edge cases (all weight in the last entry of a block, a one-entry vocabulary)."""
+  from trace_jax.rollout import sampling  # noqa: PLC0415
+  rng = np.random.default_rng(1)
+  block = sampling.CDF_BLOCK
+  monkeypatch.setattr(sampling, "CDF_BLOCK", 64)
+  v = 3 * 64 + 37  # a ragged last block
+  logits = rng.normal(size=v) * 2.5
+  logits[rng.choice(v, 40, replace=False)] = -np.inf  # filtered entries
+  n = 20000
+  keys = jax.random.split(jax.random.key(4), n)
+  rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, v))
+  tok = np.asarray(jax.jit(sampling.inverse_cdf_sample)(keys, rows))
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  assert np.all(p[tok] > 0)
+  ok, stat = _chi2_ok(np.bincount(tok, minlength=v), p, n)
+  assert ok, stat
+  # a row's token does not depend on the other rows
+  mixed = rows.at[1::2].set(jnp.asarray(rng.normal(size=v), jnp.float32))
+  got = np.asarray(jax.jit(sampling.inverse_cdf_sample)(keys[:64], mixed[:64]))
+  np.testing.assert_array_equal(got[::2], tok[:64:2])
+  # edge cases at the real block size: one positive entry at a block's end, one entry
+  monkeypatch.setattr(sampling, "CDF_BLOCK", block)
+  edge = np.full((4, 2 * block + 5), -np.inf, np.float32)
+  edge[:, block - 1] = 0.0
+  assert set(np.asarray(sampling.inverse_cdf_sample(keys[:4], jnp.asarray(edge))).tolist()) == {
+      block - 1}
+  one = sampling.inverse_cdf_sample(keys[:3], jnp.zeros((3, 1), jnp.float32))
+  assert np.asarray(one).tolist() == [0, 0, 0]
+
+
+def test_gumbel_sampler_draws_the_softmax_distribution():
+  """The default draw (`jax.random.categorical` per row) by the same frequency test, through
+  `sample` at temperature 0.8: the draw follows softmax(logits / 0.8)."""
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=300) * 2.0
+  n = 20000
+  keys = jax.random.split(jax.random.key(5), n)
+  rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, 300))
+  tok, _ = jax.jit(sample, static_argnums=2)(rows, keys, SamplingParams(0.8))
+  p = np.exp(logits / 0.8 - (logits / 0.8).max())
+  p /= p.sum()
+  ok, stat = _chi2_ok(np.bincount(np.asarray(tok), minlength=300), p, n)
+  assert ok, stat

@@ -1,6 +1,15 @@
 """Token sampling: temperature, top-k, top-p, greedy, with one PRNG key per sequence so a
 sequence's samples do not depend on what else is in the batch; settings shared by the batch
-(`SamplingParams`, static) or per row (`RowSampling`, arrays: the slot decoder)."""
+(`SamplingParams`, static) or per row (`RowSampling`, arrays: the slot decoder).
+
+Two ways to draw from the filtered distribution (`TRACE_JAX_SAMPLER`): "gumbel" (default,
+`jax.random.categorical`: a Gumbel variate per vocabulary entry from the row's key) and
+"inverse_cdf" (`inverse_cdf_sample`: one uniform per row and the cumulative probabilities, in
+blocks). The H200 ran the Gumbel draw at B 256 over 151,936 entries as one reduction of 257 us a
+decode step (session 28's profile: the threefry bits of 39M entries), about as long as the
+model's lm_head product; the inverse-CDF draw reads the logits once more and generates 256
+numbers. Same distribution, different samples for the same key.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trace_jax.kernels.settings import choice_setting
+
+SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "gumbel", ("gumbel", "inverse_cdf"))
+CDF_BLOCK = 512  # vocabulary entries a block of `inverse_cdf_sample`'s two-level prefix sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +104,45 @@ def filter_logits(logits: jax.Array, top_k, top_p) -> jax.Array:
   return logits
 
 
+def _prefix_sums(v: jax.Array) -> jax.Array:
+  """Inclusive prefix sums along the last axis of a short axis, as one [.., n, n] masked sum:
+  every output sums the same tree with zeros for the entries past it, so the sums are
+  nondecreasing wherever v >= 0 (floating-point addition is monotone)."""
+  n = v.shape[-1]
+  lower = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+  return jnp.sum(jnp.where(lower, v[..., None, :], 0), axis=-1)
+
+
+def inverse_cdf_sample(keys: jax.Array, logits: jax.Array) -> jax.Array:
+  """One token `[B]` int32 per row of logits `[B, V]` (-inf: excluded), drawn with probability
+  softmax(logits) by inverting the row's cumulative distribution at one uniform from its key:
+  the entries' weights exp(logit - max) summed in blocks of `CDF_BLOCK`, the block whose
+  cumulative sum first passes u * total, then the entry inside it. The token always has a
+  positive weight: blocks and entries are chosen where the (monotone) cumulative sums rise, and
+  a target past the block's own sum by rounding takes the block's last positive entry."""
+  b, v = logits.shape
+  u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+  w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V], 0 where excluded
+  nb = -(-v // CDF_BLOCK)
+  wb = jnp.pad(w, ((0, 0), (0, nb * CDF_BLOCK - v))).reshape(b, nb, CDF_BLOCK)
+  ends = _prefix_sums(jnp.sum(wb, axis=-1))  # [B, nb] cumulative block sums
+  target = u * ends[:, -1]
+  blk = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), nb - 1)  # first end past it
+  base = jnp.where(blk > 0, jnp.take_along_axis(ends, jnp.maximum(blk - 1, 0)[:, None],
+                                                axis=-1)[:, 0], 0.0)
+  inner = jnp.take_along_axis(wb, blk[:, None, None], axis=1)[:, 0]  # [B, CDF_BLOCK]
+  k = jnp.sum(_prefix_sums(inner) <= (target - base)[:, None], axis=-1)
+  last = CDF_BLOCK - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)  # the block's last weight
+  return (blk * CDF_BLOCK + jnp.where(k < CDF_BLOCK, k, last)).astype(jnp.int32)
+
+
+def _draw(keys: jax.Array, scaled: jax.Array) -> jax.Array:
+  """Tokens `[B]` from temperature-scaled, filtered logits by the `SAMPLER` rule."""
+  if SAMPLER == "inverse_cdf":
+    return inverse_cdf_sample(keys, scaled)
+  return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
+
+
 def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams | RowSampling):
   """(tokens `[B]`, logprobs `[B]`) from float32 logits `[B, V]` with per-row keys `[B]`;
   `params` one setting for the batch or one per row (`RowSampling`): a row samples the same
@@ -101,14 +154,13 @@ def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams | RowSampl
     temperature = jnp.where(greedy, 1.0, params.temperature)[:, None]
     logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)
     scaled = filter_logits(logits / temperature, params.top_k, params.top_p)
-    sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), _draw(keys, scaled))
   else:
     logp_all = jax.nn.log_softmax(logits / params.logprob_temperature, axis=-1)
     if params.greedy:
       tokens = jnp.argmax(logits, axis=-1)
     else:
       scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-      tokens = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
+      tokens = _draw(keys, scaled)
   tokens = tokens.astype(jnp.int32)
   return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
