@@ -457,7 +457,8 @@ elif [ "$stage" = s28a ]; then
   # beside the row ends; the owners beside the slots where the rows fit the chunk grid): GPU
   # tests of the grouped kernels and the routing tables, the engine smoke, rows of the old tree
   # (ab_old) and this one with tokamax beside, then the FP4 decode step's kernels at the
-  # 8k-capacity shape (4 layers, B 256) under the profiler
+  # 8k-capacity shape (4 layers, B 256) under the profiler (ran: that profile saw no loop
+  # kernels, command buffers hide them; s28c is the one kept)
   gpu_tests tests/kernels/test_kernels_gpu.py "grouped_ragged" grouped ${KTEST_TIMEOUT:-120}
   gpu_tests tests/kernels/test_routing.py "" routing ${RTEST_TIMEOUT:-45}
   timeout -k 5 ${SMOKE_TIMEOUT:-100} python3 benchmarks/gpu_engine_smoke.py --layers 2 \
