@@ -72,6 +72,13 @@ def test_inverse_cdf_draws_the_softmax_distribution(monkeypatch):
       block - 1}
   one = sampling.inverse_cdf_sample(keys[:3], jnp.zeros((3, 1), jnp.float32))
   assert np.asarray(one).tolist() == [0, 0, 0]
+  # a target at the total (where rounding puts u * total for the largest uniforms) with the
+  # last block empty, and the smallest uniform: the last and the first entry with weight
+  row = np.full(3 * block, -np.inf, np.float32)
+  row[[3, block + 5, 700]] = rng.normal(size=3)
+  got = np.asarray(sampling.invert_cdf(jnp.asarray([1.0, 0.0], jnp.float32),
+                                       jnp.asarray(np.stack([row, row]))))
+  assert got.tolist() == [700, 3], got
 
 
 def test_gumbel_sampler_draws_the_softmax_distribution():

@@ -847,8 +847,7 @@ def chunk_owners(group_sizes: jax.Array, ends: jax.Array, ch_first: jax.Array, c
   return *lax.optimization_barrier((jnp.max(ce_t, axis=1), jnp.max(row0_t, axis=1))), off
 
 
-def grouped_matmul(
-x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
+def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
                    out_dtype=jnp.bfloat16, bm: int | None = None, config=None,
                    kernel_fn=None, rows: jax.Array | None = None,
                    out_rows: jax.Array | None = None, tables=None):

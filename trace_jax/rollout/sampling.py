@@ -115,19 +115,29 @@ def _prefix_sums(v: jax.Array) -> jax.Array:
 
 def inverse_cdf_sample(keys: jax.Array, logits: jax.Array) -> jax.Array:
   """One token `[B]` int32 per row of logits `[B, V]` (-inf: excluded), drawn with probability
-  softmax(logits) by inverting the row's cumulative distribution at one uniform from its key:
-  the entries' weights exp(logit - max) summed in blocks of `CDF_BLOCK`, the block whose
-  cumulative sum first passes u * total, then the entry inside it. The token always has a
-  positive weight: blocks and entries are chosen where the (monotone) cumulative sums rise, and
-  a target past the block's own sum by rounding takes the block's last positive entry."""
-  b, v = logits.shape
+  softmax(logits) by inverting the row's cumulative distribution at one uniform from its key
+  (`invert_cdf`)."""
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+  return invert_cdf(u, logits)
+
+
+def invert_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
+  """The entry `[B]` at which each row's cumulative distribution first passes u `[B]` in [0, 1):
+  the weights exp(logit - max) summed in blocks of `CDF_BLOCK`, the block whose cumulative sum
+  first passes u * total, then the entry inside it. The entry always has a positive weight:
+  blocks and entries are chosen where the (monotone) cumulative sums rise, a target that
+  rounding puts at the total takes the last block with weight, and one past the block's own sum
+  the block's last entry with weight."""
+  b, v = logits.shape
   w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V], 0 where excluded
   nb = -(-v // CDF_BLOCK)
   wb = jnp.pad(w, ((0, 0), (0, nb * CDF_BLOCK - v))).reshape(b, nb, CDF_BLOCK)
   ends = _prefix_sums(jnp.sum(wb, axis=-1))  # [B, nb] cumulative block sums
-  target = u * ends[:, -1]
-  blk = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), nb - 1)  # first end past it
+  total = ends[:, -1:]
+  target = u * total[:, 0]
+  # the first block whose end passes the target; at most the last one with weight (the first
+  # whose end is the total), where u * total rounds up to the total
+  blk = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), jnp.sum(ends < total, axis=-1))
   base = jnp.where(blk > 0, jnp.take_along_axis(ends, jnp.maximum(blk - 1, 0)[:, None],
                                                 axis=-1)[:, 0], 0.0)
   inner = jnp.take_along_axis(wb, blk[:, None, None], axis=1)[:, 0]  # [B, CDF_BLOCK]
