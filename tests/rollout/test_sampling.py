@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from trace_jax.rollout import RowSampling, SamplingParams, sample
 
@@ -81,9 +82,14 @@ def test_inverse_cdf_draws_the_softmax_distribution(monkeypatch):
   assert got.tolist() == [700, 3], got
 
 
-def test_gumbel_sampler_draws_the_softmax_distribution():
-  """The default draw (`jax.random.categorical` per row) by the same frequency test, through
-  `sample` at temperature 0.8: the draw follows softmax(logits / 0.8)."""
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "gumbel"])
+def test_sampler_draws_the_tempered_softmax(monkeypatch, sampler):
+  """Each draw `sample` can make (`TRACE_JAX_SAMPLER`: the inverse CDF, the default, and
+  `jax.random.categorical` per row) by the same frequency test, through `sample` at
+  temperature 0.8: the draw follows softmax(logits / 0.8)."""
+  from trace_jax.rollout import sampling  # noqa: PLC0415
+  monkeypatch.setattr(sampling, "SAMPLER", sampler)
+  monkeypatch.setattr(sampling, "CDF_BLOCK", 64)  # 20,000 rows: the sums are [rows, 64, 64]
   rng = np.random.default_rng(2)
   logits = rng.normal(size=300) * 2.0
   n = 20000

@@ -2,13 +2,14 @@
 sequence's samples do not depend on what else is in the batch; settings shared by the batch
 (`SamplingParams`, static) or per row (`RowSampling`, arrays: the slot decoder).
 
-Two ways to draw from the filtered distribution (`TRACE_JAX_SAMPLER`): "gumbel" (default,
-`jax.random.categorical`: a Gumbel variate per vocabulary entry from the row's key) and
-"inverse_cdf" (`inverse_cdf_sample`: one uniform per row and the cumulative probabilities, in
-blocks). The H200 ran the Gumbel draw at B 256 over 151,936 entries as one reduction of 257 us a
-decode step (session 28's profile: the threefry bits of 39M entries), about as long as the
-model's lm_head product; the inverse-CDF draw reads the logits once more and generates 256
-numbers. Same distribution, different samples for the same key.
+Two ways to draw from the filtered distribution (`TRACE_JAX_SAMPLER`): "inverse_cdf" (default,
+`inverse_cdf_sample`: one uniform per row and the cumulative probabilities, in blocks) and
+"gumbel" (`jax.random.categorical`: a Gumbel variate per vocabulary entry from the row's key).
+The H200 ran the Gumbel draw at B 256 over 151,936 entries as one reduction of 259 us a decode
+step (the threefry bits of 39M entries), about as long as the model's lm_head product; the
+inverse-CDF draw reads the logits once more and generates 256 numbers: the 4-layer decode
+step's kernels 1.709 -> 1.549 ms (session 29, benchmarks/results/session29_h200_2026-12-03).
+Same distribution (both pass the same chi-square tests), different samples for the same key.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from trace_jax.kernels.settings import choice_setting
 
-SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "gumbel", ("gumbel", "inverse_cdf"))
+SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "inverse_cdf", ("inverse_cdf", "gumbel"))
 CDF_BLOCK = 512  # vocabulary entries a block of `inverse_cdf_sample`'s two-level prefix sums
 
 
@@ -129,9 +130,10 @@ def invert_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
   rounding puts at the total takes the last block with weight, and one past the block's own sum
   the block's last entry with weight."""
   b, v = logits.shape
+  block = min(CDF_BLOCK, v)  # a short vocabulary is one block (its sums are [B, block, block])
   w = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, V], 0 where excluded
-  nb = -(-v // CDF_BLOCK)
-  wb = jnp.pad(w, ((0, 0), (0, nb * CDF_BLOCK - v))).reshape(b, nb, CDF_BLOCK)
+  nb = -(-v // block)
+  wb = jnp.pad(w, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
   ends = _prefix_sums(jnp.sum(wb, axis=-1))  # [B, nb] cumulative block sums
   total = ends[:, -1:]
   target = u * total[:, 0]
@@ -140,10 +142,10 @@ def invert_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
   blk = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), jnp.sum(ends < total, axis=-1))
   base = jnp.where(blk > 0, jnp.take_along_axis(ends, jnp.maximum(blk - 1, 0)[:, None],
                                                 axis=-1)[:, 0], 0.0)
-  inner = jnp.take_along_axis(wb, blk[:, None, None], axis=1)[:, 0]  # [B, CDF_BLOCK]
+  inner = jnp.take_along_axis(wb, blk[:, None, None], axis=1)[:, 0]  # [B, block]
   k = jnp.sum(_prefix_sums(inner) <= (target - base)[:, None], axis=-1)
-  last = CDF_BLOCK - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)  # the block's last weight
-  return (blk * CDF_BLOCK + jnp.where(k < CDF_BLOCK, k, last)).astype(jnp.int32)
+  last = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)  # the block's last weight
+  return (blk * block + jnp.where(k < block, k, last)).astype(jnp.int32)
 
 
 def _draw(keys: jax.Array, scaled: jax.Array) -> jax.Array:
