@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -451,6 +451,29 @@ elif [ "$stage" = s19a ]; then
     --live ${LIVE:-276x8192x1536,64x8192x1536,16x8192x2048} \
     --budget_s $(( ${LIVE_TIMEOUT:-170} - 30 )) --out $OUT/bench_attention_live.json 2>&1 \
     | grep -v "^I1\|^W1" | grep live | tail -24
+elif [ "$stage" = s29a ]; then
+  # (session 29; ran once, then reverted: results/session29_h200_2026-12-03/rows_out_kernels.patch)
+  # the grouped kernels writing the rows each chunk owns in the operand's order and zeros past
+  # the groups' rows (before and after: every chunk's whole window, then an XLA gather): GPU
+  # tests of the FP4 and bf16 grouped kernels and row chunks, the routing-tables kernel, the
+  # engine smoke, then rows of the old tree (ab_old) and this one with tokamax beside
+  gpu_tests tests/kernels/test_kernels_gpu.py "grouped_ragged or bf16_grouped or row_chunk" \
+    grouped ${KTEST_TIMEOUT:-190}
+  gpu_tests tests/kernels/test_routing.py "" routing ${RTEST_TIMEOUT:-50}
+  timeout -k 5 ${SMOKE_TIMEOUT:-90} python3 benchmarks/gpu_engine_smoke.py --layers 2 \
+    --out $OUT/gpu_engine_smoke.json 2>&1 | grep -v "^I1\|^W1" | tail -4
+  rows='moe_gateup_E128_K2048_N1536_M256_nvfp4_auto$,moe_gateup_E128_K2048_N1536_M2208_nvfp4_auto$'
+  rows+=',moe_down_E128_K768_N2048_M256_nvfp4_auto$'
+  kernel_rows_ab $rows ',moe_gateup_E128_K2048_N1536_M256_tokamax' ${BK_TIMEOUT:-85}
+elif [ "$stage" = s29b ]; then
+  # (session 29) the three token draws alone (benchmarks/bench_sampler.py), then the 4-layer
+  # FP4 decode step at the 8k-capacity shape (B 256) drawing with the hashed Gumbel noise
+  # (call 1 of session 29 ran it with the other two draws)
+  timeout -k 5 ${BS_TIMEOUT:-120} python3 benchmarks/bench_sampler.py \
+    --out $OUT/bench_sampler.json 2>&1 | grep -v "^I1\|^W1" | tail -12
+  TRACE_JAX_SAMPLER=hashed_gumbel cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
+    --no_command_buffers --out $OUT/profile_cap_4l_b256_hashed_gumbel.json \
+    | grep -E "guidance_on|decode loop|reduce" | head -8
 elif [ "$stage" = s28a ]; then
   # (session 28) the grouped call's chunk tables from group sizes in two XLA kernels instead of
   # four (each group reserves ceil((size + 7) / bm) chunks, so the chunk ends are a prefix sum

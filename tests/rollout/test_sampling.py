@@ -82,11 +82,11 @@ def test_inverse_cdf_draws_the_softmax_distribution(monkeypatch):
   assert got.tolist() == [700, 3], got
 
 
-@pytest.mark.parametrize("sampler", ["inverse_cdf", "gumbel"])
+@pytest.mark.parametrize("sampler", ["gumbel", "hashed_gumbel", "inverse_cdf"])
 def test_sampler_draws_the_tempered_softmax(monkeypatch, sampler):
-  """Each draw `sample` can make (`TRACE_JAX_SAMPLER`: the inverse CDF, the default, and
-  `jax.random.categorical` per row) by the same frequency test, through `sample` at
-  temperature 0.8: the draw follows softmax(logits / 0.8)."""
+  """Each draw `sample` can make (`TRACE_JAX_SAMPLER`: `jax.random.categorical` per row, the
+  default; Gumbel noise from a counter hash; the inverse CDF) by the same frequency test,
+  through `sample` at temperature 0.8: the draw follows softmax(logits / 0.8)."""
   from trace_jax.rollout import sampling  # noqa: PLC0415
   monkeypatch.setattr(sampling, "SAMPLER", sampler)
   monkeypatch.setattr(sampling, "CDF_BLOCK", 64)  # 20,000 rows: the sums are [rows, 64, 64]

@@ -2,14 +2,25 @@
 sequence's samples do not depend on what else is in the batch; settings shared by the batch
 (`SamplingParams`, static) or per row (`RowSampling`, arrays: the slot decoder).
 
-Two ways to draw from the filtered distribution (`TRACE_JAX_SAMPLER`): "inverse_cdf" (default,
-`inverse_cdf_sample`: one uniform per row and the cumulative probabilities, in blocks) and
-"gumbel" (`jax.random.categorical`: a Gumbel variate per vocabulary entry from the row's key).
-The H200 ran the Gumbel draw at B 256 over 151,936 entries as one reduction of 259 us a decode
-step (the threefry bits of 39M entries), about as long as the model's lm_head product; the
-inverse-CDF draw reads the logits once more and generates 256 numbers: the 4-layer decode
-step's kernels 1.709 -> 1.549 ms (session 29, benchmarks/results/session29_h200_2026-12-03).
-Same distribution (both pass the same chi-square tests), different samples for the same key.
+Three ways to draw from the filtered distribution (`TRACE_JAX_SAMPLER`); H200 figures of one
+draw over 151,936 entries at B 256 (benchmarks/results/session29_h200_2026-12-03, same run):
+- "gumbel" (default): `jax.random.categorical`, the argmax of the logits plus a Gumbel variate
+  per vocabulary entry from the row's key (threefry bits for every entry): 301 us, as long as
+  the model's lm_head product.
+- "hashed_gumbel": the same Gumbel-max rule with each entry's uniform from a counter hash of
+  (the row's two seed words, the entry's index) (`hashed_gumbel_sample`: two rounds of the
+  murmur3 finalizer, a few integer operations an entry where threefry takes ~20 rounds):
+  190 us (0.63x).
+- "inverse_cdf": one uniform per row against the cumulative probabilities, in blocks
+  (`inverse_cdf_sample`): 157 us (0.52x); the 4-layer FP4 decode step's kernels at the
+  8k-capacity shape 1.709 (gumbel) / 1.603 (hashed_gumbel) / 1.549 ms.
+The default stays "gumbel": the draws follow the same distribution (the same chi-square tests)
+but not the same samples, and a draw's token moves when logit rounding moves it across the
+noise. A tensor-parallel rollout (bf16 partial sums) drew the single-device rollout's tokens
+bit for bit with the threefry Gumbel draws (tests/parallel/test_train.py); with the hashed ones
+2 of 256 draws moved, with the inverse CDF (whose token moves when rounding shifts the
+cumulative sums across the uniform at any entry, not only at the top two) 10% of positions
+differed. Either opt-in saves 0.7-0.9% of a 48-layer decode step (16.8 ms) at B 256.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import numpy as np
 
 from trace_jax.kernels.settings import choice_setting
 
-SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "inverse_cdf", ("inverse_cdf", "gumbel"))
+SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "gumbel", ("gumbel", "hashed_gumbel", "inverse_cdf"))
 CDF_BLOCK = 512  # vocabulary entries a block of `inverse_cdf_sample`'s two-level prefix sums
 
 
@@ -148,10 +159,34 @@ def invert_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
   return (blk * block + jnp.where(k < block, k, last)).astype(jnp.int32)
 
 
+def _mix32(h: jax.Array) -> jax.Array:
+  """The murmur3 32-bit finalizer: every input bit flips each output bit with probability
+  about 1/2."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def hashed_gumbel_sample(keys: jax.Array, logits: jax.Array) -> jax.Array:
+  """One token `[B]` int32 per row of logits `[B, V]` (-inf: excluded): the argmax of the
+  logits plus Gumbel noise -log(-log(u)), u from 24 bits of a hash of (the row's two seed words
+  from its key, the entry's index), midpoints of 2^24 bins in (0, 1). Elementwise work fused
+  into the argmax: the logits are read once and nothing the size of them is generated."""
+  seeds = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)  # [B, 2]
+  idx = jnp.arange(logits.shape[-1], dtype=jnp.uint32)[None, :]
+  h = _mix32(_mix32(idx * jnp.uint32(0x9E3779B9) ^ seeds[:, :1]) ^ seeds[:, 1:])
+  u = ((h >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
+  return jnp.argmax(logits - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+
+
 def _draw(keys: jax.Array, scaled: jax.Array) -> jax.Array:
   """Tokens `[B]` from temperature-scaled, filtered logits by the `SAMPLER` rule."""
   if SAMPLER == "inverse_cdf":
     return inverse_cdf_sample(keys, scaled)
+  if SAMPLER == "hashed_gumbel":
+    return hashed_gumbel_sample(keys, scaled)
   return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
 
 
