@@ -17,11 +17,8 @@ negative entropy (a draw that ignored the logits would sit near log(1/V)).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -69,19 +66,14 @@ def main():
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
 
-  from trace_jax import provenance
   from trace_jax.rollout import SamplingParams, sampling
 
   t0 = time.time()
-  now = datetime.datetime.now(datetime.timezone.utc)
-  res = dict(benchmark="bench_sampler", date=now.isoformat(),
-             device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-             git_commit=provenance.git_commit(), source_tree=provenance.source_tree(),
-             command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-             vocab=args.vocab,
-             units=dict(us="microseconds of CUPTI device time a draw (all its kernels), median",
-                        x_gumbel="this draw's us over gumbel's at the same batch, same run"),
-             rows=[])
+  res = bench_util.result_header(
+      "bench_sampler", vocab=args.vocab,
+      units=dict(us="microseconds of CUPTI device time a draw (all its kernels), median",
+                 x_gumbel="this draw's us over gumbel's at the same batch, same run"),
+      rows=[])
   params = SamplingParams(1.0)
   for b in (int(s) for s in args.batches.split(",")):
     logits = jax.random.normal(jax.random.key(b), (b, args.vocab), jnp.float32) * 3.0

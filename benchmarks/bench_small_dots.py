@@ -28,11 +28,8 @@ weights rotated over copies larger than the L2. GB/s on the weight bytes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -116,19 +113,14 @@ def main():
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
 
-  from trace_jax import provenance
   from trace_jax.kernels import bf16_mgpu, dispatch
 
   t0 = time.time()
-  now = datetime.datetime.now(datetime.timezone.utc)
-  res = dict(benchmark="bench_small_dots", date=now.isoformat(),
-             device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-             git_commit=provenance.git_commit(),
-             source_tree=provenance.source_tree(),  # the tree that ran (an A/B side's own)
-             command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-             units=dict(us="microseconds of CUPTI device time a call (all its kernels), median",
-                        GBps="weight bytes / us"),
-             read_ceiling_TBps=bench_util.READ_CEILING_TBPS, rows=[])
+  res = bench_util.result_header(
+      "bench_small_dots",
+      units=dict(us="microseconds of CUPTI device time a call (all its kernels), median",
+                 GBps="weight bytes / us"),
+      read_ceiling_TBps=bench_util.READ_CEILING_TBPS, rows=[])
 
   def timed(fn, x, copies):
     multi = jax.jit(lambda x, ws: [fn(x, w) for w in ws])

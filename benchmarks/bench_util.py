@@ -8,6 +8,22 @@ import re
 import threading
 import time
 
+def result_header(benchmark: str, **extra) -> dict:
+  """The provenance every benchmark JSON starts with: name, UTC date, device, jax version, the
+  commit and the source tree that ran (an A/B side's own), the command line; then `extra`."""
+  import datetime
+  import sys
+
+  import jax
+
+  from trace_jax import provenance
+  return dict(benchmark=benchmark,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+              git_commit=provenance.git_commit(), source_tree=provenance.source_tree(),
+              command=" ".join([os.path.basename(sys.executable)] + sys.argv), **extra)
+
+
 READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
 L2_BYTES = 60e6  # H200 L2: timed inputs rotate through copies larger than this
 

@@ -11,6 +11,7 @@ Needs the jax-cuda13 plugin line (Python >= 3.12, see `gpu_census.py`) and, for 
   export PATH=$(python -c "import nvidia; print(nvidia.__path__[0])")/cu13/bin:$PATH
   python benchmarks/kernel_sass.py attention --batch 16 --context 8192 --heads 32
   python benchmarks/kernel_sass.py matmul --n 28672 --k 8192 --rows 1
+  python benchmarks/kernel_sass.py grouped --experts 128 --n 1536 --k 2048 --rows 256
   python benchmarks/kernel_sass.py file some_dump_dir/kernel.sass_ctrl   # an existing dump
 
 `--dump_dir` keeps the dumps (PTX, ptxas info, SASS with control codes); `--listing` prints the
@@ -70,7 +71,10 @@ def report(sass_path: str, listing: bool) -> dict:
     loop = main_loop(f.read())
   body = [t for t in loop if not t.endswith(":")]
   ops = collections.Counter(opcode(t) for t in body)
-  print(f"{os.path.basename(sass_path)}: main loop {len(body)} instructions")
+  with open(sass_path) as f:
+    total = sum(1 for ln in f if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", ln))
+  print(f"{os.path.basename(sass_path)}: main loop {len(body)} instructions, {total} in the "
+        "kernel")
   print("  " + " ".join(f"{k}:{v}" for k, v in ops.most_common()))
   uniform = sum(v for k, v in ops.items() if k.startswith("U"))
   print(f"  uniform datapath {uniform}, barriers {ops.get('BAR', 0)}, wgmma {ops.get('HGMMA', 0)}")
@@ -87,12 +91,13 @@ def report(sass_path: str, listing: bool) -> dict:
       print("  PTXAS: " + w)
   if listing:
     print("\n".join(loop))
-  return dict(instructions=len(body), opcodes=dict(ops), ptxas_warnings=warnings)
+  return dict(instructions=len(body), total_instructions=total, opcodes=dict(ops),
+              ptxas_warnings=warnings)
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("what", choices=("attention", "matmul", "file"))
+  ap.add_argument("what", choices=("attention", "matmul", "grouped", "file"))
   ap.add_argument("path", nargs="?", help="file: a .sass_ctrl dump")
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--context", type=int, default=8192)
@@ -103,6 +108,7 @@ def main():
   ap.add_argument("--n", type=int, default=28672)
   ap.add_argument("--k", type=int, default=8192)
   ap.add_argument("--rows", type=int, default=1)
+  ap.add_argument("--experts", type=int, default=128, help="grouped: experts (groups)")
   ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"))
   ap.add_argument("--dump_dir", default="", help="keep Mosaic's dumps here")
   ap.add_argument("--listing", action="store_true", help="print the loop's instructions")
@@ -137,6 +143,12 @@ def main():
                            lazy_tau=attention_mgpu.LAZY_TAU if a.lazy == "on" else None)
     args = (sds((a.batch, a.heads, attention_mgpu.HEAD_DIM), jnp.bfloat16), kv, kv,
             sds((a.batch, a.context), jnp.bool_))
+  elif a.what == "grouped":  # expert-sorted rows, group sizes as the call's dynamic input
+    pw = jax.eval_shape(lambda w: kernels.prepare_weight(tq.quantize(
+        w, a.fmt, axis=1, second_level=(0,), validate=False)),
+        sds((a.experts, a.k, a.n), jnp.float32))
+    fn = lambda x, pw, g: kernels.grouped_matmul(x, pw, g, use_kernel=True)  # noqa: E731
+    args = (sds((a.rows, a.k), jnp.bfloat16), pw, sds((a.experts,), jnp.int32))
   else:
     w = jax.random.normal(jax.random.key(0), (a.k, a.n), jnp.float32)
     pw = kernels.prepare_weight(tq.quantize(w * 0.02, a.fmt, axis=0, validate=False))
