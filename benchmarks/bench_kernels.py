@@ -6,7 +6,8 @@ Variants, side by side in one run: XLA bf16 dot / `ragged_dot` (the baseline), t
 Mosaic `ragged_dot` (the BF16 engine's grouped matmul; where tokamax is installed), our bf16
 Mosaic grouped kernel at decode sizes (`bf16_mgpu`, opt-in in the engine), and the
 Mosaic GPU FP4 kernel (`trace_jax.kernels`) with NVFP4 and MXFP4 weights; grouped NVFP4 also
-with n_inner column tiles per CTA (`_inD`) and K splits (`_sS`; `_auto`: the engine's choice);
+with n_inner column tiles per CTA (`_inD`) and K splits (`_sS`; `_auto`: the engine's choice,
+`_auto_nosk`: its chunk schedule where the engine's is stream-K);
 dense bf16 at one row also as the engine calls it (`xla_bf16_engine`: a zero second row). Shapes:
 8192x28672 (B 1, 16, 64), the Qwen3-30B-A3B attention q (2048x4096) and o (4096x2048)
 projections, and the grouped expert matmuls (128 experts; gate+up K 2048 N 1536, down K 768 N
@@ -280,10 +281,13 @@ def main():
     (fp4_mgpu.grouped_parallelism); nvfp4[_inD][_sS]: D column tiles per CTA (default 1), S K
     splits (default: the rule's for that D); nvfp4_auto_bmR: R rows per chunk."""
     n_tiles = -(-n // 256)
+    bm_of = lambda m: fp4_mgpu.grouped_bm(m, e)  # noqa: E731
     inner = sorted({d for d in (2, 4, n_tiles) if n_tiles % d == 0 and d > 1})
     return (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
             + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else [])
             + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
+            + (["nvfp4_auto_nosk"] if fp4_mgpu.grouped_stream_k(m, bm_of(m), False, {})
+               else [])
             + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"]
             + ([f"nvfp4_auto_bm{b}" for b in fp4_mgpu.BM_CHOICES
                 if b != fp4_mgpu.grouped_bm(m, e)] if 1024 <= m <= 4096 else []))
@@ -340,6 +344,8 @@ def main():
             for o in opts:
               if o.startswith("bm"):  # rows per chunk (default: fp4_mgpu.grouped_bm)
                 cfg["bm"] = int(o[2:])
+              elif o == "nosk":  # the chunk schedule where the default is stream-K
+                cfg["stream_k"] = False
               elif o.startswith("in"):
                 cfg["n_inner"] = int(o[2:])
               elif o.startswith("s"):
@@ -349,6 +355,8 @@ def main():
             row["bm"] = cfg.get("bm") or fp4_mgpu.grouped_bm(m, e)  # rows per chunk it ran
             row["n_inner_splits"] = fp4_mgpu.grouped_parallelism(
                 min(m, e), pws[fmt].n_pad // 256, k_steps, cfg.get("n_inner"), cfg.get("splits"))
+            row["stream_k"] = cfg.get("stream_k", fp4_mgpu.grouped_stream_k(
+                m, row["bm"], False, cfg))
             pw, q = pws[fmt], qs[fmt]
             wbytes = pw.nbytes
             row["bytes_qarray"] = q.nbytes

@@ -276,10 +276,11 @@ def _dense_emulated(x, pw):
   return fp4_mgpu.matmul(x, pw, out_dtype=jnp.float32, kernel_fn=fp4_mgpu.emulate_chunked_matmul)
 
 
-@functools.partial(jax.jit, static_argnames=("bm",))
-def _grouped_emulated(x, pw, g, bm):
+@functools.partial(jax.jit, static_argnames=("bm", "stream_k"))
+def _grouped_emulated(x, pw, g, bm, stream_k=None):
   return fp4_mgpu.grouped_matmul(x, pw, g, out_dtype=jnp.float32, bm=bm,
-                                 kernel_fn=fp4_mgpu.emulate_chunked_matmul)
+                                 kernel_fn=fp4_mgpu.emulate_chunked_matmul,
+                                 config=dict(stream_k=stream_k))
 
 
 @pytest.mark.parametrize("fmt,leads", [("nvfp4", [(1,), (64,)]), ("mxfp4", [(2, 5)])])
@@ -488,8 +489,8 @@ def test_grouped_wrapper_split_k_emulated(splits):
     assert np.all(np.asarray(got)[sum(gs):] == 0)
 
 
-@pytest.mark.parametrize("bm", [16, 32])
-def test_grouped_wrapper_emulated(bm):
+@pytest.mark.parametrize("bm,stream_k", [(16, False), (32, False), (16, True)])
+def test_grouped_wrapper_emulated(bm, stream_k):
   e, k, n = EXPERTS
   q = quantize(rand_w(EXPERTS, 10), "nvfp4", axis=1, second_level=(0,))
   pw = kernels.prepare_weight(q, kb=KB["nvfp4"])
@@ -501,9 +502,70 @@ def test_grouped_wrapper_emulated(bm):
   for gs in cases:
     x = jax.random.normal(jax.random.key(sum(gs)), (m, k), jnp.float32).astype(jnp.bfloat16)
     g = jnp.asarray(gs, jnp.int32)
-    got = _grouped_emulated(x, pw, g, bm)
+    got = _grouped_emulated(x, pw, g, bm, stream_k)
     want = reference.grouped_matmul_ref(x, q, g, jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_stream_k_emulated():
+  """The grouped stream-K schedule (emulated kernel: its out and parts, unwritten tiles NaN):
+  3 column tiles x 3 K steps a chunk over 4 / 7 / 132 CTAs, so runs cut tiles and cross
+  chunks; empty groups, one token, nothing routed, rows past the sum; the tables built from
+  the sizes and `route`'s (with rows / out_rows), as float32 and bf16."""
+  e, k, n = 6, 520, 600  # K 768 and N 768 padded: 3 steps, 3 tiles
+  q = quantize(rand_w((e, k, n), 14), "nvfp4", axis=1, second_level=(0,))
+  pw = kernels.prepare_weight(q, kb=4)
+  m = 50
+
+  @functools.partial(jax.jit, static_argnames=("n_ctas", "out_dtype"))
+  def run(x, g, n_ctas, out_dtype=jnp.float32):
+    return fp4_mgpu.grouped_matmul(x, pw, g, out_dtype=out_dtype,
+                                   config=dict(stream_k=True, n_ctas=n_ctas),
+                                   kernel_fn=fp4_mgpu.emulate_chunked_matmul)
+
+  cuts = 0
+  for gs in ([0, 7, 0, 3, 30, 1], [0, 1, 0, 0, 0, 0], [0] * 6):
+    x = jax.random.normal(jax.random.key(sum(gs)), (m, k), jnp.float32).astype(jnp.bfloat16)
+    g = jnp.asarray(gs, jnp.int32)
+    want = np.asarray(reference.grouped_matmul_ref(x, q, g, jnp.float32))
+    bm = fp4_mgpu.grouped_bm(m, e)
+    chunks = int(fp4_mgpu.chunk_tables(g, m, bm, with_total=True)[3][0])
+    for n_ctas in (4, 7, 132):
+      steps = max(-(-chunks * 9 // n_ctas), 3)
+      tiles = np.arange(chunks * 3)
+      cuts += (tiles * 3 // steps != (tiles * 3 + 2) // steps).sum()
+      got = np.asarray(run(x, g, n_ctas))
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=f"{gs} {n_ctas}")
+      assert np.all(got[sum(gs):] == 0)
+    got16 = np.asarray(run(x, g, 7, jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(got16, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+  assert cuts > 0  # runs ended inside tiles: their parts were added
+  # route's tables (their total) and the caller's row order
+  tokens, top = 25, 2
+  idx = jnp.asarray(np.random.default_rng(6).integers(0, e, (tokens, top)), jnp.int32)
+  order, inverse, gs, tables = dispatch._routed_by_counts(idx.reshape(-1), e)
+  xt = jax.random.normal(jax.random.key(7), (tokens, k), jnp.float32).astype(jnp.bfloat16)
+  got = fp4_mgpu.grouped_matmul(xt, pw, gs, out_dtype=jnp.float32, rows=order // top,
+                                out_rows=inverse, tables=tables,
+                                config=dict(stream_k=True, n_ctas=5),
+                                kernel_fn=fp4_mgpu.emulate_chunked_matmul)
+  want = reference.grouped_matmul_ref(xt[order // top], q, gs, jnp.float32)[inverse]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_stream_k_rule(monkeypatch):
+  """Decode-sized calls take the grouped stream-K schedule by default; row chunks, asked-for
+  K splits or chained tiles, 64-row chunks and the "off" setting do not."""
+  rule = fp4_mgpu.grouped_stream_k
+  min_rows = fp4_mgpu.GROUPED_STREAM_K_MIN_ROWS
+  assert rule(256, 16, False, {}) and rule(min_rows, 16, False, {})
+  assert not rule(min_rows - 1, 16, False, {})
+  assert not rule(256, 16, True, {}) and not rule(256, 64, False, {})
+  assert not rule(256, 16, False, dict(splits=2)) and not rule(256, 16, False, dict(n_inner=6))
+  monkeypatch.setattr(fp4_mgpu, "GROUPED_STREAM_K", "off")
+  assert not rule(256, 16, False, {})
+  monkeypatch.setattr(fp4_mgpu, "GROUPED_STREAM_K", "on")
+  assert rule(8, 16, False, {})
 
 
 def test_dispatch_cpu_falls_back():
@@ -541,9 +603,10 @@ def test_lowers_for_cuda():
     pe = layout.PackedWeight(sds((8, n // 64, k // 4, 32), jnp.uint32),
                              sds((8, n // 64, k // 32, 32), jnp.uint32),
                              sds((8, n), jnp.float32), fmt, (8, k, n), 4)
-    for m in (40, 512):  # grouped: bm 16 and 64, bf16 rows out
-      jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g)).trace(
-          sds((m, k), jnp.bfloat16), pe, sds((8,), jnp.int32)).lower(
+    # grouped: bm 16 (the stream-K schedule by default, and the chunk schedule) and 64
+    for m, stream_k in ((40, None), (40, False), (512, None)):
+      jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g, config=dict(
+          stream_k=stream_k))).trace(sds((m, k), jnp.bfloat16), pe, sds((8,), jnp.int32)).lower(
               lowering_platforms=("cuda",))
 
 
@@ -612,7 +675,8 @@ def test_route_tables_equal_the_separate_reductions(m, e, ids_up_to, alpha):
   def apart(ids):
     order, inverse = kernels.sort_by_group(ids)
     sizes = kernels.count_by_group(ids, e)
-    return (order, inverse, sizes) + fp4_mgpu.chunk_tables(sizes, m, fp4_mgpu.grouped_bm(m, e))
+    tables = fp4_mgpu.chunk_tables(sizes, m, fp4_mgpu.grouped_bm(m, e), with_total=True)
+    return (order, inverse, sizes) + tables
 
   def fused(ids):
     order, inverse, sizes, (bm, *tables) = dispatch._routed_by_counts(ids, e)
@@ -620,8 +684,13 @@ def test_route_tables_equal_the_separate_reductions(m, e, ids_up_to, alpha):
     return (order, inverse, sizes, *tables)
 
   names = ("order", "inverse", "sizes", "chunk_expert", "chunk_row", "slot")
-  for name, a, b in zip(names, jax.jit(fused)(ids), jax.jit(apart)(ids), strict=True):
+  *got, got_total = jax.jit(fused)(ids)
+  *want, want_total = jax.jit(apart)(ids)
+  for name, a, b in zip(names, got, want, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  # the reserved chunks, in every element of both
+  assert (np.asarray(got_total) == np.asarray(want_total)[0]).all()
+  assert (np.asarray(want_total) == np.asarray(want_total)[0]).all()
 
 
 @pytest.mark.parametrize("e,m,total", [(9, 70, 61), (4, 600, 597)],
@@ -637,9 +706,9 @@ def test_chunk_tables_vs_loop(e, m, total):
   gs = rng.multinomial(total, np.ones(e) / e)
   gs[[2, e - 1]] = 0, 0
   gs[0] += total - gs.sum()
-  ce, row0, slot = jax.jit(fp4_mgpu.chunk_tables, static_argnums=(1, 2))(
-      jnp.asarray(gs, jnp.int32), m, bm)
-  ce, row0, slot = map(np.asarray, (ce, row0, slot))
+  ce, row0, slot, total = jax.jit(fp4_mgpu.chunk_tables, static_argnums=(1, 2, 4))(
+      jnp.asarray(gs, jnp.int32), m, bm, None, True)
+  ce, row0, slot, total = map(np.asarray, (ce, row0, slot, total))
   n_chunks = fp4_mgpu.chunk_count(m, e, bm)
   assert ce.shape == row0.shape == (n_chunks,)
   assert (m <= n_chunks) == (m == 70)  # one reduction for owners and slots, or two
@@ -660,6 +729,7 @@ def test_chunk_tables_vs_loop(e, m, total):
       want_row0.append(r if used else 0)
     start += size
   n = len(want_ce)
+  assert (total == n).all()  # the reserved chunks, used or not
   assert (-1 in want_ce) == (m == 70)  # there, a reserved window starts past its group's end
   np.testing.assert_array_equal(ce[:n], want_ce)
   np.testing.assert_array_equal(row0[:n], want_row0)

@@ -154,6 +154,49 @@ def test_grouped_expert_shapes(k, n, m, seed, n_inners):
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "n_ctas"))
+def _grouped_stream_k(x, pw, g, out_dtype, n_ctas=None):
+  cfg = dict(stream_k=True) | ({} if n_ctas is None else dict(n_ctas=n_ctas))
+  return kernels.grouped_matmul(x, pw, g, out_dtype, config=cfg)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_grouped_stream_k_ragged(fmt):
+  """The grouped stream-K schedule over 3 / 7 / all CTAs (runs that cut tiles and cross chunks:
+  2 column tiles x 3 K steps a chunk, K not a multiple of 256), empty groups, one token, rows
+  past the sum; float32 and bf16 out."""
+  e, k, n = 8, 704, 512
+  q = quantize(rand_w((e, k, n), 3), fmt, axis=1, second_level=(0,))
+  pw = jax.jit(kernels.prepare_weight)(q)
+  for gs in ([0, 0, 0, 1, 0, 0, 0, 0], [0, 70, 0, 0, 2, 0, 0, 9], [3, 1, 4, 1, 5, 9, 2, 6]):
+    m = 90  # rows past sum(group_sizes): zeros
+    x = jax.random.normal(jax.random.key(sum(gs)), (m, k), jnp.float32).astype(jnp.bfloat16)
+    g = jnp.asarray(gs, jnp.int32)
+    ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
+    for n_ctas in (3, 7, None):
+      got = _grouped_stream_k(x, pw, g, jnp.float32, n_ctas)
+      assert relerr(got, ref) < TOL, (gs, n_ctas)
+      assert np.all(np.asarray(got)[sum(gs):] == 0)
+    assert relerr(_grouped_stream_k(x, pw, g, jnp.bfloat16, 7), ref) < 1e-2, gs
+
+
+@pytest.mark.parametrize("k,n,m,seed", [(2048, 1536, 64, 8), (2048, 1536, 256, 0),
+                                        (2048, 1536, 2208, 10), (768, 2048, 512, 2)])
+def test_grouped_stream_k_expert_shapes(k, n, m, seed):
+  """The 30B-A3B expert matmuls (128 experts, top-8 routing) under the stream-K schedule, the
+  default at decode sizes, against the chunk schedule's result and the reference."""
+  e = 128
+  q = quantize(rand_w((e, k, n), 5 + seed // 2) * 0.02, "nvfp4", axis=1, second_level=(0,))
+  pw = jax.jit(kernels.prepare_weight)(q)
+  top = jax.lax.top_k(jax.random.normal(jax.random.key(seed), (m // 8, e)), 8)[1].reshape(-1)
+  g = jnp.bincount(top, length=e).astype(jnp.int32)
+  x = jax.random.normal(jax.random.key(seed + 1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
+  got = _grouped_stream_k(x, pw, g, jnp.float32)
+  assert relerr(got, ref) < TOL
+  assert relerr(_grouped_stream_k(x, pw, g, jnp.bfloat16), ref) < 1e-2
+
+
 @pytest.mark.parametrize("k,n,rows", [(2048, 5120, 256), (4096, 2048, 100), (704, 512, 65)])
 def test_dense_as_one_group(k, n, rows):
   """Dense products past the GEMV kernel's 64 rows through the grouped kernel with the rows as

@@ -388,13 +388,15 @@ def row_chunks(group_ids: jax.Array, num_groups: int):
 def route(group_ids: jax.Array, num_groups: int, w=None):
   """A MoE layer's routing tables: (order, inverse, group_sizes, tables), as `sort_by_group`
   and `count_by_group` give them; tables: the FP4 grouped kernel's chunk tables
-  (`fp4_mgpu.chunk_tables` with its rows per chunk) for a `grouped_matmul` of these rows with
-  `w` (a packed expert weight up to `SMALL_SORT` rows, or bf16 experts for `bf16_mgpu` up to
-  its `MAX_ROWS`), or None (the grouped matmul builds them if it needs them). With tables, up
-  to `SMALL_SORT` rows: four small XLA kernels a layer (`_routed_by_counts`; nine before
-  session 26). With `TRACE_JAX_ROUTING=kernel`, on the GPU, for a packed expert weight and up
-  to `routing.MAX_ROWS` rows, all of them come from one Pallas kernel (`routing.py`; 18x
-  slower than the XLA kernels on the H200, session 11: off by default)."""
+  (`fp4_mgpu.chunk_tables` with its rows per chunk and, 5th, the reserved-chunk count that
+  the grouped stream-K schedule needs: (bm, chunk_expert, chunk_row, slot, total)) for a
+  `grouped_matmul` of these rows with `w` (a packed expert weight up to `SMALL_SORT` rows,
+  or bf16 experts for `bf16_mgpu` up to its `MAX_ROWS`), or None (the grouped matmul builds
+  them if it needs them). With tables, up to `SMALL_SORT` rows: four small XLA kernels a layer
+  (`_routed_by_counts`; nine before session 26). With `TRACE_JAX_ROUTING=kernel`, on the GPU,
+  for a packed expert weight and up to `routing.MAX_ROWS` rows, all of them come from one
+  Pallas kernel (`routing.py`; 18x slower than the XLA kernels on the H200, session 11: off
+  by default)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
@@ -403,7 +405,8 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
       order, inverse, gs, ce, row0, slot = routing.routing_tables(
           group_ids, num_groups=num_groups, bm=bm,
           n_chunks=fp4_mgpu.chunk_count(m, num_groups, bm))
-      return order, inverse, gs, (bm, ce, row0, slot)
+      total = jnp.sum(fp4_mgpu.chunks_per_group(gs, bm), keepdims=True, dtype=jnp.int32)
+      return order, inverse, gs, (bm, ce, row0, slot, total)
   m = group_ids.shape[0]
   takes_tables = _kernel_takes_tables(w, group_ids, num_groups)
   if takes_tables and m <= ROW_CHUNK_ROWS and on_gpu():
@@ -420,8 +423,8 @@ def _routed_by_counts(group_ids: jax.Array, num_groups: int):
   take about nine), the same values bit for bit:
     1. over M + E rows: a row's sorted position counts the rows before it in (group, row)
        order; group e's end counts the rows before (e, M) in that order (the ids <= e);
-    2. over M + E rows: the order (the row at each sorted position) and the groups' first
-       and end chunks (prefix sums of the chunks each group takes);
+    2. over M + E rows: the order (the row at each sorted position), the groups' first
+       and end chunks (prefix sums of the chunks each group takes) and their total;
     3. the chunk owners and window starts (`fp4_mgpu.chunk_owners`).
   A sorted row's slot is its position plus its group's offset: a look-up, one small elementwise
   kernel with the output gathers' bounds masks (`chunk_tables` has no group ids and searches
@@ -445,12 +448,14 @@ def _routed_by_counts(group_ids: jax.Array, num_groups: int):
                            jnp.where(j <= r - m, nch_j, 0)), axis=1, dtype=jnp.int32)
   # the exclusive sums beside (sibling terms: the chunk counts stay unmaterialized)
   ch_first = jnp.sum(jnp.where(j < r - m, nch_j, 0), axis=1, dtype=jnp.int32)[m:]
+  # and the chunks reserved in all, in every element (the grouped stream-K kernel's count)
+  total = jnp.sum(jnp.where(j < r + w, nch_j, 0), axis=1, dtype=jnp.int32)
   order, ch_end = sums[:m], sums[m:]
   ce, row0, off = fp4_mgpu.chunk_owners(sizes, ends, ch_first, ch_end, m, bm)
   g_sorted = g[order]
   owned = g_sorted < num_groups  # ids >= num_groups: rows no group holds, read as zeros
   slot = jnp.where(owned, i + off[jnp.minimum(g_sorted, num_groups - 1)], ce.shape[0] * bm)
-  return order, inverse, sizes, (bm, ce, row0, slot)
+  return order, inverse, sizes, (bm, ce, row0, slot, total)
 
 
 def _kernel_takes_tables(w, group_ids, num_groups: int) -> bool:

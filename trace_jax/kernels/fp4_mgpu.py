@@ -64,7 +64,16 @@ ROW_CHUNKS = "row_chunks"  # the 5th element of chunk tables whose rows are in t
 def by_rows(tables) -> bool:
   """Whether chunk tables are row chunks (`dispatch.row_chunks`: one chunk per row, rows in the
   caller's order, windows made for the tables' own bm)."""
-  return tables is not None and len(tables) > 4 and tables[4] == ROW_CHUNKS
+  return tables is not None and len(tables) > 4 and isinstance(tables[4], str) and (
+      tables[4] == ROW_CHUNKS)
+
+
+def tables_total(tables):
+  """The reserved-chunk count vector of chunk tables (`chunk_tables(..., with_total=True)`;
+  the 5th element of `dispatch.route`'s), or None where they carry none."""
+  if tables is None or len(tables) < 5 or isinstance(tables[4], str):
+    return None
+  return tables[4]
 
 
 def _patch_register_pool():
@@ -342,11 +351,12 @@ def _in_specs(bm: int, kb: int, wgs: int, unit):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
-                                             "n_inner", "stream_k", "out_dtype", "dense"))
+                                             "n_inner", "stream_k", "out_dtype", "dense",
+                                             "n_ctas"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
                        n_inner: int = 1, stream_k: int = 0, out_dtype=jnp.bfloat16,
-                       dense: bool = False):
+                       dense: bool = False, total=None, n_ctas: int = 0):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
@@ -366,11 +376,18 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   that ends a tile stores its partial sum there and starts the next from zero. Returns float32
   [slots, 1, bm, N_pad]: slot p of a tile holds the partial sum of the p-th CTA that touched it
   (unwritten slots are garbage: `stream_k_slots` says which are written), NOT times the column
-  factor (the caller applies it after adding the slots)."""
+  factor (the caller applies it after adding the slots).
+  total: a grouped call's stream-K schedule instead (`_grouped_stream_k_kernel`, n_ctas CTAs):
+  an int32 vector whose element 0 is the chunks in use (`chunk_tables`' reserved chunks);
+  returns (out [C, bm, N_pad] out_dtype, part float32 [2, n_ctas, bm, 256])."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   _patch_register_pool()
 
+  if total is not None:
+    return _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row, total,
+                                    fmt=fmt, kb=kb, bm=bm, wgs=wgs, stages=stages,
+                                    n_ctas=n_ctas, out_dtype=out_dtype)
   e_, nt, kr, _ = codes.shape
   n_pad, k_pad = nt * 64, kr // 16 * 64
   n_chunks = chunk_expert.shape[0]
@@ -493,6 +510,139 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(out_smem=_out_smem(wgs, bm, jnp.float32)),
   )(chunk_expert[:1], chunk_row[:1], xc, codes, scales)
+
+
+def grouped_stream_k_steps(total, units: int, k_steps: int, n_ctas: int):
+  """Units (column tile of 256 x K step) per CTA of a grouped stream-K call over `total`
+  chunks (int32 scalar, traced) of `units` units each: an even share over n_ctas CTAs, and at
+  least one tile's k_steps, so that a tile's units meet at most two CTAs."""
+  return jnp.maximum(lax.div(total * units + (n_ctas - 1), n_ctas), k_steps)
+
+
+def _tile_parts(g, k_steps: int, steps):
+  """(first, last) CTA of tile g's K steps under a stream-K run of `steps` units a CTA."""
+  return lax.div(g * k_steps, steps), lax.div(g * k_steps + (k_steps - 1), steps)
+
+
+def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row, total, *,
+                             fmt: str, kb: int, bm: int, wgs: int, stages: int, n_ctas: int,
+                             out_dtype):
+  """`fp4_chunked_matmul`'s grouped stream-K schedule. The units of the chunks in use (chunk,
+  column tile, K step; chunk-major) are cut into n_ctas equal runs (`grouped_stream_k_steps`),
+  one CTA each, one pipeline a CTA whose index maps read the chunk tables a step (expert,
+  window start), so a run crosses tile and chunk ends without a restart and every SM has the
+  same work (the chunk-per-CTA schedule keeps 115 of 132 SMs busy at 256 rows: about 115
+  chunks of 30B-A3B's gate+up). A tile that lies in one run ends as there (times the column
+  factor, out_dtype, into `out`); one cut by a run's end leaves two float32 parts, times the
+  factor, in `part[p, last CTA]` (p = 0: the first CTA's), added by the caller
+  (`gather_stream_k`). Chunks from `total[0]` on are not computed, `out`'s tiles that are cut
+  and `part` where no tile is cut not written."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  _, nt, kr, _ = codes.shape
+  tiles, k_steps = nt // wgs, kr // 16 // kb
+  units = tiles * k_steps
+  n_chunks = chunk_expert.shape[0]
+  step_products = _step_products(fmt, kb)
+
+  def kernel(ce_gmem, cr_gmem, tot_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, part_gmem,
+             out_smem, part_smem):
+    cta = lax.axis_index("c")
+    total_units = tot_gmem[0] * units
+    steps = grouped_stream_k_steps(tot_gmem[0], units, k_steps, n_ctas)
+    u0 = cta * steps
+    n = jnp.minimum(jnp.maximum(total_units - u0, 0), steps)
+    memo = {}
+
+    def unit(i):  # (expert, window start, column tile, K step) of step i: one table read a
+      if id(i) not in memo:  # step for all the specs' maps (each is called with the same i)
+        u = u0 + i
+        q, w = lax.div(u, units), lax.rem(u, units)
+        memo[id(i)] = (i, (jnp.maximum(ce_gmem[q], 0), pl.multiple_of(cr_gmem[q], 8),
+                           lax.div(w, k_steps), lax.rem(w, k_steps)))
+      return memo[id(i)][1]
+
+    def flush(acc_ref, u, f_smem):
+      """This warpgroup's 64 columns of unit u's tile, times the column factor: the tile's
+      result where one run holds it, else this run's part of it."""
+      wg = lax.axis_index("wg")
+      f = plgpu.load(f_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+      y = acc_ref[...] * f[:, None]
+      g = lax.div(u, k_steps)
+      first, last = _tile_parts(g, k_steps, steps)
+      col = (lax.rem(g, tiles) * wgs + wg) * 64
+
+      @pl.when(first == last)
+      def _():
+        store_tile(y.astype(out_dtype), out_smem.at[wg],
+                   out_gmem.at[lax.div(g, tiles), :, pl.ds(col, 64)])
+
+      @pl.when(first != last)
+      def _():
+        store_tile(y, part_smem.at[wg], part_gmem.at[cta - first, last, :, pl.ds(wg * 64, 64)])
+
+    def body(idx, x_smem, w_smem, s_smem, f_smem, acc_ref):
+      step_products(x_smem, w_smem, s_smem, acc_ref)
+      u = u0 + idx[0]
+
+      @pl.when((lax.rem(u, k_steps) == k_steps - 1) | (idx[0] == n - 1))
+      def _():  # a tile or the run ends: store it, start the next from zero
+        flush(acc_ref, u, f_smem)
+        acc_ref[...] = jnp.zeros((64, bm), jnp.float32)
+
+      return acc_ref
+
+    def compute_context(eval_pipeline):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
+      def _scope(acc_ref):
+        eval_pipeline(acc_ref)
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    in_specs = [
+        plgpu.BlockSpec((pl.Element(bm), 64 * kb), lambda i: (unit(i)[1], unit(i)[3]),
+                        transforms=tiled),
+        plgpu.BlockSpec((None, wgs, kb * 16, 32), lambda i: (*unit(i)[::2], unit(i)[3], 0)),
+        plgpu.BlockSpec((None, wgs, kb * 2, 32), lambda i: (*unit(i)[::2], unit(i)[3], 0)),
+        plgpu.BlockSpec((None, wgs, 64), lambda i: (*unit(i)[::2], 0)),
+    ]
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.emit_pipeline_warp_specialized(
+          body, grid=(n,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+          num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
+      )(x_gmem, w_gmem, s_gmem, f_gmem)
+
+  out_type = (jax.ShapeDtypeStruct((n_chunks, bm, nt * 64), out_dtype),
+              jax.ShapeDtypeStruct((2, n_ctas, bm, wgs * 64), jnp.float32))
+  return plgpu.kernel(
+      kernel, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
+      num_threads=wgs + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=dict(out_smem=_out_smem(wgs, bm, out_dtype),
+                         part_smem=_out_smem(wgs, bm, jnp.float32)),
+  )(chunk_expert, chunk_row, total, xc, codes, scales, factor.reshape(factor.shape[0], nt, 64))
+
+
+def gather_stream_k(out, part, slot, out_rows, total, n: int, *, k_steps: int, out_dtype):
+  """The rows a grouped stream-K call returns from `_grouped_stream_k_kernel`'s out and part:
+  as `gather_rows`, but a tile cut by a run's end is the sum of its two parts; one XLA gather
+  fusion over the wanted rows."""
+  if out_rows is not None:
+    slot = slot[out_rows]
+  c, bm, n_pad = out.shape
+  n_ctas, tiles = part.shape[1], n_pad // 256
+  steps = grouped_stream_k_steps(total[0], tiles * k_steps, k_steps, n_ctas)
+  q, i = slot // bm, slot % bm
+  col = jnp.arange(n, dtype=jnp.int32)
+  first, last = _tile_parts(q[:, None] * tiles + (col // 256)[None, :], k_steps, steps)
+  y = jnp.take(out[:, :, :n].reshape(c * bm, n), slot, axis=0, mode="fill", fill_value=0)
+  b, ii, cc = jnp.minimum(last, n_ctas - 1), i[:, None], (col % 256)[None, :]
+  parts = part[0][b, ii, cc] + part[1][b, ii, cc]
+  cut = (first != last) & (slot < c * bm)[:, None]
+  return jnp.where(cut, parts.astype(out_dtype), y.astype(out_dtype))
 
 
 def stream_k_slots(tiles: int, k_steps: int, steps: int) -> np.ndarray:
@@ -643,11 +793,13 @@ def grouped_parallelism(active_groups: int, n_tiles: int, k_steps: int, n_inner=
 
 def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                            kb: int, bm: int, splits: int = 1, stream_k: int = 0,
-                           out_dtype=jnp.bfloat16, **unused_config):
+                           out_dtype=jnp.bfloat16, total=None, n_ctas: int = 0,
+                           **unused_config):
   """A `jnp` model of `fp4_chunked_matmul` (same inputs and output; unused chunks give 0, a
-  stream-K call's unwritten slots NaN): decode the layout, multiply in the kernel's physical K
-  order, scale columns. Lets CPU tests cover the chunk tables, K permutation, split-K,
-  stream-K slots and output gather around the kernel."""
+  stream-K call's unwritten slots NaN, as a grouped stream-K call's unwritten tiles and parts):
+  decode the layout, multiply in the kernel's physical K order, scale columns. Lets CPU tests
+  cover the chunk tables, K permutation, split-K, stream-K slots and parts and the output
+  gathers around the kernel."""
   e_ = codes.shape[0]
   shape = (e_, codes.shape[2] // 16 * 64, codes.shape[1] * 64)
   pw = L.PackedWeight(codes, scales, factor, fmt, shape, kb)
@@ -655,6 +807,9 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
   a_phys = L.permute_k(jnp.swapaxes(a, 1, 2)).astype(jnp.float32)  # [E, N, K] physical K
   rows = chunk_row[:, None] + jnp.arange(bm)[None, :]
   xr = xc.astype(jnp.float32)[rows]  # [C, bm, K]
+  if total is not None:
+    return _emulate_grouped_stream_k(a_phys, fac, xr, chunk_expert, total, kb=kb,
+                                     n_ctas=n_ctas, out_dtype=out_dtype)
   if stream_k:  # per K step products, summed over each slot's steps of each tile
     k_steps = xc.shape[1] // (64 * kb)
     held = stream_k_slots(shape[2] // 256, k_steps, stream_k)  # [slots, tiles, k_steps]
@@ -672,6 +827,35 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
   out = jnp.einsum("cnsk,cisk->scin", a_s, x_s, precision=lax.Precision.HIGHEST)
   out = out * fac[ce][None, :, None, :]
   return jnp.where((chunk_expert >= 0)[None, :, None, None], out, 0).astype(out_dtype)
+
+
+def _emulate_grouped_stream_k(a_phys, fac, xr, chunk_expert, total, *, kb: int, n_ctas: int,
+                              out_dtype):
+  """`_grouped_stream_k_kernel`'s (out, part) from the decoded weights a_phys [E, N, K]
+  (physical K), factors fac [E, N] and chunk windows xr [C, bm, K]: per K step products, a cut
+  tile's steps summed per run."""
+  c, bm, k_pad = xr.shape
+  n_pad = a_phys.shape[1]
+  tiles, k_steps = n_pad // 256, k_pad // (64 * kb)
+  ce = jnp.maximum(chunk_expert, 0)
+  steps = grouped_stream_k_steps(total[0], tiles * k_steps, k_steps, n_ctas)
+  per_step = jnp.einsum("cnsk,cisk->cins", a_phys[ce].reshape(c, n_pad, k_steps, -1),
+                        xr.reshape(c, bm, k_steps, -1), precision=lax.Precision.HIGHEST)
+  g = (jnp.arange(c)[:, None] * tiles + jnp.arange(n_pad)[None, :] // 256)  # [C, N] tiles
+  first, last = _tile_parts(g, k_steps, steps)
+  in_first = lax.div(g[:, :, None] * k_steps + jnp.arange(k_steps), steps) == first[..., None]
+  f = fac[ce][:, None, :]
+  p0 = jnp.sum(jnp.where(in_first[:, None], per_step, 0), axis=-1) * f  # [C, bm, N]
+  p1 = jnp.sum(jnp.where(in_first[:, None], 0, per_step), axis=-1) * f
+  used = (jnp.arange(c) < total[0])[:, None]
+  cut = (first != last) & used  # [C, N]
+  out = jnp.where((used & ~cut)[:, None, :], p0 + p1, jnp.nan).astype(out_dtype)
+  b = jnp.where(cut, last, n_ctas)  # uncut tiles: dropped
+  col = jnp.broadcast_to(jnp.arange(n_pad) % 256, (c, n_pad))
+  part = jnp.full((2, n_ctas, bm, 256), jnp.nan, jnp.float32)
+  for p, val in enumerate((p0, p1)):
+    part = part.at[p, b, :, col].set(jnp.swapaxes(val, 1, 2), mode="drop")
+  return out, part
 
 
 def matmul(x: jax.Array, pw: L.PackedWeight, *, out_dtype=jnp.bfloat16, config=None,
@@ -739,17 +923,18 @@ def dense_group_config(rows: int, n_tiles: int, k_steps: int) -> dict:
   return dict(n_inner=n_inner, splits=splits)
 
 
-def _prefix_sums(gs: jax.Array, bm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(ends, ch_first, ch_end) of a short vector of group sizes: the groups' inclusive row
-  ends and their first and end chunks (exclusive and inclusive prefix sums of
-  `chunks_per_group`): three sibling [E, E] reductions of terms made from the sizes alone, one
-  kernel (no scan kernels)."""
+def _prefix_sums(gs: jax.Array, bm: int):
+  """(ends, ch_first, ch_end, total) of a short vector of group sizes: the groups' inclusive
+  row ends, their first and end chunks (exclusive and inclusive prefix sums of
+  `chunks_per_group`) and, in every element, the chunks reserved in all: four sibling [E, E]
+  reductions of terms made from the sizes alone, one kernel (no scan kernels)."""
   n = gs.shape[0]
   j, i = jnp.arange(n)[None, :], jnp.arange(n)[:, None]
   nch = chunks_per_group(gs, bm)[None, :]
   return (jnp.sum(jnp.where(j <= i, gs[None, :], 0), axis=1, dtype=jnp.int32),
           jnp.sum(jnp.where(j < i, nch, 0), axis=1, dtype=jnp.int32),
-          jnp.sum(jnp.where(j <= i, nch, 0), axis=1, dtype=jnp.int32))
+          jnp.sum(jnp.where(j <= i, nch, 0), axis=1, dtype=jnp.int32),
+          jnp.sum(jnp.where(j < i + n, nch, 0), axis=1, dtype=jnp.int32))  # (all j: a sibling)
 
 
 def grouped_bm(m: int, e: int) -> int:
@@ -781,7 +966,8 @@ def chunk_count(m: int, e: int, bm: int) -> int:
 JOINT_TABLE_SLACK = NUM_SMS // 2
 
 
-def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None = None):
+def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None = None,
+                 with_total: bool = False):
   """Cover expert-sorted rows with chunks: windows of bm rows that start on a multiple of 8
   (the activation tile's TMA tiling) at or below the group's first row, stepping by bm until
   past its last row. A window also holds rows of neighbouring groups; they are computed and
@@ -796,13 +982,15 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
   groups of [M, E] terms, so no look-up follows a search). Beside, not after: one reduction
   over C rows where M <= C (`chunk_count` makes C = M where M is a little past the need),
   where the H200 ran four kernels, ~1.2 us each, around a 59 us kernel at 256 rows.
-  (`dispatch.route`, which has each row's group, makes the slots without a search.)"""
+  (`dispatch.route`, which has each row's group, makes the slots without a search.)
+  with_total: a 4th table, [E] int32, every element the chunks reserved in all (the grouped
+  stream-K kernel's unit count; a sibling of the prefix sums)."""
   gs = group_sizes.astype(jnp.int32)
   prefix = _prefix_sums(gs, bm)
   ends = prefix[0] if ends is None else ends.astype(jnp.int32)
   n_chunks = chunk_count(m, gs.shape[0], bm)
   ce_t, row0_t, off = _owner_terms(jnp.arange(n_chunks, dtype=jnp.int32)[:, None], gs, ends,
-                                   *prefix[1:], bm)
+                                   *prefix[1:3], bm)
   # the slots' rows: the chunks' where m fits (one reduction with the owners', sliced after)
   r = jnp.arange(max(m, n_chunks), dtype=jnp.int32)[:, None]
   holds = ((ends - gs)[None, :] <= r) & (r < ends[None, :])  # [R, E]: the row's group, if any
@@ -811,7 +999,54 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
   # materialize the small tables: fused into the big gathers they would be recomputed per
   # element (measured: 140 us of XLA glue around a 73 us kernel at 256 rows)
   ce, row0, slot = lax.optimization_barrier((ce, row0, slot))
-  return ce, row0, slot[:m]
+  return (ce, row0, slot[:m]) + ((prefix[3],) if with_total else ())
+
+
+# The grouped kernel's stream-K schedule (`_grouped_stream_k_kernel`): "auto" (decode-sized
+# calls: rows per chunk up to STREAM_K_MAX_BM, at least GROUPED_STREAM_K_MIN_ROWS rows), "on"
+# (wherever the rows per chunk allow it) or "off".
+GROUPED_STREAM_K = choice_setting("TRACE_JAX_GROUPED_STREAM_K", "auto", ("auto", "on", "off"))
+GROUPED_STREAM_K_MIN_ROWS = 32
+
+
+def grouped_stream_k(m: int, bm: int, row_chunks: bool, config: dict) -> bool:
+  """Whether a grouped call of m rows in chunks of bm takes the stream-K schedule by default
+  (`GROUPED_STREAM_K`): not for row chunks (rows in the caller's order), K splits or chained
+  tiles asked for, or chunks of more than STREAM_K_MAX_BM rows (two staging tiles and the
+  pipeline's stages do not fit SMEM at 64)."""
+  if GROUPED_STREAM_K == "off" or row_chunks or bm > STREAM_K_MAX_BM:
+    return False
+  if config.get("splits", 1) != 1 or config.get("n_inner") is not None:
+    return False
+  return GROUPED_STREAM_K == "on" or m >= GROUPED_STREAM_K_MIN_ROWS
+
+
+def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *, out_dtype,
+                           config: dict, kernel_fn, rows, out_rows, tables):
+  """`grouped_matmul` under the stream-K schedule: tables with the reserved-chunk count, the
+  operand as there, the kernel over min(NUM_SMS, tiles) CTAs, `gather_stream_k`."""
+  if by_rows(tables):
+    raise ValueError("the grouped stream-K schedule needs expert-sorted rows, not row chunks")
+  total = tables_total(tables) if tables is not None and tables[0] == bm else None
+  if total is not None:
+    ce, row0, slot = tables[1:4]
+  else:
+    ce, row0, slot, total = chunk_tables(group_sizes, m, bm, with_total=True)
+  tiles = pw.n_pad // 256
+  per_stage = bm * 64 * pw.kb * 2 + 4 * pw.kb * 2048 + 4 * pw.kb * 256 + 4 * 64 * 4
+  fixed = 4 * 64 * bm * (jnp.dtype(out_dtype).itemsize + 4)
+  cfg = dict(wgs=4, stages=fit_stages(per_stage, fixed, 4, 1),
+             n_ctas=min(NUM_SMS, ce.shape[0] * tiles))
+  cfg.update(config)
+  if cfg["stages"] < 1:
+    raise ValueError(f"the grouped stream-K kernel with {bm}-row chunks does not fit SMEM")
+  n_rows = -(-(m + bm) // 8) * 8  # TMA: rows % 8
+  xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)
+  out, part = (kernel_fn or fp4_chunked_matmul)(
+      xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
+      out_dtype=out_dtype, total=total, **cfg)
+  return gather_stream_k(out, part, slot, out_rows, total, pw.n, k_steps=k_steps,
+                         out_dtype=out_dtype)
 
 
 def chunks_per_group(group_sizes: jax.Array, bm: int) -> jax.Array:
@@ -866,6 +1101,13 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   if by_rows(tables):
     bm = tables[0]  # row chunks: their windows are made for their bm
   k_steps = pw.k_pad // (64 * pw.kb)
+  stream_k = config.pop("stream_k", None)
+  if stream_k is None:
+    stream_k = grouped_stream_k(m, bm, by_rows(tables), config)
+  if stream_k:
+    return _grouped_stream_k_call(x, pw, group_sizes, m, bm, k_steps, out_dtype=out_dtype,
+                                  config=config, kernel_fn=kernel_fn, rows=rows,
+                                  out_rows=out_rows, tables=tables)
   n_inner, splits = grouped_parallelism(min(m, e), pw.n_pad // 256, k_steps,
                                         config.pop("n_inner", None), config.pop("splits", None))
   cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False,
