@@ -554,12 +554,13 @@ def test_grouped_stream_k_emulated():
 
 
 def test_grouped_stream_k_rule(monkeypatch):
-  """Decode-sized calls take the grouped stream-K schedule by default; row chunks, asked-for
-  K splits or chained tiles, 64-row chunks and the "off" setting do not."""
+  """Decode-sized calls (32-256 rows) take the grouped stream-K schedule by default; row
+  chunks, asked-for K splits or chained tiles, 64-row chunks and the "off" setting do not."""
   rule = fp4_mgpu.grouped_stream_k
   min_rows = fp4_mgpu.GROUPED_STREAM_K_MIN_ROWS
   assert rule(256, 16, False, {}) and rule(min_rows, 16, False, {})
   assert not rule(min_rows - 1, 16, False, {})
+  assert not rule(fp4_mgpu.GROUPED_STREAM_K_MAX_ROWS + 1, 16, False, {})
   assert not rule(256, 16, True, {}) and not rule(256, 64, False, {})
   assert not rule(256, 16, False, dict(splits=2)) and not rule(256, 16, False, dict(n_inner=6))
   monkeypatch.setattr(fp4_mgpu, "GROUPED_STREAM_K", "off")

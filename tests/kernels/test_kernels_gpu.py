@@ -183,8 +183,8 @@ def test_grouped_stream_k_ragged(fmt):
 @pytest.mark.parametrize("k,n,m,seed", [(2048, 1536, 64, 8), (2048, 1536, 256, 0),
                                         (2048, 1536, 2208, 10), (768, 2048, 512, 2)])
 def test_grouped_stream_k_expert_shapes(k, n, m, seed):
-  """The 30B-A3B expert matmuls (128 experts, top-8 routing) under the stream-K schedule, the
-  default at decode sizes, against the chunk schedule's result and the reference."""
+  """The 30B-A3B expert matmuls (128 experts, top-8 routing) under the stream-K schedule (the
+  default from 32 to 256 rows) against the reference."""
   e = 128
   q = quantize(rand_w((e, k, n), 5 + seed // 2) * 0.02, "nvfp4", axis=1, second_level=(0,))
   pw = jax.jit(kernels.prepare_weight)(q)

@@ -27,7 +27,10 @@ Design (see ../shared/reference/fp4-kernel-probe.md for the measurements behind 
   partial sums added by XLA), which made the 30B-A3B attention shapes 2.5-4x faster; where
   equal splits leave SMs idle (8192 x 28672: 112 tiles on 132 SMs) a stream-K schedule
   instead (`stream_k_plan`: every CTA the same run of (tile, K step) units, crossing tile
-  ends; 47.1 -> 41.4 us kernel, 48.0 -> 44.0 a call at one row on the H200).
+  ends; 47.1 -> 41.4 us kernel, 48.0 -> 44.0 a call at one row on the H200). Grouped calls
+  at decode sizes take a stream-K schedule too (`_grouped_stream_k_kernel`, session 30): the
+  (chunk, tile, K step) units of the chunks in use cut into one equal run per SM, the chunk
+  tables read a step, the tiles a run's end cuts added by XLA in the output gather.
 - epilogue: acc * column factor (g * 2**shift, from GMEM via TMA), stored transposed to SMEM
   (the accumulator is W^T x^T: columns by rows) -> out [splits, chunks, bm, N], row-major, so
   XLA's gather of the wanted rows reads whole rows. (Until 2026-11-30 the kernel wrote
@@ -633,16 +636,18 @@ def gather_stream_k(out, part, slot, out_rows, total, n: int, *, k_steps: int, o
   if out_rows is not None:
     slot = slot[out_rows]
   c, bm, n_pad = out.shape
-  n_ctas, tiles = part.shape[1], n_pad // 256
+  m, n_ctas, tiles = slot.shape[0], part.shape[1], n_pad // 256
   steps = grouped_stream_k_steps(total[0], tiles * k_steps, k_steps, n_ctas)
   q, i = slot // bm, slot % bm
-  col = jnp.arange(n, dtype=jnp.int32)
-  first, last = _tile_parts(q[:, None] * tiles + (col // 256)[None, :], k_steps, steps)
+  first, last = _tile_parts(q[:, None] * tiles + jnp.arange(tiles)[None, :], k_steps, steps)
   y = jnp.take(out[:, :, :n].reshape(c * bm, n), slot, axis=0, mode="fill", fill_value=0)
-  b, ii, cc = jnp.minimum(last, n_ctas - 1), i[:, None], (col % 256)[None, :]
-  parts = part[0][b, ii, cc] + part[1][b, ii, cc]
-  cut = (first != last) & (slot < c * bm)[:, None]
-  return jnp.where(cut, parts.astype(out_dtype), y.astype(out_dtype))
+  # the parts as whole 256-column rows of each (row, tile) (a row gather, as the one above:
+  # XLA gathered per element far slower, 61 us beside a 83 us kernel at 2,208 rows on the H200)
+  at = (jnp.minimum(last, n_ctas - 1) * bm + i[:, None]).reshape(-1)
+  parts = jnp.take(part.reshape(2, n_ctas * bm, 256), at, axis=1).reshape(2, m, n_pad)
+  cut = jnp.repeat((first != last) & (slot < c * bm)[:, None], 256, axis=1)
+  return jnp.where(cut[:, :n], (parts[0] + parts[1])[:, :n].astype(out_dtype),
+                   y.astype(out_dtype))
 
 
 def stream_k_slots(tiles: int, k_steps: int, steps: int) -> np.ndarray:
@@ -1002,11 +1007,15 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
   return (ce, row0, slot[:m]) + ((prefix[3],) if with_total else ())
 
 
-# The grouped kernel's stream-K schedule (`_grouped_stream_k_kernel`): "auto" (decode-sized
-# calls: rows per chunk up to STREAM_K_MAX_BM, at least GROUPED_STREAM_K_MIN_ROWS rows), "on"
-# (wherever the rows per chunk allow it) or "off".
+# The grouped kernel's stream-K schedule (`_grouped_stream_k_kernel`): "auto" (calls of
+# GROUPED_STREAM_K_MIN_ROWS to _MAX_ROWS rows, chunks up to STREAM_K_MAX_BM rows), "on"
+# (wherever the chunks allow it) or "off". H200, 30B-A3B experts, us kernel stream-K / chunk
+# schedule (session 30): gate+up 64 rows 29.3 / 33.9, 128 rows 42.0 / 56.6, 256 rows 56.1 /
+# 59.2, 512 rows 65.6 / 63.2, 2,208 rows 83.3 / 79.2; down 128 rows 24.8 / 33.2, 512 rows
+# 39.3 / 36.5: past 256 rows every SM already has a chunk and stream-K's per-step table reads
+# and cut tiles cost more than the balance gains.
 GROUPED_STREAM_K = choice_setting("TRACE_JAX_GROUPED_STREAM_K", "auto", ("auto", "on", "off"))
-GROUPED_STREAM_K_MIN_ROWS = 32
+GROUPED_STREAM_K_MIN_ROWS, GROUPED_STREAM_K_MAX_ROWS = 32, 256
 
 
 def grouped_stream_k(m: int, bm: int, row_chunks: bool, config: dict) -> bool:
@@ -1018,7 +1027,8 @@ def grouped_stream_k(m: int, bm: int, row_chunks: bool, config: dict) -> bool:
     return False
   if config.get("splits", 1) != 1 or config.get("n_inner") is not None:
     return False
-  return GROUPED_STREAM_K == "on" or m >= GROUPED_STREAM_K_MIN_ROWS
+  return GROUPED_STREAM_K == "on" or (
+      GROUPED_STREAM_K_MIN_ROWS <= m <= GROUPED_STREAM_K_MAX_ROWS)
 
 
 def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *, out_dtype,
