@@ -644,10 +644,10 @@ def gather_stream_k(out, part, slot, out_rows, total, n: int, *, k_steps: int, o
   # the parts as whole 256-column rows of each (row, tile) (a row gather, as the one above:
   # XLA gathered per element far slower, 61 us beside a 83 us kernel at 2,208 rows on the H200)
   at = (jnp.minimum(last, n_ctas - 1) * bm + i[:, None]).reshape(-1)
-  parts = jnp.take(part.reshape(2, n_ctas * bm, 256), at, axis=1).reshape(2, m, n_pad)
-  cut = jnp.repeat((first != last) & (slot < c * bm)[:, None], 256, axis=1)
-  return jnp.where(cut[:, :n], (parts[0] + parts[1])[:, :n].astype(out_dtype),
-                   y.astype(out_dtype))
+  p0, p1 = (jnp.take(part[p].reshape(n_ctas * bm, 256), at, axis=0).reshape(m, n_pad)[:, :n]
+            for p in range(2))
+  cut = jnp.repeat((first != last) & (slot < c * bm)[:, None], 256, axis=1)[:, :n]
+  return jnp.where(cut, (p0 + p1).astype(out_dtype), y.astype(out_dtype))
 
 
 def stream_k_slots(tiles: int, k_steps: int, steps: int) -> np.ndarray:
