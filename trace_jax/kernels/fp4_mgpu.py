@@ -1009,11 +1009,12 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
 
 # The grouped kernel's stream-K schedule (`_grouped_stream_k_kernel`): "auto" (calls of
 # GROUPED_STREAM_K_MIN_ROWS to _MAX_ROWS rows, chunks up to STREAM_K_MAX_BM rows), "on"
-# (wherever the chunks allow it) or "off". H200, 30B-A3B experts, us kernel stream-K / chunk
-# schedule (session 30): gate+up 64 rows 29.3 / 33.9, 128 rows 42.0 / 56.6, 256 rows 56.1 /
-# 59.2, 512 rows 65.6 / 63.2, 2,208 rows 83.3 / 79.2; down 128 rows 24.8 / 33.2, 512 rows
-# 39.3 / 36.5: past 256 rows every SM already has a chunk and stream-K's per-step table reads
-# and cut tiles cost more than the balance gains.
+# (wherever the chunks allow it) or "off". H200, 30B-A3B experts, us a call / kernel,
+# stream-K against the chunk schedule (benchmarks/results/session30_h200_2026-12-03):
+# gate+up 64 rows 37.2 / 29.4 vs 40.4 / 33.8, 128 rows 47.6 / 39.0 vs 64.1 / 57.0, 256 rows
+# 62.2 / 53.4 vs 66.2 / 58.8 (tokamax bf16 190.0 a call); down 128 rows 29.6 / 25.2 vs 37.2 /
+# 33.5, 256 rows 37.4 / 32.8 vs 38.2 / 34.4. Past 256 rows every SM has a chunk already and
+# the kernel was slower (gate+up 512 rows 65.6 vs 63.2 us, 2,208 rows 83.3 vs 79.2).
 GROUPED_STREAM_K = choice_setting("TRACE_JAX_GROUPED_STREAM_K", "auto", ("auto", "on", "off"))
 GROUPED_STREAM_K_MIN_ROWS, GROUPED_STREAM_K_MAX_ROWS = 32, 256
 
