@@ -135,6 +135,18 @@ def test_grouped_ragged(fmt, bm, n_inner):
     assert np.all(np.asarray(got)[sum(gs):] == 0)
 
 
+def expert_case(k, n, m, seed):
+  """A 30B-A3B-shaped expert matmul (128 experts, NVFP4, top-8 routing of m // 8 random
+  tokens): (packed weight, group sizes, rows, float32 reference)."""
+  e = 128
+  q = quantize(rand_w((e, k, n), 5 + seed // 2) * 0.02, "nvfp4", axis=1, second_level=(0,))
+  pw = jax.jit(kernels.prepare_weight)(q)
+  top = jax.lax.top_k(jax.random.normal(jax.random.key(seed), (m // 8, e)), 8)[1].reshape(-1)
+  g = jnp.bincount(top, length=e).astype(jnp.int32)
+  x = jax.random.normal(jax.random.key(seed + 1), (m, k), jnp.float32).astype(jnp.bfloat16)
+  return pw, g, x, reference.grouped_matmul_ref(x, q, g, jnp.float32)
+
+
 @pytest.mark.parametrize("k,n,m,seed,n_inners", [
     (2048, 1536, 256, 0, (None, 1, 6)),  # gate+up; n_inner 6: one CTA per chunk
     (768, 2048, 512, 2, (1, 4, 8)),  # down at 512 decode rows: 3 K steps per tile, 8 chained
@@ -143,13 +155,7 @@ def test_grouped_ragged(fmt, bm, n_inner):
 ])
 def test_grouped_expert_shapes(k, n, m, seed, n_inners):
   """The 30B-A3B expert matmuls (128 experts, top-8 routing) for each column-tile chaining."""
-  e = 128
-  q = quantize(rand_w((e, k, n), 5 + seed // 2) * 0.02, "nvfp4", axis=1, second_level=(0,))
-  pw = jax.jit(kernels.prepare_weight)(q)
-  top = jax.lax.top_k(jax.random.normal(jax.random.key(seed), (m // 8, e)), 8)[1].reshape(-1)
-  g = jnp.bincount(top, length=e).astype(jnp.int32)
-  x = jax.random.normal(jax.random.key(seed + 1), (m, k), jnp.float32).astype(jnp.bfloat16)
-  ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
+  pw, g, x, ref = expert_case(k, n, m, seed)
   for n_inner in n_inners:
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner
 
@@ -185,13 +191,7 @@ def test_grouped_stream_k_ragged(fmt):
 def test_grouped_stream_k_expert_shapes(k, n, m, seed):
   """The 30B-A3B expert matmuls (128 experts, top-8 routing) under the stream-K schedule (the
   default from 32 to 256 rows) against the reference."""
-  e = 128
-  q = quantize(rand_w((e, k, n), 5 + seed // 2) * 0.02, "nvfp4", axis=1, second_level=(0,))
-  pw = jax.jit(kernels.prepare_weight)(q)
-  top = jax.lax.top_k(jax.random.normal(jax.random.key(seed), (m // 8, e)), 8)[1].reshape(-1)
-  g = jnp.bincount(top, length=e).astype(jnp.int32)
-  x = jax.random.normal(jax.random.key(seed + 1), (m, k), jnp.float32).astype(jnp.bfloat16)
-  ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
+  pw, g, x, ref = expert_case(k, n, m, seed)
   got = _grouped_stream_k(x, pw, g, jnp.float32)
   assert relerr(got, ref) < TOL
   assert relerr(_grouped_stream_k(x, pw, g, jnp.bfloat16), ref) < 1e-2
