@@ -7,7 +7,8 @@ Mosaic `ragged_dot` (the BF16 engine's grouped matmul; where tokamax is installe
 Mosaic grouped kernel at decode sizes (`bf16_mgpu`, opt-in in the engine), and the
 Mosaic GPU FP4 kernel (`trace_jax.kernels`) with NVFP4 and MXFP4 weights; grouped NVFP4 also
 with n_inner column tiles per CTA (`_inD`) and K splits (`_sS`; `_auto`: the engine's choice,
-`_auto_nosk`: its chunk schedule where the engine's is stream-K);
+`_auto_nosk`: its chunk schedule where the engine's is stream-K, `_auto_mk`: stream-K with the
+cut tiles' parts added in the kernel);
 dense bf16 at one row also as the engine calls it (`xla_bf16_engine`: a zero second row). Shapes:
 8192x28672 (B 1, 16, 64), the Qwen3-30B-A3B attention q (2048x4096) and o (4096x2048)
 projections, and the grouped expert matmuls (128 experts; gate+up K 2048 N 1536, down K 768 N
@@ -286,8 +287,8 @@ def main():
     return (["xla_bf16"] + (["tokamax_bf16"] if tokamax_ok else [])
             + (["bf16_mgpu"] if m <= bf16_mgpu.MAX_ROWS else [])
             + ["nvfp4_auto", "nvfp4", "nvfp4_s1"] + (["nvfp4_s2"] if m <= 64 else [])
-            + (["nvfp4_auto_nosk"] if fp4_mgpu.grouped_stream_k(m, bm_of(m), False, {})
-               else [])
+            + (["nvfp4_auto_nosk", "nvfp4_auto_mk"]
+               if fp4_mgpu.grouped_stream_k(m, bm_of(m), False, {}) else [])
             + [f"nvfp4_in{d}" for d in inner] + ["mxfp4"]
             + ([f"nvfp4_auto_bm{b}" for b in fp4_mgpu.BM_CHOICES
                 if b != fp4_mgpu.grouped_bm(m, e)] if 1024 <= m <= 4096 else []))
@@ -346,6 +347,8 @@ def main():
                 cfg["bm"] = int(o[2:])
               elif o == "nosk":  # the chunk schedule where the default is stream-K
                 cfg["stream_k"] = False
+              elif o == "mk":  # stream-K, the cut tiles' parts added in the kernel
+                cfg["merge"] = "kernel"
               elif o.startswith("in"):
                 cfg["n_inner"] = int(o[2:])
               elif o.startswith("s"):

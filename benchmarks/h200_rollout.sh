@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -470,6 +470,22 @@ elif [ "$stage" = s30a ]; then
   timeout -k 5 ${BK_TIMEOUT:-330} python3 benchmarks/bench_kernels.py --iters 20 \
     --grouped_rows 128 --only ${rows#,} --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
     | grep -A40 "us_call" | cut -c1-150
+elif [ "$stage" = s31a ]; then
+  # (prepared in session 30, not run) the grouped stream-K kernel adding the cut tiles' parts
+  # in the kernel (merge "kernel": the later part to finish adds the other's, read from L2; no
+  # parts for XLA to gather): its GPU tests, then rows at 64-256 rows, XLA's add (auto) against
+  # the kernel's (auto_mk) and the chunk schedule (auto_nosk), tokamax beside
+  gpu_tests tests/kernels/test_kernels_gpu.py "stream_k" gsk_merge ${KTEST_TIMEOUT:-240}
+  rows=''
+  for shape in moe_gateup_E128_K2048_N1536 moe_down_E128_K768_N2048; do
+    for m in 64 128 256; do
+      for v in auto auto_mk auto_nosk; do rows+=",${shape}_M${m}_nvfp4_$v\$"; done
+    done
+  done
+  rows+=',moe_gateup_E128_K2048_N1536_M256_tokamax'
+  timeout -k 5 ${BK_TIMEOUT:-240} python3 benchmarks/bench_kernels.py --iters 20 \
+    --grouped_rows 128 --only ${rows#,} --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
+    | grep -A24 "us_call" | cut -c1-150
 elif [ "$stage" = s30c ]; then
   # (session 30) s30a's rows again at 64-256 rows after the gather of the cut tiles' parts
   # became a row gather (s30a: per element, 5 us more a call than the chunk schedule's at 256

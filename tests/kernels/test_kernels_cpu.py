@@ -507,11 +507,13 @@ def test_grouped_wrapper_emulated(bm, stream_k):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-def test_grouped_stream_k_emulated():
-  """The grouped stream-K schedule (emulated kernel: its out and parts, unwritten tiles NaN):
-  3 column tiles x 3 K steps a chunk over 4 / 7 / 132 CTAs, so runs cut tiles and cross
-  chunks; empty groups, one token, nothing routed, rows past the sum; the tables built from
-  the sizes and `route`'s (with rows / out_rows), as float32 and bf16."""
+@pytest.mark.parametrize("merge", ["xla", "kernel"])
+def test_grouped_stream_k_emulated(merge):
+  """The grouped stream-K schedule (emulated kernel: its out and parts, unwritten tiles NaN;
+  merge "kernel": the cut tiles' parts added in the kernel): 3 column tiles x 3 K steps a
+  chunk over 4 / 7 / 132 CTAs, so runs cut tiles and cross chunks; empty groups, one token,
+  nothing routed, rows past the sum; the tables built from the sizes and `route`'s (with rows
+  / out_rows), as float32 and bf16."""
   e, k, n = 6, 520, 600  # K 768 and N 768 padded: 3 steps, 3 tiles
   q = quantize(rand_w((e, k, n), 14), "nvfp4", axis=1, second_level=(0,))
   pw = kernels.prepare_weight(q, kb=4)
@@ -520,7 +522,7 @@ def test_grouped_stream_k_emulated():
   @functools.partial(jax.jit, static_argnames=("n_ctas", "out_dtype"))
   def run(x, g, n_ctas, out_dtype=jnp.float32):
     return fp4_mgpu.grouped_matmul(x, pw, g, out_dtype=out_dtype,
-                                   config=dict(stream_k=True, n_ctas=n_ctas),
+                                   config=dict(stream_k=True, n_ctas=n_ctas, merge=merge),
                                    kernel_fn=fp4_mgpu.emulate_chunked_matmul)
 
   cuts = 0
@@ -547,7 +549,7 @@ def test_grouped_stream_k_emulated():
   xt = jax.random.normal(jax.random.key(7), (tokens, k), jnp.float32).astype(jnp.bfloat16)
   got = fp4_mgpu.grouped_matmul(xt, pw, gs, out_dtype=jnp.float32, rows=order // top,
                                 out_rows=inverse, tables=tables,
-                                config=dict(stream_k=True, n_ctas=5),
+                                config=dict(stream_k=True, n_ctas=5, merge=merge),
                                 kernel_fn=fp4_mgpu.emulate_chunked_matmul)
   want = reference.grouped_matmul_ref(xt[order // top], q, gs, jnp.float32)[inverse]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
@@ -604,10 +606,12 @@ def test_lowers_for_cuda():
     pe = layout.PackedWeight(sds((8, n // 64, k // 4, 32), jnp.uint32),
                              sds((8, n // 64, k // 32, 32), jnp.uint32),
                              sds((8, n), jnp.float32), fmt, (8, k, n), 4)
-    # grouped: bm 16 (the stream-K schedule by default, and the chunk schedule) and 64
-    for m, stream_k in ((40, None), (40, False), (512, None)):
-      jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g, config=dict(
-          stream_k=stream_k))).trace(sds((m, k), jnp.bfloat16), pe, sds((8,), jnp.int32)).lower(
+    # grouped: bm 16 (the stream-K schedule by default, with the cut tiles' parts added in
+    # the kernel, and the chunk schedule) and 64
+    for m, cfg in ((40, {}), (40, dict(stream_k=True, merge="kernel")),
+                   (40, dict(stream_k=False)), (512, {})):
+      jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g, config=cfg)).trace(
+          sds((m, k), jnp.bfloat16), pe, sds((8,), jnp.int32)).lower(
               lowering_platforms=("cuda",))
 
 

@@ -160,17 +160,18 @@ def test_grouped_expert_shapes(k, n, m, seed, n_inners):
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "n_ctas"))
-def _grouped_stream_k(x, pw, g, out_dtype, n_ctas=None):
-  cfg = dict(stream_k=True) | ({} if n_ctas is None else dict(n_ctas=n_ctas))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "n_ctas", "merge"))
+def _grouped_stream_k(x, pw, g, out_dtype, n_ctas=None, merge="xla"):
+  cfg = dict(stream_k=True, merge=merge) | ({} if n_ctas is None else dict(n_ctas=n_ctas))
   return kernels.grouped_matmul(x, pw, g, out_dtype, config=cfg)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_grouped_stream_k_ragged(fmt):
+@pytest.mark.parametrize("fmt,merge", [("nvfp4", "xla"), ("mxfp4", "xla"),
+                                       ("nvfp4", "kernel")])
+def test_grouped_stream_k_ragged(fmt, merge):
   """The grouped stream-K schedule over 3 / 7 / all CTAs (runs that cut tiles and cross chunks:
   2 column tiles x 3 K steps a chunk, K not a multiple of 256), empty groups, one token, rows
-  past the sum; float32 and bf16 out."""
+  past the sum; float32 and bf16 out; the cut tiles' parts added by XLA or in the kernel."""
   e, k, n = 8, 704, 512
   q = quantize(rand_w((e, k, n), 3), fmt, axis=1, second_level=(0,))
   pw = jax.jit(kernels.prepare_weight)(q)
@@ -180,21 +181,24 @@ def test_grouped_stream_k_ragged(fmt):
     g = jnp.asarray(gs, jnp.int32)
     ref = reference.grouped_matmul_ref(x, q, g, jnp.float32)
     for n_ctas in (3, 7, None):
-      got = _grouped_stream_k(x, pw, g, jnp.float32, n_ctas)
+      got = _grouped_stream_k(x, pw, g, jnp.float32, n_ctas, merge)
       assert relerr(got, ref) < TOL, (gs, n_ctas)
       assert np.all(np.asarray(got)[sum(gs):] == 0)
-    assert relerr(_grouped_stream_k(x, pw, g, jnp.bfloat16, 7), ref) < 1e-2, gs
+    assert relerr(_grouped_stream_k(x, pw, g, jnp.bfloat16, 7, merge), ref) < 1e-2, gs
 
 
 @pytest.mark.parametrize("k,n,m,seed", [(2048, 1536, 64, 8), (2048, 1536, 256, 0),
                                         (2048, 1536, 2208, 10), (768, 2048, 512, 2)])
 def test_grouped_stream_k_expert_shapes(k, n, m, seed):
   """The 30B-A3B expert matmuls (128 experts, top-8 routing) under the stream-K schedule (the
-  default from 32 to 256 rows) against the reference."""
+  default from 32 to 256 rows) against the reference, the cut tiles' parts added by XLA or in
+  the kernel (bit for bit the same: each is one float32 addition of the same two parts)."""
   pw, g, x, ref = expert_case(k, n, m, seed)
   got = _grouped_stream_k(x, pw, g, jnp.float32)
   assert relerr(got, ref) < TOL
   assert relerr(_grouped_stream_k(x, pw, g, jnp.bfloat16), ref) < 1e-2
+  np.testing.assert_array_equal(np.asarray(_grouped_stream_k(x, pw, g, jnp.float32,
+                                                             merge="kernel")), np.asarray(got))
 
 
 @pytest.mark.parametrize("k,n,rows", [(2048, 5120, 256), (4096, 2048, 100), (704, 512, 65)])

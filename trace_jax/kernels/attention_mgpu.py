@@ -96,7 +96,7 @@ import numpy as np
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels.attention_pallas import combine_splits
-from trace_jax.kernels.fp4_mgpu import DECODE_ASM, WEIGHT_DECODE_ASM
+from trace_jax.kernels.fp4_mgpu import DECODE_ASM, WEIGHT_DECODE_ASM, counted_in_last
 from trace_jax.kernels.settings import choice_setting, int_setting
 from trace_jax.quant import e2m1
 
@@ -552,14 +552,8 @@ def _split_merger(gp: int, heads: int, out_dtype):
       for cb in range(nb):  # the lanes' max and sum: once, by the threads holding row 0
         store2(addr(ml_base, ml_elem(part, 0, cb), 4), split(mreg[cb]), first_row)
         store2(addr(ml_base, ml_elem(part, 1, cb), 4), split(lreg[cb]), first_row)
-      bar = mutils.warpgroup_barrier_idx(sync=False)
-      last = asm(i32, [t, addr(cnt_base, add(mul(bi, c(KV_HEADS)), wg), 4), bar,
-                       arith.subi(n_parts, c(1))],
-                 "{\n.reg .pred p, q;\n.reg .b32 old;\nfence.acq_rel.gpu;\n"
-                 "bar.sync $3, 128;\nsetp.eq.u32 p, $1, 0;\nmov.b32 old, 0xffffffff;\n"
-                 "@p atom.acq_rel.gpu.global.add.u32 old, [$2], 1;\n"
-                 "setp.eq.u32 q, old, $4;\nbar.red.or.pred q, $3, 128, q;\n"
-                 "selp.u32 $0, 1, 0, q;\nfence.acq_rel.gpu;\n}", "=r,r,l,r,r")
+      last = counted_in_last(t, addr(cnt_base, add(mul(bi, c(KV_HEADS)), wg), 4),
+                             arith.subi(n_parts, c(1)))
       is_last = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, last, c(0)))
       with ir.InsertionPoint(is_last.then_block):
         merge_from_memory()

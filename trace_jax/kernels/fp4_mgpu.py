@@ -355,11 +355,12 @@ def _in_specs(bm: int, kb: int, wgs: int, unit):
 
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
                                              "n_inner", "stream_k", "out_dtype", "dense",
-                                             "n_ctas"))
+                                             "n_ctas", "merge"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
                        n_inner: int = 1, stream_k: int = 0, out_dtype=jnp.bfloat16,
-                       dense: bool = False, total=None, n_ctas: int = 0):
+                       dense: bool = False, total=None, n_ctas: int = 0,
+                       merge: str = "xla"):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
@@ -382,7 +383,8 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   factor (the caller applies it after adding the slots).
   total: a grouped call's stream-K schedule instead (`_grouped_stream_k_kernel`, n_ctas CTAs):
   an int32 vector whose element 0 is the chunks in use (`chunk_tables`' reserved chunks);
-  returns (out [C, bm, N_pad] out_dtype, part float32 [2, n_ctas, bm, 256])."""
+  returns (out [C, bm, N_pad] out_dtype, part float32 [2, n_ctas, bm, 256]); with merge
+  "kernel" out holds the cut tiles too and part is the kernel's scratch."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   _patch_register_pool()
@@ -390,7 +392,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   if total is not None:
     return _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row, total,
                                     fmt=fmt, kb=kb, bm=bm, wgs=wgs, stages=stages,
-                                    n_ctas=n_ctas, out_dtype=out_dtype)
+                                    n_ctas=n_ctas, out_dtype=out_dtype, merge=merge)
   e_, nt, kr, _ = codes.shape
   n_pad, k_pad = nt * 64, kr // 16 * 64
   n_chunks = chunk_expert.shape[0]
@@ -515,6 +517,104 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
   )(chunk_expert[:1], chunk_row[:1], xc, codes, scales)
 
 
+def counted_in_last(t, count_addr, expected):
+  """Inline PTX for inside an `inline_mgpu` function: this warpgroup's part of a result counted
+  in, after its global stores: a `fence.acq_rel.gpu` and a warpgroup barrier, then thread t = 0
+  adds 1 to the int32 at count_addr (i64, global) with `atom.acq_rel.gpu`. Returns an i32, 1
+  on all 128 threads where the count before the add was `expected` (i32: this part is the last
+  to arrive, the others' stores visible to it) and 0 elsewhere, told to every thread by
+  `bar.red.or.pred`."""
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm
+
+  i32 = ir.IntegerType.get_signless(32)
+  bar = mutils.warpgroup_barrier_idx(sync=False)
+  return llvm.inline_asm(
+      i32, [t, count_addr, bar, expected],
+      "{\n.reg .pred p, q;\n.reg .b32 old;\nfence.acq_rel.gpu;\n"
+      "bar.sync $3, 128;\nsetp.eq.u32 p, $1, 0;\nmov.b32 old, 0xffffffff;\n"
+      "@p atom.acq_rel.gpu.global.add.u32 old, [$2], 1;\n"
+      "setp.eq.u32 q, old, $4;\nbar.red.or.pred q, $3, 128, q;\n"
+      "selp.u32 $0, 1, 0, q;\nfence.acq_rel.gpu;\n}", "=r,r,l,r,r", has_side_effects=True)
+
+
+@functools.cache
+def _cut_tile_merger(out_bits: int, n_pad: int):
+  """inline_mgpu function: the two parts of a tile cut by a stream-K run's end, added inside
+  the grouped kernel by the part that finishes last (`_grouped_stream_k_kernel` with
+  merge="kernel"). (y float32 [64, bm] wgmma layout: this warpgroup's part, times the column
+  factor; part (0: the earlier run's, 1: the later's), pair (the cut tile's warpgroup slot,
+  boundary * wgs + wg), out0 (element offset of out[chunk, 0, first column]) int32 scalars;
+  refs: parts (float32, 2 * (bm / 2) * 128 a pair, each thread's registers at its own
+  coalesced offsets), counts (a zeroed int32 semaphore a pair), out ([C, bm, n_pad]
+  bfloat16 or float32)) -> nothing.
+
+  Each part stores its registers with plain global stores, fences (`fence.acq_rel.gpu`), and
+  one thread counts it in with an atomic add; the part that sees the other's count (told to
+  all 128 threads by `bar.red.or.pred`) reads the other's registers back (`ld.global.cg`: from
+  L2, never a stale L1 line), adds them (float32 addition commutes: the result does not depend
+  on which came last) and writes the tile's rows to `out`. The attention's split merger
+  (`attention_mgpu._split_merger`) is the same protocol over more parts."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm, scf, vector
+
+  wgmma, scalar, ref = plgpu.Layout.WGMMA, plgpu.Layout.WG_SPLAT, plgpu.RefType()
+
+  @plgpu.inline_mgpu(arg_types=(wgmma, scalar, scalar, scalar, ref, ref, ref))
+  def merge(ctx, y, part, pair, out0, parts_ref, counts, out):
+    del ctx
+    i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
+                     ir.F32Type.get())
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    add, mul = arith.addi, arith.muli
+    part, pair, out0 = (v.registers.flat[0] for v in (part, pair, out0))
+    t = arith.remui(mutils.thread_idx(), c(128))
+    base = lambda r: llvm.ptrtoint(i64, mutils.memref_ptr(r))  # noqa: E731
+    p_base, cnt_base, out_base = map(base, (parts_ref, counts, out))
+
+    def addr(b64, elems, nbytes):  # i64 address of element `elems` (i32) of a buffer
+      return arith.addi(b64, arith.muli(arith.extui(i64, elems), arith.constant(i64, nbytes)))
+
+    def asm(ret, args, text, constraints):
+      return llvm.inline_asm(ret, args, text, constraints, has_side_effects=True)
+
+    regs = list(y.registers.flat)  # vector<2xf32> each
+    pos = [tuple(arith.index_cast(i32, v) for v in p)
+           for p in y.layout.thread_idxs(y.shape)]  # (column in 64, first of 2 rows)
+    n_regs = len(regs)
+
+    def slot(p, k):  # element offset of register k of part p of this pair, this thread
+      return mul(add(mul(add(mul(add(mul(pair, c(2)), p), c(n_regs)), c(k)), c(128)), t), c(2))
+
+    for k, reg in enumerate(regs):
+      xy = [vector.extract(reg, [], [e]) for e in range(2)]
+      asm(llvm.StructType.get_literal([]), [addr(p_base, slot(part, k), 4), *xy],
+          "st.global.v2.f32 [$0], {$1, $2};", "l,f,f")
+    last = counted_in_last(t, addr(cnt_base, pair, 4), c(1))
+    is_last = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, last, c(0)))
+    with ir.InsertionPoint(is_last.then_block):
+      other = arith.subi(c(1), part)
+      for k, reg in enumerate(regs):
+        st = asm(llvm.StructType.get_literal([f32, f32]), [addr(p_base, slot(other, k), 4)],
+                 "ld.global.cg.v2.f32 {$0, $1}, [$2];", "=f,=f,l")
+        col, row = pos[k]
+        for e in range(2):
+          val = arith.addf(vector.extract(reg, [], [e]), llvm.extractvalue(f32, st, [e]))
+          elem = add(out0, add(mul(add(row, c(e)), c(n_pad)), col))
+          if out_bits == 16:
+            asm(llvm.StructType.get_literal([]), [addr(out_base, elem, 2), val],
+                "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f")
+          else:
+            asm(llvm.StructType.get_literal([]), [addr(out_base, elem, 4), val],
+                "st.global.f32 [$0], $1;", "l,f")
+      scf.yield_([])
+
+  return merge
+
+
 def grouped_stream_k_steps(total, units: int, k_steps: int, n_ctas: int):
   """Units (column tile of 256 x K step) per CTA of a grouped stream-K call over `total`
   chunks (int32 scalar, traced) of `units` units each: an even share over n_ctas CTAs, and at
@@ -529,7 +629,7 @@ def _tile_parts(g, k_steps: int, steps):
 
 def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row, total, *,
                              fmt: str, kb: int, bm: int, wgs: int, stages: int, n_ctas: int,
-                             out_dtype):
+                             out_dtype, merge: str = "xla"):
   """`fp4_chunked_matmul`'s grouped stream-K schedule. The units of the chunks in use (chunk,
   column tile, K step; chunk-major) are cut into n_ctas equal runs (`grouped_stream_k_steps`),
   one CTA each, one pipeline a CTA whose index maps read the chunk tables a step (expert,
@@ -539,7 +639,9 @@ def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row,
   factor, out_dtype, into `out`); one cut by a run's end leaves two float32 parts, times the
   factor, in `part[p, last CTA]` (p = 0: the first CTA's), added by the caller
   (`gather_stream_k`). Chunks from `total[0]` on are not computed, `out`'s tiles that are cut
-  and `part` where no tile is cut not written."""
+  and `part` where no tile is cut not written. merge "kernel": the two runs of a cut tile add
+  their parts in the kernel instead (`_cut_tile_merger`, the later to finish writes the tile
+  into `out`; part is its scratch), so the caller gathers `out` alone (`gather_rows`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -548,10 +650,17 @@ def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row,
   units = tiles * k_steps
   n_chunks = chunk_expert.shape[0]
   step_products = _step_products(fmt, kb)
+  if merge not in ("xla", "kernel"):
+    raise ValueError(f"merge must be 'xla' or 'kernel', got {merge!r}")
+  if merge == "kernel":
+    merger = _cut_tile_merger(jnp.dtype(out_dtype).itemsize * 8, nt * 64)
 
   def kernel(ce_gmem, cr_gmem, tot_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, part_gmem,
              out_smem, part_smem):
     cta = lax.axis_index("c")
+    counts = None
+    if merge == "kernel":  # a zeroed counter a cut tile's warpgroup slot (boundary, wg)
+      counts = pl.get_global(plgpu.SemaphoreType.REGULAR((n_ctas * wgs,)))
     total_units = tot_gmem[0] * units
     steps = grouped_stream_k_steps(tot_gmem[0], units, k_steps, n_ctas)
     u0 = cta * steps
@@ -583,7 +692,12 @@ def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row,
 
       @pl.when(first != last)
       def _():
-        store_tile(y, part_smem.at[wg], part_gmem.at[cta - first, last, :, pl.ds(wg * 64, 64)])
+        if merge == "kernel":
+          merger(y, cta - first, last * wgs + wg, lax.div(g, tiles) * (bm * nt * 64) + col,
+                 part_gmem, counts, out_gmem)
+        else:
+          store_tile(y, part_smem.at[wg],
+                     part_gmem.at[cta - first, last, :, pl.ds(wg * 64, 64)])
 
     def body(idx, x_smem, w_smem, s_smem, f_smem, acc_ref):
       step_products(x_smem, w_smem, s_smem, acc_ref)
@@ -617,8 +731,10 @@ def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row,
           num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute_context,
       )(x_gmem, w_gmem, s_gmem, f_gmem)
 
+  part_shape = ((2, n_ctas, bm, wgs * 64) if merge == "xla"
+                else (n_ctas * wgs * 2 * (bm // 2) * 128,))  # the merger's: registers
   out_type = (jax.ShapeDtypeStruct((n_chunks, bm, nt * 64), out_dtype),
-              jax.ShapeDtypeStruct((2, n_ctas, bm, wgs * 64), jnp.float32))
+              jax.ShapeDtypeStruct(part_shape, jnp.float32))
   return plgpu.kernel(
       kernel, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
       num_threads=wgs + 1, thread_name="wg",
@@ -799,7 +915,7 @@ def grouped_parallelism(active_groups: int, n_tiles: int, k_steps: int, n_inner=
 def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                            kb: int, bm: int, splits: int = 1, stream_k: int = 0,
                            out_dtype=jnp.bfloat16, total=None, n_ctas: int = 0,
-                           **unused_config):
+                           merge: str = "xla", **unused_config):
   """A `jnp` model of `fp4_chunked_matmul` (same inputs and output; unused chunks give 0, a
   stream-K call's unwritten slots NaN, as a grouped stream-K call's unwritten tiles and parts):
   decode the layout, multiply in the kernel's physical K order, scale columns. Lets CPU tests
@@ -814,7 +930,7 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
   xr = xc.astype(jnp.float32)[rows]  # [C, bm, K]
   if total is not None:
     return _emulate_grouped_stream_k(a_phys, fac, xr, chunk_expert, total, kb=kb,
-                                     n_ctas=n_ctas, out_dtype=out_dtype)
+                                     n_ctas=n_ctas, out_dtype=out_dtype, merge=merge)
   if stream_k:  # per K step products, summed over each slot's steps of each tile
     k_steps = xc.shape[1] // (64 * kb)
     held = stream_k_slots(shape[2] // 256, k_steps, stream_k)  # [slots, tiles, k_steps]
@@ -835,10 +951,10 @@ def emulate_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *
 
 
 def _emulate_grouped_stream_k(a_phys, fac, xr, chunk_expert, total, *, kb: int, n_ctas: int,
-                              out_dtype):
+                              out_dtype, merge: str = "xla"):
   """`_grouped_stream_k_kernel`'s (out, part) from the decoded weights a_phys [E, N, K]
   (physical K), factors fac [E, N] and chunk windows xr [C, bm, K]: per K step products, a cut
-  tile's steps summed per run."""
+  tile's steps summed per run (merge "kernel": added into out, part NaN)."""
   c, bm, k_pad = xr.shape
   n_pad = a_phys.shape[1]
   tiles, k_steps = n_pad // 256, k_pad // (64 * kb)
@@ -854,7 +970,10 @@ def _emulate_grouped_stream_k(a_phys, fac, xr, chunk_expert, total, *, kb: int, 
   p1 = jnp.sum(jnp.where(in_first[:, None], 0, per_step), axis=-1) * f
   used = (jnp.arange(c) < total[0])[:, None]
   cut = (first != last) & used  # [C, N]
-  out = jnp.where((used & ~cut)[:, None, :], p0 + p1, jnp.nan).astype(out_dtype)
+  written = used if merge == "kernel" else used & ~cut
+  out = jnp.where(written[:, None, :], p0 + p1, jnp.nan).astype(out_dtype)
+  if merge == "kernel":
+    return out, jnp.full((n_ctas * 4 * 2 * (bm // 2) * 128,), jnp.nan, jnp.float32)
   b = jnp.where(cut, last, n_ctas)  # uncut tiles: dropped
   col = jnp.broadcast_to(jnp.arange(n_pad) % 256, (c, n_pad))
   part = jnp.full((2, n_ctas, bm, 256), jnp.nan, jnp.float32)
@@ -1017,6 +1136,12 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
 # the kernel was slower (gate+up 512 rows 65.6 vs 63.2 us, 2,208 rows 83.3 vs 79.2).
 GROUPED_STREAM_K = choice_setting("TRACE_JAX_GROUPED_STREAM_K", "auto", ("auto", "on", "off"))
 GROUPED_STREAM_K_MIN_ROWS, GROUPED_STREAM_K_MAX_ROWS = 32, 256
+# Where the two parts of a tile cut by a stream-K run's end are added: "xla" (float32 parts,
+# added in the output gather; measured, the default) or "kernel" (in the kernel by the part
+# that finishes last, `_cut_tile_merger`: no parts to gather; lowers deviceless, not yet run
+# on a GPU).
+GROUPED_STREAM_K_MERGE = choice_setting("TRACE_JAX_GROUPED_STREAM_K_MERGE", "xla",
+                                        ("xla", "kernel"))
 
 
 def grouped_stream_k(m: int, bm: int, row_chunks: bool, config: dict) -> bool:
@@ -1047,7 +1172,7 @@ def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *,
   per_stage = bm * 64 * pw.kb * 2 + 4 * pw.kb * 2048 + 4 * pw.kb * 256 + 4 * 64 * 4
   fixed = 4 * 64 * bm * (jnp.dtype(out_dtype).itemsize + 4)
   cfg = dict(wgs=4, stages=fit_stages(per_stage, fixed, 4, 1),
-             n_ctas=min(NUM_SMS, ce.shape[0] * tiles))
+             n_ctas=min(NUM_SMS, ce.shape[0] * tiles), merge=GROUPED_STREAM_K_MERGE)
   cfg.update(config)
   if cfg["stages"] < 1:
     raise ValueError(f"the grouped stream-K kernel with {bm}-row chunks does not fit SMEM")
@@ -1056,6 +1181,8 @@ def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *,
   out, part = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=out_dtype, total=total, **cfg)
+  if cfg["merge"] == "kernel":
+    return gather_rows(out[None], slot, out_rows, pw.n, out_dtype)
   return gather_stream_k(out, part, slot, out_rows, total, pw.n, k_steps=k_steps,
                          out_dtype=out_dtype)
 
