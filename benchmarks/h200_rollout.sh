@@ -51,6 +51,20 @@ kernel_rows_ab() {
     mv $OUT/$side/bench_kernels.json $OUT/bench_kernels_$side.json 2>/dev/null
   done
 }
+# grouped FP4 rows of both 30B-A3B expert shapes, variants side by side in one bench_kernels
+# run, tokamax's rows beside: ROW_COUNTS VARIANTS TOKAMAX (comma list of row-name substrings)
+# TIMEOUT TABLE_LINES; JSON bench_kernels.json
+expert_rows() {
+  local rows='' shape m v
+  for shape in moe_gateup_E128_K2048_N1536 moe_down_E128_K768_N2048; do
+    for m in $1; do
+      for v in $2; do rows+=",${shape}_M${m}_nvfp4_$v\$"; done
+    done
+  done
+  timeout -k 5 $4 python3 benchmarks/bench_kernels.py --iters 20 --grouped_rows 128 \
+    --only ${rows#,},$3 --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
+    | grep -A$5 "us_call" | cut -c1-150
+}
 # decode-attention rows (B 16/64 x S 8k/32k) of one side of an A/B: SIDE (old: the tree
 # carried as ab_old; exact_max: this tree with the exact running max; new: this tree) FORMATS
 # TIMEOUT BUDGET (seconds after which no row starts); JSON bench_attention_SIDE.json
@@ -459,60 +473,10 @@ elif [ "$stage" = s30a ]; then
   # (auto_nosk), tokamax's bf16 beside
   gpu_tests tests/kernels/test_kernels_gpu.py \
     "stream_k_ragged or stream_k_expert or capacity or grouped_expert" gsk ${KTEST_TIMEOUT:-230}
-  rows=''
-  for shape in moe_gateup_E128_K2048_N1536 moe_down_E128_K768_N2048; do
-    for m in 64 128 256 512 2208; do
-      rows+=",${shape}_M${m}_nvfp4_auto\$,${shape}_M${m}_nvfp4_auto_nosk\$"
-    done
-  done
-  for m in 64 128 256 512; do rows+=",moe_gateup_E128_K2048_N1536_M${m}_tokamax"; done
-  rows+=',moe_down_E128_K768_N2048_M256_tokamax'
-  timeout -k 5 ${BK_TIMEOUT:-330} python3 benchmarks/bench_kernels.py --iters 20 \
-    --grouped_rows 128 --only ${rows#,} --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
-    | grep -A40 "us_call" | cut -c1-150
-elif [ "$stage" = s31a ]; then
-  # (prepared in session 30, not run) the grouped stream-K kernel adding the cut tiles' parts
-  # in the kernel (merge "kernel": the later part to finish adds the other's, read from L2; no
-  # parts for XLA to gather): its GPU tests, then rows at 64-256 rows, XLA's add (auto) against
-  # the kernel's (auto_mk) and the chunk schedule (auto_nosk), tokamax beside
-  gpu_tests tests/kernels/test_kernels_gpu.py "stream_k" gsk_merge ${KTEST_TIMEOUT:-240}
-  rows=''
-  for shape in moe_gateup_E128_K2048_N1536 moe_down_E128_K768_N2048; do
-    for m in 64 128 256; do
-      for v in auto auto_mk auto_nosk; do rows+=",${shape}_M${m}_nvfp4_$v\$"; done
-    done
-  done
-  rows+=',moe_gateup_E128_K2048_N1536_M256_tokamax'
-  timeout -k 5 ${BK_TIMEOUT:-240} python3 benchmarks/bench_kernels.py --iters 20 \
-    --grouped_rows 128 --only ${rows#,} --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
-    | grep -A24 "us_call" | cut -c1-150
-elif [ "$stage" = s30c ]; then
-  # (session 30) s30a's rows again at 64-256 rows after the gather of the cut tiles' parts
-  # became a row gather (s30a: per element, 5 us more a call than the chunk schedule's at 256
-  # rows, 61 us at 2,208)
-  rows=''
-  for shape in moe_gateup_E128_K2048_N1536 moe_down_E128_K768_N2048; do
-    for m in 64 128 256; do
-      rows+=",${shape}_M${m}_nvfp4_auto\$,${shape}_M${m}_nvfp4_auto_nosk\$"
-    done
-  done
-  rows+=',moe_gateup_E128_K2048_N1536_M128_tokamax,moe_gateup_E128_K2048_N1536_M256_tokamax'
-  timeout -k 5 ${BK_TIMEOUT:-200} python3 benchmarks/bench_kernels.py --iters 20 \
-    --grouped_rows 128 --only ${rows#,} --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning" \
-    | grep -A20 "us_call" | cut -c1-150
-elif [ "$stage" = s30b ]; then
-  # (session 30) the grouped stream-K schedule in the FP4 decode step: 4 layers, B 32 and 64
-  # (256 and 512 expert rows a layer), the chunk schedule (off) against the default (auto),
-  # each in its own process; the step's wall time (command buffers on)
-  for b in ${BATCHES:-32 64}; do
-    for sk in off auto; do
-      TRACE_JAX_GROUPED_STREAM_K=$sk timeout -k 5 ${PROF_TIMEOUT:-120} python3 \
-        benchmarks/profile_decode.py --layers 4 --policy paper --path kernels --batch $b \
-        --prompt_len 256 --new_tokens 128 --repeats 2 --out $OUT/profile_4l_b${b}_sk_$sk.json \
-        2>&1 | grep -v "^I1\|^W1" | grep -E "guidance_on|decode loop|rror" | cut -c1-240 \
-        | sed "s/^/[B$b $sk] /"
-    done
-  done
+  tok=''
+  for m in 64 128 256 512; do tok+=",moe_gateup_E128_K2048_N1536_M${m}_tokamax"; done
+  expert_rows "64 128 256 512 2208" "auto auto_nosk" \
+    ${tok#,},moe_down_E128_K768_N2048_M256_tokamax ${BK_TIMEOUT:-330} 40
 elif [ "$stage" = s29a ]; then
   # (session 29; ran once, then reverted: results/session29_h200_2026-12-03/rows_out_kernels.patch)
   # the grouped kernels writing the rows each chunk owns in the operand's order and zeros past

@@ -539,6 +539,12 @@ def counted_in_last(t, count_addr, expected):
       "selp.u32 $0, 1, 0, q;\nfence.acq_rel.gpu;\n}", "=r,r,l,r,r", has_side_effects=True)
 
 
+def merger_scratch_size(n_ctas: int, wgs: int, bm: int) -> int:
+  """float32 elements of `_cut_tile_merger`'s scratch: for each of the n_ctas * wgs warpgroup
+  slots, 2 parts of a thread's bm / 2 registers x 128 threads."""
+  return n_ctas * wgs * 2 * (bm // 2) * 128
+
+
 @functools.cache
 def _cut_tile_merger(out_bits: int, n_pad: int):
   """inline_mgpu function: the two parts of a tile cut by a stream-K run's end, added inside
@@ -661,10 +667,10 @@ def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row,
     counts = None
     if merge == "kernel":  # a zeroed counter a cut tile's warpgroup slot (boundary, wg)
       counts = pl.get_global(plgpu.SemaphoreType.REGULAR((n_ctas * wgs,)))
-    total_units = tot_gmem[0] * units
-    steps = grouped_stream_k_steps(tot_gmem[0], units, k_steps, n_ctas)
+    chunks = tot_gmem[0]
+    steps = grouped_stream_k_steps(chunks, units, k_steps, n_ctas)
     u0 = cta * steps
-    n = jnp.minimum(jnp.maximum(total_units - u0, 0), steps)
+    n = jnp.minimum(jnp.maximum(chunks * units - u0, 0), steps)
     memo = {}
 
     def unit(i):  # (expert, window start, column tile, K step) of step i: one table read a
@@ -732,7 +738,7 @@ def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row,
       )(x_gmem, w_gmem, s_gmem, f_gmem)
 
   part_shape = ((2, n_ctas, bm, wgs * 64) if merge == "xla"
-                else (n_ctas * wgs * 2 * (bm // 2) * 128,))  # the merger's: registers
+                else (merger_scratch_size(n_ctas, wgs, bm),))
   out_type = (jax.ShapeDtypeStruct((n_chunks, bm, nt * 64), out_dtype),
               jax.ShapeDtypeStruct(part_shape, jnp.float32))
   return plgpu.kernel(
@@ -842,13 +848,18 @@ def default_config(bm: int, kb: int, out_dtype, *, k_steps: int, n_ctas: int,
            and k_steps // (splits * 2) >= 1):
       splits *= 2
   out_bytes = 4 if splits > 1 else jnp.dtype(out_dtype).itemsize
-  per_stage = bm * 64 * kb * 2 + 4 * kb * 2048 + 4 * kb * 256
   fixed = 4 * 64 * bm * out_bytes + 4 * 64 * 4
   steps = max(1, k_steps // splits)
-  stages = fit_stages(per_stage, fixed, steps, n_inner)
+  stages = fit_stages(stage_bytes(bm, kb), fixed, steps, n_inner)
   if stages < 1:
     raise ValueError(f"kb={kb} with {bm}-row chunks does not fit SMEM; prepare with kb=4")
   return dict(wgs=4, stages=stages, splits=splits, n_inner=n_inner)
+
+
+def stage_bytes(bm: int, kb: int) -> int:
+  """SMEM bytes of one pipeline stage of the FP4 kernels (4 compute warpgroups): the activation
+  tile (bm rows x 64 * kb K, bf16), the codes and the scale words of 256 columns x 64 * kb K."""
+  return bm * 64 * kb * 2 + 4 * kb * 2048 + 4 * kb * 256
 
 
 def fit_stages(per_stage: int, fixed: int, steps: int, n_inner: int) -> int:
@@ -973,7 +984,7 @@ def _emulate_grouped_stream_k(a_phys, fac, xr, chunk_expert, total, *, kb: int, 
   written = used if merge == "kernel" else used & ~cut
   out = jnp.where(written[:, None, :], p0 + p1, jnp.nan).astype(out_dtype)
   if merge == "kernel":
-    return out, jnp.full((n_ctas * 4 * 2 * (bm // 2) * 128,), jnp.nan, jnp.float32)
+    return out, jnp.full((merger_scratch_size(n_ctas, 4, bm),), jnp.nan, jnp.float32)
   b = jnp.where(cut, last, n_ctas)  # uncut tiles: dropped
   col = jnp.broadcast_to(jnp.arange(n_pad) % 256, (c, n_pad))
   part = jnp.full((2, n_ctas, bm, 256), jnp.nan, jnp.float32)
@@ -1169,8 +1180,8 @@ def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *,
   else:
     ce, row0, slot, total = chunk_tables(group_sizes, m, bm, with_total=True)
   tiles = pw.n_pad // 256
-  per_stage = bm * 64 * pw.kb * 2 + 4 * pw.kb * 2048 + 4 * pw.kb * 256 + 4 * 64 * 4
-  fixed = 4 * 64 * bm * (jnp.dtype(out_dtype).itemsize + 4)
+  per_stage = stage_bytes(bm, pw.kb) + 4 * 64 * 4  # and the column factors, a block a step
+  fixed = 4 * 64 * bm * (jnp.dtype(out_dtype).itemsize + 4)  # bf16/f32 and f32 staging
   cfg = dict(wgs=4, stages=fit_stages(per_stage, fixed, 4, 1),
              n_ctas=min(NUM_SMS, ce.shape[0] * tiles), merge=GROUPED_STREAM_K_MERGE)
   cfg.update(config)
