@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -477,6 +477,53 @@ elif [ "$stage" = s30a ]; then
   for m in 64 128 256 512; do tok+=",moe_gateup_E128_K2048_N1536_M${m}_tokamax"; done
   expert_rows "64 128 256 512 2208" "auto auto_nosk" \
     ${tok#,},moe_down_E128_K768_N2048_M256_tokamax ${BK_TIMEOUT:-330} 40
+elif [ "$stage" = s31b ]; then
+  # (session 31; ran once, no gain, reverted: results/session31_h200_2026-12-04/
+  # deferred_store_wait.patch, apply it to rerun) TMA stores that do not wait: a warpgroup's
+  # tile store waits for its earlier stores to have read their staging before it writes one,
+  # not for its own after (the
+  # grouped stream-K kernel's ~9 flushes a CTA at 256 rows, the dense stream-K GEMV's mid-run
+  # flush, the chunk schedule's chained tiles): GPU tests of the three kernels, then
+  # old (ab_old: HEAD before) / new rows twice, interleaved, the tokamax row beside once
+  gpu_tests tests/kernels/test_kernels_gpu.py \
+    "gemv_shape or (dense_stream_k and nvfp4) or grouped_stream_k_expert or (grouped_ragged and nvfp4 and not bf16) or (grouped_expert and not bf16 and not stream)" \
+    stores ${KTEST_TIMEOUT:-230}
+  rows='ffn_8192x28672_B1_nvfp4$,ffn_8192x28672_B16_nvfp4$'
+  for m in 64 256 2208; do
+    rows+=",moe_gateup_E128_K2048_N1536_M${m}_nvfp4_auto\$,moe_down_E128_K768_N2048_M${m}_nvfp4_auto\$"
+  done
+  for round in ${ROUNDS:-1 2}; do
+    kernel_rows_ab $rows ',moe_gateup_E128_K2048_N1536_M256_tokamax' ${BK_TIMEOUT:-100}
+    for side in old new; do mv $OUT/bench_kernels_$side.json $OUT/bench_kernels_${side}_$round.json; done
+  done
+elif [ "$stage" = s31a ]; then
+  # (prepared in session 30) the grouped stream-K kernel adding the cut tiles' parts in the
+  # kernel (merge "kernel": the later part to finish adds the other's, read from L2; no parts
+  # for XLA to gather): its GPU tests, then rows at 64-256 rows, XLA's add (auto) against the
+  # kernel's (auto_mk) and the chunk schedule (auto_nosk), tokamax beside
+  gpu_tests tests/kernels/test_kernels_gpu.py "stream_k" gsk_merge ${KTEST_TIMEOUT:-240}
+  expert_rows "64 128 256" "auto auto_mk auto_nosk" moe_gateup_E128_K2048_N1536_M256_tokamax \
+    ${BK_TIMEOUT:-240} 24
+elif [ "$stage" = s30c ]; then
+  # (session 30) s30a's rows again at 64-256 rows after the gather of the cut tiles' parts
+  # became a row gather (s30a: per element, 5 us more a call than the chunk schedule's at 256
+  # rows, 61 us at 2,208)
+  expert_rows "64 128 256" "auto auto_nosk" \
+    moe_gateup_E128_K2048_N1536_M128_tokamax,moe_gateup_E128_K2048_N1536_M256_tokamax \
+    ${BK_TIMEOUT:-200} 20
+elif [ "$stage" = s30b ]; then
+  # (session 30) the grouped stream-K schedule in the FP4 decode step: 4 layers, B 32 and 64
+  # (256 and 512 expert rows a layer), the chunk schedule (off) against the default (auto),
+  # each in its own process; the step's wall time (command buffers on)
+  for b in ${BATCHES:-32 64}; do
+    for sk in off auto; do
+      TRACE_JAX_GROUPED_STREAM_K=$sk timeout -k 5 ${PROF_TIMEOUT:-120} python3 \
+        benchmarks/profile_decode.py --layers 4 --policy paper --path kernels --batch $b \
+        --prompt_len 256 --new_tokens 128 --repeats 2 --out $OUT/profile_4l_b${b}_sk_$sk.json \
+        2>&1 | grep -v "^I1\|^W1" | grep -E "guidance_on|decode loop|rror" | cut -c1-240 \
+        | sed "s/^/[B$b $sk] /"
+    done
+  done
 elif [ "$stage" = s29a ]; then
   # (session 29; ran once, then reverted: results/session29_h200_2026-12-03/rows_out_kernels.patch)
   # the grouped kernels writing the rows each chunk owns in the operand's order and zeros past

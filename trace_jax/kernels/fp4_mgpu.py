@@ -1148,9 +1148,12 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
 GROUPED_STREAM_K = choice_setting("TRACE_JAX_GROUPED_STREAM_K", "auto", ("auto", "on", "off"))
 GROUPED_STREAM_K_MIN_ROWS, GROUPED_STREAM_K_MAX_ROWS = 32, 256
 # Where the two parts of a tile cut by a stream-K run's end are added: "xla" (float32 parts,
-# added in the output gather; measured, the default) or "kernel" (in the kernel by the part
-# that finishes last, `_cut_tile_merger`: no parts to gather; lowers deviceless, not yet run
-# on a GPU).
+# added in the output gather; the default) or "kernel" (in the kernel by the part that
+# finishes last, `_cut_tile_merger`: no parts to gather). "kernel" is correct on the H200 and
+# slower: us a call, xla / kernel, gate+up 64 rows 37.5 / 42.3, 128 rows 50.2 / 55.6, 256 rows
+# 65.2 / 69.1; down 64 rows 23.1 / 26.6, 128 rows 31.0 / 35.7, 256 rows 37.9 / 37.8
+# (benchmarks/results/session31_h200_2026-12-04): its kernel lost 3-6 us, more than the XLA
+# add's kernel costs (0.5-1.4 us).
 GROUPED_STREAM_K_MERGE = choice_setting("TRACE_JAX_GROUPED_STREAM_K_MERGE", "xla",
                                         ("xla", "kernel"))
 
