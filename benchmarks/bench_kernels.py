@@ -185,7 +185,9 @@ def main():
     dense = [("ffn_8192x28672", 8192, 28672, (16,)), ("attn_q_2048x4096", 2048, 4096, (1,))]
   def dense_variants(k, n, b):
     """The rows of one dense shape and batch."""
-    big = k * n >= 2**27 and not args.quick  # the big FFN shape: also kb=8 steps (2 stages)
+    # the big FFN shape: also kb=8 steps (2 stages) and kb=2 (a stream-K run's units half as
+    # long: its longest run 27.5 steps of 256 K at 8192 x 28672 against 28 at kb=4)
+    big = k * n >= 2**27 and not args.quick
     # "_nosk": the schedule before stream-K (equal K splits), where `stream_k_plan` takes it
     sk = fp4_mgpu.dense_stream_k(-(-n // 256), -(-k // 256), fp4_mgpu.pick_bm(b)) > 0
     if b > fp4_mgpu.MAX_DECODE_ROWS:  # "nvfp4": the engine's path; "_dot": the bf16 decode +
@@ -196,7 +198,8 @@ def main():
             + ["nvfp4", "mxfp4"]                      # from `x @ w` at one row only
             + (["nvfp4_nosk"] if sk else [])
             + (["nvfp4_kb8"] + (["nvfp4_kb8_nosk"] if sk else [])
-               if big and b != 64 else []))  # kb=8, 64-row chunks: over SMEM
+               if big and b != 64 else [])  # kb=8, 64-row chunks: over SMEM
+            + (["nvfp4_kb2"] if big else []))
 
   for sname, k, n, bs in dense:
     if not any(want(f"{sname}_B{b}_{v}") for b in bs for v in dense_variants(k, n, b)):
@@ -205,9 +208,10 @@ def main():
     wb = w.astype(jnp.bfloat16)
     qs = {fmt: quantize(w, fmt, axis=0, validate=False) for fmt in ("nvfp4", "mxfp4")}
     pws = {fmt: kernels.prepare_weight(q) for fmt, q in qs.items()}
-    if any("nvfp4_kb8" in dense_variants(k, n, b) for b in bs):
-      pws["nvfp4_kb8"] = kernels.prepare_weight(qs["nvfp4"], kb=8)
-      qs["nvfp4_kb8"] = qs["nvfp4"]
+    for kb in (8, 2):
+      if any(f"nvfp4_kb{kb}" in dense_variants(k, n, b) for b in bs):
+        pws[f"nvfp4_kb{kb}"] = kernels.prepare_weight(qs["nvfp4"], kb=kb)
+        qs[f"nvfp4_kb{kb}"] = qs["nvfp4"]
     for var in ("nvfp4", "nvfp4_kb8"):
       if var in pws:
         pws[var + "_nosk"], qs[var + "_nosk"] = pws[var], qs[var]

@@ -110,6 +110,8 @@ def main():
   ap.add_argument("--rows", type=int, default=1)
   ap.add_argument("--experts", type=int, default=128, help="grouped: experts (groups)")
   ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"))
+  ap.add_argument("--kb", type=int, default=4, choices=(2, 4, 8),
+                  help="matmul / grouped: 64-wide K tiles a pipeline step (the weight's layout)")
   ap.add_argument("--dump_dir", default="", help="keep Mosaic's dumps here")
   ap.add_argument("--listing", action="store_true", help="print the loop's instructions")
   a = ap.parse_args()
@@ -145,13 +147,13 @@ def main():
             sds((a.batch, a.context), jnp.bool_))
   elif a.what == "grouped":  # expert-sorted rows, group sizes as the call's dynamic input
     pw = jax.eval_shape(lambda w: kernels.prepare_weight(tq.quantize(
-        w, a.fmt, axis=1, second_level=(0,), validate=False)),
+        w, a.fmt, axis=1, second_level=(0,), validate=False), kb=a.kb),
         sds((a.experts, a.k, a.n), jnp.float32))
     fn = lambda x, pw, g: kernels.grouped_matmul(x, pw, g, use_kernel=True)  # noqa: E731
     args = (sds((a.rows, a.k), jnp.bfloat16), pw, sds((a.experts,), jnp.int32))
   else:
     w = jax.random.normal(jax.random.key(0), (a.k, a.n), jnp.float32)
-    pw = kernels.prepare_weight(tq.quantize(w * 0.02, a.fmt, axis=0, validate=False))
+    pw = kernels.prepare_weight(tq.quantize(w * 0.02, a.fmt, axis=0, validate=False), kb=a.kb)
     fn = lambda x, pw: kernels.matmul(x, pw, use_kernel=True)  # noqa: E731
     args = (sds((a.rows, a.k), jnp.bfloat16), jax.tree.map(lambda x: sds(x.shape, x.dtype), pw))
   gpu_census.compile_for_h200(jax.jit(fn), args)
