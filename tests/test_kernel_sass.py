@@ -51,3 +51,33 @@ def test_report_carries_ptxas_performance_warnings(tmp_path):
   assert got["instructions"] == 5 and got["ptxas_warnings"] == [warn]
   (tmp_path / "k.ptxas").write_text("ptxas info    : Used 96 registers\n")
   assert kernel_sass.report(str(sass), listing=False)["ptxas_warnings"] == []
+
+
+def test_wide_chunks_keep_their_wgmma_unserialized():
+  """ptxas (deviceless H200 compile) serializes no wgmma of the grouped kernel at 32-row chunks
+  (2,208 rows of 30B-A3B's gate+up) with one product left in flight a tile
+  (`fp4_mgpu.WGMMA_IN_FLIGHT` "one", the default), and does with "all" (the loop before).
+  Needs the CUDA plugin line and nvdisasm (`kernel_sass.py`); skipped without them."""
+  import shutil
+  import subprocess
+
+  import pytest
+  pytest.importorskip("jax_cuda13_plugin")
+  env = dict(os.environ, TRACE_JAX_GROUPED_STREAM_K="off")
+  try:
+    import nvidia
+    env["PATH"] = os.path.join(nvidia.__path__[0], "cu13", "bin") + os.pathsep + env["PATH"]
+  except ImportError:
+    pass
+  if shutil.which("nvdisasm", path=env["PATH"]) is None:
+    pytest.skip("no nvdisasm")
+  script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_sass.py")
+  warned = {}
+  for mode in ("one", "all"):
+    out = subprocess.run(
+        [sys.executable, script, "grouped", "--experts", "128", "--n", "1536", "--k", "2048",
+         "--rows", "2208"], env=dict(env, TRACE_JAX_WGMMA_IN_FLIGHT=mode), capture_output=True,
+        text=True, timeout=600, check=True).stdout
+    assert "main loop" in out, out[-2000:]
+    warned[mode] = "C7512" in out
+  assert warned == {"one": False, "all": True}

@@ -315,6 +315,16 @@ def gather_rows(out, slot, out_rows, n: int, out_dtype):
   return y[0] if splits == 1 else jnp.sum(y, axis=0).astype(out_dtype)
 
 
+# How many of a step's wgmma products the compute warpgroups leave in flight where the
+# accumulator holds WGMMA_WAIT_MIN_ROWS rows or more: "one" (the newest; `_step_products`) or
+# "all" (as ptxas allows: at 32 and 64 rows it serialized them all). H200, gate+up at 2,208
+# rows (bm 32), us kernel / call, all -> one: 81.7 / 98.8 -> 74.8 / 92.1, relerr 4.5e-7 both
+# (one A/B, each side in its own process; the "all" loop measured 78.1-81.7 us in four runs;
+# benchmarks/results/session31_h200_2026-12-04). bm 64 (prefill) not yet timed.
+WGMMA_IN_FLIGHT = choice_setting("TRACE_JAX_WGMMA_IN_FLIGHT", "one", ("one", "all"))
+WGMMA_WAIT_MIN_ROWS = 32
+
+
 def _step_products(fmt: str, kb: int):
   """The compute warpgroup's work in one pipeline step: its kb 64x64 tiles of W^T decoded in
   registers (codes and the step's scale bytes from SMEM), each multiplied into the accumulator
@@ -323,7 +333,12 @@ def _step_products(fmt: str, kb: int):
   -> 43.2 us at kb 4, 42.8 -> 60.9 at kb 8. One wgmma call over all kb tiles of a step, so
   that Mosaic makes the activation descriptor once instead of per tile, took the GEMV's loop
   from 403 to 373 SASS instructions and was no faster: us kernel 37.1 -> 37.4 (GEMV), 58.4 ->
-  58.2 (grouped, 256 rows), 78.7 -> 82.4 (2,208 rows; spills at 32-row chunks), session 25.)"""
+  58.2 (grouped, 256 rows), 78.7 -> 82.4 (2,208 rows; spills at 32-row chunks), session 25.)
+  Accumulators of WGMMA_WAIT_MIN_ROWS rows or more wait for all but the newest product before
+  decoding the next tile (`WGMMA_IN_FLIGHT`): with every tile's decoded registers held until
+  its asynchronous wgmma ends, ptxas found too few registers at 32- and 64-row chunks and
+  serialized every wgmma (warning C7512; 32 warpgroup waits in the loop at 2,208 rows, 8 with
+  the wait)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   decoders = [_make_tile_decoder(fmt, kb, j) for j in range(kb)]
@@ -333,9 +348,12 @@ def _step_products(fmt: str, kb: int):
   def products(x_smem, w_smem, s_smem, acc_ref):
     wg = lax.axis_index("wg")
     sc = plgpu.load(s_smem.at[wg], layout=slay)
+    wide = WGMMA_IN_FLIGHT == "one" and acc_ref.shape[1] >= WGMMA_WAIT_MIN_ROWS
     for j in range(kb):
       words = plgpu.load(w_smem.at[wg, pl.ds(j * 16, 16)], layout=wlay)
       plgpu.wgmma(acc_ref, decoders[j](words, sc), x_smem.at[:, pl.ds(j * 64, 64)].T)
+      if wide and j < kb - 1:
+        plgpu.wgmma_wait(1)  # tile j - 1's registers free before tile j + 1 is decoded
     plgpu.wgmma_wait(0)
 
   return products
