@@ -6,9 +6,9 @@ change does to the loop (session 19 took the FP4-KV decode attention from 830 to
 a 64-token tile with it) before spending device time. It does not time anything.
 
 Needs the jax-cuda13 plugin line (Python >= 3.12, see `gpu_census.py`) and, for the SASS itself,
-`nvdisasm` on PATH (pip `nvidia-cuda-nvdisasm`; ptxas comes with the plugin's CUDA packages):
+`nvdisasm` (pip `nvidia-cuda-nvdisasm`; ptxas comes with the plugin's CUDA packages), found on
+PATH or in those packages' `cu13/bin` (`cuda_tools_path`):
 
-  export PATH=$(python -c "import nvidia; print(nvidia.__path__[0])")/cu13/bin:$PATH
   python benchmarks/kernel_sass.py attention --batch 16 --context 8192 --heads 32
   python benchmarks/kernel_sass.py matmul --n 28672 --k 8192 --rows 1
   python benchmarks/kernel_sass.py grouped --experts 128 --n 1536 --k 2048 --rows 256
@@ -34,6 +34,17 @@ import os
 import re
 import sys
 import tempfile
+
+
+def cuda_tools_path() -> str:
+  """PATH with the pip CUDA packages' tools (`nvidia/cu13/bin`: nvdisasm, ptxas) in front,
+  where those packages are installed; PATH as it is otherwise."""
+  path = os.environ.get("PATH", "")
+  try:
+    import nvidia  # the pip CUDA packages' namespace (no CUDA is loaded)
+  except ImportError:
+    return path
+  return os.pathsep.join([os.path.join(p, "cu13", "bin") for p in nvidia.__path__] + [path])
 
 
 def main_loop(sass_text: str) -> list[str]:
@@ -124,7 +135,7 @@ def main():
   dump = a.dump_dir or tempfile.mkdtemp(prefix="kernel_sass_")
   os.makedirs(dump, exist_ok=True)
   os.environ.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1",
-                    MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=dump)
+                    MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=dump, PATH=cuda_tools_path())
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
   import functools
 

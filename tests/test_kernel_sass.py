@@ -3,7 +3,11 @@ plugin line and is exercised by hand, see its docstring)."""
 
 import collections
 import os
+import shutil
+import subprocess
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -58,19 +62,10 @@ def test_wide_chunks_keep_their_wgmma_unserialized():
   (2,208 rows of 30B-A3B's gate+up) with one product left in flight a tile
   (`fp4_mgpu.WGMMA_IN_FLIGHT` "one", the default), and does with "all" (the loop before).
   Needs the CUDA plugin line and nvdisasm (`kernel_sass.py`); skipped without them."""
-  import shutil
-  import subprocess
-
-  import pytest
   pytest.importorskip("jax_cuda13_plugin")
-  env = dict(os.environ, TRACE_JAX_GROUPED_STREAM_K="off")
-  try:
-    import nvidia
-    env["PATH"] = os.path.join(nvidia.__path__[0], "cu13", "bin") + os.pathsep + env["PATH"]
-  except ImportError:
-    pass
-  if shutil.which("nvdisasm", path=env["PATH"]) is None:
+  if shutil.which("nvdisasm", path=kernel_sass.cuda_tools_path()) is None:
     pytest.skip("no nvdisasm")
+  env = dict(os.environ, TRACE_JAX_GROUPED_STREAM_K="off")
   script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_sass.py")
   warned = {}
   for mode in ("one", "all"):
