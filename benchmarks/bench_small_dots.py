@@ -39,15 +39,9 @@ import bench_util
 
 def plot(json_path: str) -> str:
   """Bars of us a call per variant, one panel per product and row count; PNG beside the JSON."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  with open(json_path) as f:
-    res = json.load(f)
+  plt, res, timed = bench_util.timed_rows_for_plot(json_path)
   groups: dict = {}
-  for r in res["rows"]:
-    if "us" not in r:
-      continue
+  for r in timed:
     name, rows = r["name"].rsplit("_r", 1)
     prod = "route_tail" if name == "route_tail" else name.split("_")[0]
     tag = name[len(prod) + 1:] or prod

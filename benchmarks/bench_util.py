@@ -69,6 +69,19 @@ def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
   threading.Thread(target=watch, daemon=True).start()
 
 
+def timed_rows_for_plot(json_path: str):
+  """(pyplot on the Agg backend, the saved result, its rows that have a time `us`): the start
+  of the plot functions of the benchmarks that time each row once."""
+  import json
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(json_path) as f:
+    res = json.load(f)
+  return plt, res, [r for r in res["rows"] if "us" in r]
+
+
 def save_figure(fig, title: str, path: str) -> None:
   """Title, tight layout, PNG at `path` (120 dpi), and say so: the end of the plot scripts."""
   fig.suptitle(title)

@@ -48,6 +48,17 @@ def test_equals_quantize_with_value(shape, dtype):
   _same(got, want)
 
 
+@pytest.mark.parametrize("shape,tile_elems", [((37, 96), 512), ((5, 256), 64)],
+                         ids=["4_rows_a_program", "tile_under_a_row"])
+def test_launch_shapes_give_the_same_bits(shape, tile_elems):
+  """Programs of several rows with a partial last one (37 rows, 4 a program), and a tile
+  smaller than a row (one row a program): the launch shape changes no bit."""
+  x = rows_case(shape, jnp.bfloat16, 3)
+  got = jax.jit(lambda a: row_quant.quantize_rows(a, "nvfp4", interpret=True,
+                                                  tile_elems=tile_elems))(x)
+  _same(got, tq.quantize_with_value(x, "nvfp4", second_level="row", validate=False))
+
+
 def test_supported():
   assert row_quant.kernel_supported(jnp.zeros((4, 2048), jnp.bfloat16), "nvfp4") is None
   assert "mxfp4" in row_quant.kernel_supported(jnp.zeros((4, 64)), "mxfp4")

@@ -317,10 +317,11 @@ def gather_rows(out, slot, out_rows, n: int, out_dtype):
 
 # How many of a step's wgmma products the compute warpgroups leave in flight where the
 # accumulator holds WGMMA_WAIT_MIN_ROWS rows or more: "one" (the newest; `_step_products`) or
-# "all" (as ptxas allows: at 32 and 64 rows it serialized them all). H200, gate+up at 2,208
-# rows (bm 32), us kernel / call, all -> one: 81.7 / 98.8 -> 74.8 / 92.1, relerr 4.5e-7 both
-# (one A/B, each side in its own process; the "all" loop measured 78.1-81.7 us in four runs;
-# benchmarks/results/session31_h200_2026-12-04). bm 64 (prefill) not yet timed.
+# "all" (as ptxas allows: at 32 and 64 rows it serialized them all). H200, us kernel, all ->
+# one, each side in its own process, relerr unchanged: gate+up 2,208 rows (bm 32) 81.7 -> 74.8
+# (session 31) and 80.8 -> 75.6 (session 32), down 2,208 rows 44.6 -> 42.7, gate+up 32,768 rows
+# (bm 64) 465.8 -> 441.9, dense 8192 x 28672 at 32 / 64 rows 43.7 / 59.2 -> 41.9 / 55.3
+# (benchmarks/results/session31_h200_2026-12-04, session32_h200_2026-12-04).
 WGMMA_IN_FLIGHT = choice_setting("TRACE_JAX_WGMMA_IN_FLIGHT", "one", ("one", "all"))
 WGMMA_WAIT_MIN_ROWS = 32
 

@@ -34,7 +34,13 @@ from trace_jax.quant import e2m1
 from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q
 
-TILE_ELEMS = 4096  # elements of x per program (rows x padded row length)
+# Elements of x a program takes (whole rows: at least one) and its warps. H200, us a call at
+# (2,048 x 768) / (256 x 2048) / (256 x 768) / (32 x 2048), 2048 elements: 5.06 / 2.62 / 1.89 /
+# 1.89, 4096 (before): 5.31 / 2.50 / 2.59 / 2.24; XLA's four kernels 13.1 / 9.4 / 8.5 / 7.6
+# (benchmarks/results/session32_h200_2026-12-04, `bench_row_quant.py`: 1-8 warps, 1,024-8,192
+# elements; one warp and 8,192 elements were 2-30x slower)
+TILE_ELEMS = 2048
+NUM_WARPS = 4
 
 
 def _ieee_reciprocal(d):
@@ -95,9 +101,11 @@ def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int,
   plt.store(at(val_ref), value.astype(val_ref.dtype), mask=ok[:, :, None])
 
 
-def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False):
+def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int = TILE_ELEMS,
+                  num_warps: int = NUM_WARPS):
   """`(q, value)` as `quant.quantize_with_value(x, fmt, second_level="row")` gives them, from
-  one kernel: q a `QArray` blocked along the last axis, value in x's dtype."""
+  one kernel: q a `QArray` blocked along the last axis, value in x's dtype. tile_elems: elements
+  of x a program takes (whole rows, at least one), num_warps: its warps."""
   fmt = F.get_format(fmt)
   why = kernel_supported(x, fmt)
   if why:
@@ -108,7 +116,7 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False):
     n *= d
   nb = k // fmt.block
   nb_pad = _pow2_at_least(nb, 1)
-  rows = max(1, TILE_ELEMS // (nb_pad * fmt.block))
+  rows = max(1, tile_elems // (nb_pad * fmt.block))
   xb = x.reshape(n, nb, fmt.block)
   out_shape = [jax.ShapeDtypeStruct((n, nb, fmt.block // 2), jnp.uint8),
                jax.ShapeDtypeStruct((n, nb), jnp.float8_e4m3fn),
@@ -118,7 +126,7 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False):
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
-    compiler_params = plt.CompilerParams(num_warps=4, num_stages=1)
+    compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
   codes, scales, g, value = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
                         recip=reciprocal(interpret)),

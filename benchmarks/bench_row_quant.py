@@ -1,0 +1,114 @@
+"""The activation-site NVFP4 quantization kernel (`kernels/row_quant.py`) at the decode step's
+sites, per launch shape: check bit for bit against the XLA path, time, one JSON + a PNG.
+
+  PYTHONPATH=. python benchmarks/bench_row_quant.py --out bench_row_quant.json
+  python benchmarks/bench_row_quant.py --plot bench_row_quant.json   # the PNG of a saved run
+
+Why: in the 8k-capacity FP4 decode step (H200, session 28's profile, B 256) the kernel took
+13.2 us a layer at the experts' down input ([2,048 rows, 768]) and 5.4 us at their input
+([256, 2048]), against about 1-2 us of bytes. Rows: `xla` (`quant.quantize_with_value`, the
+kernel's definition) and the kernel at `tile_elems` (elements of x a program takes) x
+`num_warps`; each kernel row's four outputs are compared with the XLA row's, every bit, on
+fresh inputs (`tests/kernels/test_row_quant.rows_case`) in the same run, and timed with CUPTI
+(`profiler.measure`, all kernels of the call, median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+import bench_util
+
+SHAPES = {"experts_in_b256": (256, 2048), "down_in_b256": (2048, 768),
+          "experts_in_b32": (32, 2048), "down_in_b32": (256, 768)}
+
+
+def plot(json_path: str) -> str:
+  """Bars of us a call per variant, one panel per site shape; PNG beside the JSON."""
+  plt, res, rows = bench_util.timed_rows_for_plot(json_path)
+  groups: dict = {}
+  for r in rows:
+    groups.setdefault(r["site"], []).append((r["variant"], r["us"]))
+  fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+  for ax, (site, vals) in zip(axes[0], groups.items()):
+    ax.bar([v for v, _ in vals], [u for _, u in vals],
+           color=["tab:gray" if v == "xla" else "tab:blue" for v, _ in vals])
+    ax.set_title(f"{site} {SHAPES.get(site, '')}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7, rotation=60)
+    ax.set_yscale("log")  # one warp over 8,192 elements is 30x the rest
+    ax.set_ylabel("us a call (CUPTI, all kernels)")
+  out = json_path.rsplit(".", 1)[0] + ".png"
+  bench_util.save_figure(fig, f"{res.get('device')} jax {res.get('jax_version')} "
+                         f"{res.get('git_commit')} {res.get('date', '')[:10]}", out)
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
+  ap.add_argument("--out", default="bench_row_quant.json")
+  ap.add_argument("--tiles", default="1024,2048,4096,8192", help="tile_elems values")
+  ap.add_argument("--warps", default="1,2,4,8", help="num_warps values")
+  ap.add_argument("--sites", default=",".join(SHAPES))
+  ap.add_argument("--iters", type=int, default=20)
+  args = ap.parse_args()
+  if args.plot:
+    print(plot(args.plot))
+    return
+
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import profiler
+
+  from tests.kernels.test_row_quant import rows_case
+  from trace_jax import quant as tq
+  from trace_jax.kernels import row_quant
+
+  res = bench_util.result_header(
+      "bench_row_quant", units=dict(us="microseconds of CUPTI device time a call, median"),
+      defaults=dict(tile_elems=row_quant.TILE_ELEMS, num_warps=row_quant.NUM_WARPS), rows=[])
+  t0 = time.time()
+
+  def fields(out):
+    q, value = out
+    return [np.asarray(a).view(np.uint8) for a in (q.codes, q.scales, q.global_scale, value)]
+
+  for site in args.sites.split(","):
+    shape = SHAPES[site]
+    x = rows_case(shape, jnp.bfloat16, int(time.time()) % 1000)  # fresh each run
+    xla = jax.jit(lambda a: tq.quantize_with_value(a, "nvfp4", second_level="row",
+                                                   validate=False))
+    want = fields(xla(x))
+    variants = {"xla": xla}
+    for t in (int(v) for v in args.tiles.split(",")):
+      for w in (int(v) for v in args.warps.split(",")):
+        variants[f"t{t}_w{w}"] = jax.jit(functools.partial(
+            row_quant.quantize_rows, fmt="nvfp4", tile_elems=t, num_warps=w))
+    for var, fn in variants.items():
+      row = dict(site=site, shape=shape, variant=var)
+      try:
+        got = fields(fn(x))
+        row["bits_equal_xla"] = all(np.array_equal(a, b) for a, b in zip(got, want))
+        _, tim = profiler.measure(fn.lower(x).compile(), aggregate=False,
+                                  iterations=args.iters)(x)
+        row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
+        row["kernels_per_call"] = len(tim[0])
+      except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+      res["rows"].append(row)
+      print(f"[{time.time() - t0:6.1f}s] {site:16s} {var:10s} {row.get('us', float('nan')):7.2f}"
+            f" us  equal {row.get('bits_equal_xla')}  {row.get('error', '')[:80]}", flush=True)
+      with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+  print(plot(args.out))
+
+
+if __name__ == "__main__":
+  main()
