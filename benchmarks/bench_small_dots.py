@@ -16,7 +16,9 @@ time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
   30B-A3B q/k/v (2048 x 5120) and o (4096 x 2048) shapes: `xla` (`dispatch.xla_matmul`: the
   zero second row at R = 1), `xla_nopad` (the one-row dot as written), `xla_bcast2` (the row
   broadcast to two), `mgpu` (the bf16 grouped
-  Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group).
+  Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group), and from 128 rows
+  `mgpu_bm{rows a chunk}_wg{warpgroups}_kb{K tiles a step}_s{K splits}` (the same kernel with
+  128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`).
 - `route_tail`: softmax, top-8 and the weights' normalization of router logits [R, 128], as the
   model does them (for its kernel count).
 
@@ -28,6 +30,7 @@ weights rotated over copies larger than the L2. GB/s on the weight bytes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -47,13 +50,16 @@ def plot(json_path: str) -> str:
     tag = name[len(prod) + 1:] or prod
     groups.setdefault((prod, int(rows)), []).append((tag, r["us"]))
   order = sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-  fig, axes = plt.subplots(2, -(-len(order) // 2), figsize=(1.4 * len(order), 6), squeeze=False)
+  most = max(len(v) for _, v in order)  # horizontal bars: long variant names stay legible
+  fig, axes = plt.subplots(2, -(-len(order) // 2), figsize=(3.2 * len(order), 1.2 + 0.5 * most),
+                           squeeze=False)
   for ax, ((prod, rows), vals) in zip(axes.ravel(), order):
-    ax.bar([t for t, _ in vals], [u for _, u in vals], color="tab:blue")
+    ax.barh([t for t, _ in vals], [u for _, u in vals], color="tab:blue")
+    ax.invert_yaxis()
     ax.set_title(f"{prod}, {rows} row(s)", fontsize=9)
-    ax.tick_params(axis="x", labelsize=8, rotation=30)
-  for ax in axes[:, 0]:
-    ax.set_ylabel("us a call (CUPTI, all kernels)")
+    ax.tick_params(axis="y", labelsize=8)
+  for ax in axes[-1, :]:
+    ax.set_xlabel("us a call (CUPTI, all kernels)")
   fig.suptitle(f"{res.get('device')} jax {res.get('jax_version')} {res.get('git_commit')} "
                f"{res.get('date', '')[:10]}", fontsize=9)
   fig.tight_layout()
@@ -78,6 +84,13 @@ def _hopper_variants(rows: int) -> dict:
                           epi_tile_m=64, epi_tile_n=64, wg_dimension=wg)
     out[tag] = lambda x, w, cfg=cfg: hm.matmul(x, w, None, cfg)
   return out
+
+
+# (rows a chunk, compute warpgroups of 64 columns, 64-wide K tiles a step, K splits) of the
+# `mgpu_bm*` rows: wgmma N 128 / 256 with the weight read once or twice at 256 rows
+DENSE_LAUNCHES = [(256, 2, 1, 1), (256, 2, 1, 2), (256, 2, 1, 4), (256, 1, 1, 1),
+                  (256, 1, 1, 2), (128, 2, 1, 1), (128, 2, 1, 2), (128, 1, 1, 1),
+                  (128, 2, 2, 1)]
 
 
 def _dense_launch(rows: int, k: int, n: int) -> dict:
@@ -194,6 +207,10 @@ def main():
               x, w[None], jnp.asarray([x.shape[0]], jnp.int32), out_dtype=jnp.bfloat16,
               config_override=_dense_launch(x.shape[0], w.shape[0], w.shape[1])),
       }
+      if r >= 128:  # the bf16 kernel with 128 / 256 rows a chunk (`bf16_mgpu.dense_matmul`)
+        for bm, wgs, kb, sp in DENSE_LAUNCHES:
+          dv[f"mgpu_bm{bm}_wg{wgs}_kb{kb}_s{sp}"] = functools.partial(
+              bf16_mgpu.dense_matmul, bm=bm, wgs=wgs, kb=kb, splits=sp)
       dv.update(_hopper_variants(r) if args.hopper else {})
       for tag, fn in dv.items():
         row(f"{shape_tag}_{tag}_r{r}", fn, xb, wb, ref, wb.size * 2)

@@ -109,3 +109,30 @@ def test_lowers_for_cuda():
       jax.jit(lambda x, w, g: bf16_mgpu.grouped_matmul(x, w, g)).trace(
           sds((m, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16),
           sds((128,), jnp.int32)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("bm,splits", [(128, 1), (256, 2)])
+def test_dense_wrapper_equals_a_product(bm, splits):
+  """`dense_matmul` (rows padded to chunks of bm, K parts added) around the kernel's jnp model
+  against a float64 product: 200 rows (a partial chunk), K 256 (2 steps of 128), N 512."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((200, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.bfloat16)
+  got = jax.jit(functools.partial(
+      bf16_mgpu.dense_matmul, bm=bm, wgs=2, kb=1, splits=splits, out_dtype=jnp.float32,
+      kernel_fn=bf16_mgpu.emulate_chunked_matmul))(x, w)
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_lowers_for_cuda():
+  """128- and 256-row chunks (wgmma N 128 / 256, 2 warpgroups, one 64-wide K tile a step) at
+  the 30B-A3B q/k/v and o shapes, 256 rows."""
+  pytest.importorskip("jax_cuda13_plugin")
+  sds = jax.ShapeDtypeStruct
+  for k, n in ((2048, 5120), (4096, 2048)):
+    for bm, splits in ((256, 1), (128, 2)):
+      jax.jit(functools.partial(bf16_mgpu.dense_matmul, bm=bm, wgs=2, kb=1, splits=splits)
+              ).trace(sds((256, k), jnp.bfloat16), sds((k, n), jnp.bfloat16)).lower(
+                  lowering_platforms=("cuda",))
+

@@ -270,6 +270,20 @@ def test_bf16_grouped_ragged():
     assert np.all(np.asarray(got)[sum(gs):] == 0)
 
 
+@pytest.mark.parametrize("bm,wgs,kb,splits", [(256, 2, 1, 1), (128, 1, 1, 2), (128, 2, 2, 1)])
+def test_bf16_dense_rows_chunks(bm, wgs, kb, splits):
+  """The bf16 kernel with 128 / 256 rows a chunk (`bf16_mgpu.dense_matmul`): 200 rows (a
+  partial chunk), K 512, N 640, against the float32 reference."""
+  from trace_jax.kernels import bf16_mgpu
+  x = jax.random.normal(jax.random.key(bm + splits), (200, 512), jnp.float32
+                        ).astype(jnp.bfloat16)
+  w = (rand_w((512, 640), 13) * 0.05).astype(jnp.bfloat16)
+  got = jax.jit(functools.partial(bf16_mgpu.dense_matmul, bm=bm, wgs=wgs, kb=kb,
+                                  splits=splits, out_dtype=jnp.float32))(x, w)
+  ref = reference.matmul_ref(x.astype(jnp.float32), w.astype(jnp.float32))
+  assert relerr(got, ref) < TOL
+
+
 @pytest.mark.parametrize("tokens,k,n", [(1, 2048, 1536), (1, 768, 2048), (2, 2048, 1536)])
 def test_row_chunk_routing_through_both_kernels(monkeypatch, tokens, k, n):
   """`route` on the GPU for one token's top-8 (and, with the limit raised, two tokens, whose

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -68,12 +70,20 @@ def parallelism(m: int, e: int, k: int, n: int, n_inner=None, splits=None) -> tu
   return F.grouped_parallelism(min(m, e), n // (64 * WGS), k // (64 * KB), n_inner, splits)
 
 
-@functools.partial(jax.jit, static_argnames=("bm", "stages", "splits", "n_inner", "out_dtype"))
+# wgmma N sides (rows per chunk) this kernel is built for: the FP4 kernel's, and 128 / 256 for
+# dense products of decode batches (`dense_matmul`)
+BM_CHOICES = F.BM_CHOICES + (128, 256)
+
+
+@functools.partial(jax.jit, static_argnames=("bm", "stages", "splits", "n_inner", "out_dtype",
+                                             "wgs", "kb"))
 def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
-                        splits: int = 1, n_inner: int = 1, out_dtype=jnp.bfloat16):
+                        splits: int = 1, n_inner: int = 1, out_dtype=jnp.bfloat16,
+                        wgs: int = WGS, kb: int = KB):
   """The raw kernel. xc: bf16 [R, K] (R >= max(chunk_row) + bm, rows % 8 == 0); w: bf16
   [E, K, N]; chunk_expert / chunk_row as for `fp4_mgpu.fp4_chunked_matmul`. Returns out_dtype
-  [splits, C, bm, N]: out[s, c, i, n] = row i of chunk c times column n over K part s."""
+  [splits, C, bm, N]: out[s, c, i, n] = row i of chunk c times column n over K part s.
+  wgs: compute warpgroups (64 columns each), kb: 64-wide K tiles a pipeline step."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   F._patch_register_pool()
@@ -81,9 +91,9 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
   _, k, n = w.shape
   n_chunks = chunk_expert.shape[0]
   n_tiles = n // 64
-  assert xc.shape[1] == k and n_tiles % (WGS * n_inner) == 0 and k % (64 * KB * splits) == 0
-  assert bm in F.BM_CHOICES
-  k_iters = k // (64 * KB) // splits
+  assert xc.shape[1] == k and n_tiles % (wgs * n_inner) == 0 and k % (64 * kb * splits) == 0
+  assert bm in BM_CHOICES
+  k_iters = k // (64 * kb) // splits
   if n_inner > 1 and k_iters % stages:
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
                      f"tile to be a multiple of stages={stages}")
@@ -97,14 +107,14 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
         def _scope(acc_ref):
           wg = lax.axis_index("wg")
-          col0 = (n_idx * WGS + wg) * 64
+          col0 = (n_idx * wgs + wg) * 64
           eval_pipeline(acc_ref)
           F.store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg],
                        out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
 
       def body(_, x_smem, w_smem, acc_ref):
         wg = lax.axis_index("wg")
-        for j in range(KB):
+        for j in range(kb):
           # A = W^T tile [64 N, 64 K]: the [64 K, 64 N] tile in SMEM, transposed
           a = w_smem.at[pl.ds(j * 64, 64), pl.ds(wg * 64, 64)].T
           plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(j * 64, 64)].T)
@@ -114,11 +124,11 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
       return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40,
           in_specs=[
-              plgpu.BlockSpec((bm, 64 * KB), lambda i: (0, k0 + i), transforms=swizzled),
-              plgpu.BlockSpec((64 * KB, 64 * WGS), lambda i: (k0 + i, n_idx),
+              plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, k0 + i), transforms=swizzled),
+              plgpu.BlockSpec((64 * kb, 64 * wgs), lambda i: (k0 + i, n_idx),
                               transforms=swizzled),
           ],
-          wg_axis="wg", num_compute_wgs=WGS, max_concurrent_steps=stages,
+          wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
           compute_context=compute_context, pipeline_state=state)
 
     @F.when_used(e)
@@ -128,12 +138,46 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n), out_dtype),
-      grid=(n_tiles // WGS // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
-      num_threads=WGS + 1, thread_name="wg",
+      grid=(n_tiles // wgs // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
+      num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      scratch_types=dict(out_smem=F._out_smem(WGS, bm, out_dtype)),
+      scratch_types=dict(out_smem=F._out_smem(wgs, bm, out_dtype)),
   )(chunk_expert, chunk_row, xc, w)
+
+
+def dense_stages(bm: int, kb: int, wgs: int, k_steps: int, out_dtype) -> int:
+  """The most pipeline stages (<= 4) of a `dense_matmul` launch that fit SMEM (0: none)."""
+  per_stage = bm * 64 * kb * 2 + 64 * kb * 64 * wgs * 2
+  return F.fit_stages(per_stage, wgs * 64 * bm * jnp.dtype(out_dtype).itemsize, k_steps, 1)
+
+
+def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, splits: int = 1,
+                 out_dtype=jnp.bfloat16, kernel_fn=None):
+  """x [M, K] @ bf16 w [K, N] through this kernel with the rows as chunks of bm (128 / 256:
+  one or two chunks at decode batches, so the weight is read once or twice): a CTA computes
+  64 * wgs columns of a chunk over a K part (splits > 1: float32 parts added by XLA).
+  kernel_fn: the kernel's stand-in (`emulate_chunked_matmul` in CPU tests). Not in the
+  engine: H200, 256 rows, us a call (benchmarks/results/session32_h200_2026-12-04,
+  `bench_small_dots.py`), bm 128 / 2 warpgroups / kb 2: q/k/v 2048 x 5120 14.94 against XLA's
+  19.69; o 4096 x 2048 no launch beat XLA's 17.47 (best 17.70). The `paper` engine's q, k and
+  v are three bf16 products that XLA fuses into one; a kernel path needs them fused at weight
+  sync, as the FP4 ones are (`kernels.fuse_projections`)."""
+  m, k = x.shape
+  n = w.shape[1]
+  c = -(-m // bm)
+  part = jnp.float32 if splits > 1 else out_dtype
+  stages = dense_stages(bm, kb, wgs, k // (64 * kb) // splits, part)
+  if stages < 1:
+    raise ValueError(f"bm={bm} wgs={wgs} kb={kb} does not fit SMEM")
+  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, c * bm - m), (0, 0)))
+  # the chunk tables (all expert 0, chunk c from row c * bm) as numpy constants: traced jnp
+  # ones were two small kernels a call in a deviceless compile
+  ce, row0 = np.zeros((c,), np.int32), np.arange(c, dtype=np.int32) * bm
+  out = (kernel_fn or bf16_chunked_matmul)(xc, w[None], ce, row0, bm=bm, stages=stages,
+                                           splits=splits, out_dtype=part, wgs=wgs, kb=kb)
+  out = out.reshape(splits, c * bm, n)[:, :m]
+  return (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(out_dtype)
 
 
 def emulate_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, splits: int = 1,
