@@ -266,6 +266,9 @@ def main():
       for row in loop.get("sources", [])[:45]:
         print(f"  loop {1e3 * row['ms_per_step']:7.1f} us x{row['calls_per_step']:5.1f}"
               f"  {row['source']}")
+      # every program's kernels, the prompt's prefill included (spread over the steps): a
+      # kernel the prefill also runs shows its decode cost in the loop rows above, not here
+      print("all programs, prefill included (ms a decode step, calls a step):")
       for row in p.get("top_kernels", [])[:25]:
         print(f"  {row['ms_per_step']:8.3f} ms {row['frac']:6.1%} x{row['calls_per_step']:5.1f}"
               f"  {row['name'][:90]}")
