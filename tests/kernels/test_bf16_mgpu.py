@@ -136,3 +136,30 @@ def test_dense_lowers_for_cuda():
               ).trace(sds((256, k), jnp.bfloat16), sds((k, n), jnp.bfloat16)).lower(
                   lowering_platforms=("cuda",))
 
+
+
+def test_dense_dispatch_opt_in(monkeypatch):
+  """With TRACE_JAX_BF16_DENSE=kernel, a bf16 dense product of 129-256 rows on the GPU goes
+  through `dense_matmul` (here around the kernel's jnp model) where `dense_launch` gives enough
+  CTAs; fewer rows, narrower outputs and the default setting keep XLA's dot."""
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  calls = []
+
+  def model(*args, **kw):
+    calls.append((args[0].shape, kw["bm"], kw["wgs"], kw["kb"]))
+    return bf16_mgpu.emulate_chunked_matmul(*args, **kw)
+
+  monkeypatch.setattr(bf16_mgpu, "bf16_chunked_matmul", model)
+  rng = np.random.default_rng(6)
+  w = jnp.asarray(rng.standard_normal((K, 4096)) * 0.05, jnp.bfloat16)  # 32 x 2 = 64 CTAs
+  x = jnp.asarray(rng.standard_normal((2, 100, K)), jnp.bfloat16)  # 200 rows
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  for setting, n_calls in (("xla", 0), ("kernel", 1)):
+    monkeypatch.setattr(dispatch, "BF16_DENSE", setting)
+    got = dispatch.matmul(x, w, jnp.float32)
+    assert got.shape == (2, 100, 4096) and len(calls) == n_calls, setting
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert calls == [((256, K), 128, 2, 2)]
+  dispatch.matmul(x[:, :60], w, jnp.float32)  # 120 rows: XLA
+  dispatch.matmul(x, w[:, :512], jnp.float32)  # 8 CTAs: XLA
+  assert len(calls) == 1

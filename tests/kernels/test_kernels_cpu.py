@@ -415,6 +415,16 @@ def test_concat_columns_and_fuse_projections():
               {**attn, "k_proj": {"kernel": qs[1]}}):  # not in the kernel layout
     out = kernels.fuse_projections({"attn": bad})["attn"]
     assert out.keys() == bad.keys() and same(out, bad)
+  # bf16 parts (the `paper` policy's attention weights): fused only when asked, side by side
+  wb = [jnp.asarray(rand_w((200, n), 30 + n), jnp.bfloat16) for n in (512, 128, 128)]
+  attn_b = {p: {"kernel": w} for p, w in zip(("q_proj", "k_proj", "v_proj"), wb)}
+  assert same(kernels.fuse_projections({"attn": attn_b})["attn"], attn_b)
+  got = kernels.fuse_projections({"attn": attn_b}, bf16=True)["attn"]
+  np.testing.assert_array_equal(np.asarray(got["q_proj"]["kernel"]),
+                                np.concatenate([np.asarray(w) for w in wb], axis=1))
+  assert got["k_proj"]["kernel"] is None and got["v_proj"]["kernel"] is None
+  mixed = {**attn_b, "v_proj": {"kernel": wb[2].astype(jnp.float32)}}  # not all bf16
+  assert same(kernels.fuse_projections({"attn": mixed}, bf16=True)["attn"], mixed)
 
 
 def test_grouped_n_inner_and_stages(monkeypatch):

@@ -309,3 +309,15 @@ def test_fused_qkv_projection_equals_three():
   a = apply(packed, tokens, cfg, ctx).logits
   b = apply(fused, tokens, cfg, ctx).logits
   np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+  # bf16 q, k and v (`paper` keeps attention weights bf16; fused with TRACE_JAX_BF16_DENSE=
+  # kernel): the fused weight is taken, and gives the three projections' logits
+  paper = tq.make_policy("paper", "nvfp4")
+  rollout = jax.jit(functools.partial(M.quantize_params, policy=paper))(params)
+  rollout = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if isinstance(a, jax.Array) else a,
+                         rollout, is_leaf=lambda a: isinstance(a, tq.QArray))
+  fused_b = kernels.fuse_projections(rollout, bf16=True)
+  assert fused_b["layers_0"]["attn"]["q_proj"]["kernel"].shape == (128, 768)
+  ctx_b = M.QuantContext(paper, "rollout")
+  a = apply(rollout, tokens, cfg, ctx_b).logits
+  b = apply(fused_b, tokens, cfg, ctx_b).logits
+  np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)

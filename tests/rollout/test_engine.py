@@ -195,27 +195,41 @@ def test_kernel_layout_weights_give_the_same_rollout():
 
 
 @pytest.mark.slow  # two engine compiles; the fusion's numerics: test_transformer, test_kernels_cpu
-def test_fused_projections_give_the_same_rollout(monkeypatch):
-  """The engine's weight sync puts an attention layer's FP4 q, k and v kernels side by side
-  (`kernels.fuse_projections`) where they are in the kernel layout: the rollout equals the one
-  with three projections (greedy tokens; logprobs to float32 summation order), and a re-sync
-  (which donates the fused weight) gives it again."""
+@pytest.mark.parametrize("weights", ["fp4", "bf16"])
+def test_fused_projections_give_the_same_rollout(monkeypatch, weights):
+  """The engine's weight sync puts an attention layer's q, k and v kernels side by side
+  (`kernels.fuse_projections`): FP4 ones where they are in the kernel layout
+  (TRACE_JAX_FUSE_PROJECTIONS), bf16 ones (the `paper` policy's, a new array beside the
+  master's) with TRACE_JAX_BF16_DENSE=kernel. The rollout equals the one with three
+  projections (greedy tokens; logprobs to float32 summation order), and a re-sync (which
+  donates the fused weight) gives it again."""
+  from trace_jax.kernels import dispatch
   from trace_jax.rollout import engine as engine_mod
-  cfg = M.tiny(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4, head_dim=64)
+  if weights == "fp4":
+    module, name, settings, policy, dtype = engine_mod, "FUSE_PROJECTIONS", ("on", "off"), \
+        "w4a16", "float32"
+  else:
+    module, name, settings, policy, dtype = dispatch, "BF16_DENSE", ("kernel", "xla"), \
+        "paper", "bfloat16"
+  cfg = M.tiny(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4, head_dim=64,
+               dtype=dtype)
   params = M.init_params(cfg, jax.random.key(0))
+  if weights == "bf16":  # bf16 masters: the rollout shares the unfused ones
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
   s = SamplingParams(temperature=0.0)
   outs = []
-  for fuse in ("on", "off"):
-    monkeypatch.setattr(engine_mod, "FUSE_PROJECTIONS", fuse)
-    eng = RolloutEngine(cfg, tq.make_policy("w4a16", "nvfp4"), max_new_tokens=6,
+  for setting in settings:
+    monkeypatch.setattr(module, name, setting)
+    eng = RolloutEngine(cfg, tq.make_policy(policy, "nvfp4"), max_new_tokens=6,
                         use_kernels=True)
     eng.sync(params)
+    fused = setting == settings[0]
     attn = eng.params["layers_0"]["attn"]
-    assert (attn["k_proj"]["kernel"] is None) == (fuse == "on")
-    assert attn["q_proj"]["kernel"].shape == (256, 768 if fuse == "on" else 256)
+    assert (attn["k_proj"]["kernel"] is None) == fused
+    assert attn["q_proj"]["kernel"].shape == (256, 768 if fused else 256)
     outs.append(eng.generate(PROMPTS, sampling=s))
-    if fuse == "on":
-      eng.sync(jax.tree_util.tree_map(lambda a: a * 1.0, params))
+    if fused:
+      eng.sync(jax.tree_util.tree_map(lambda a: a * 1, params))
       again = eng.generate(PROMPTS, sampling=s)
       np.testing.assert_array_equal(np.asarray(again.logprobs), np.asarray(outs[0].logprobs))
   np.testing.assert_array_equal(np.asarray(outs[0].completion), np.asarray(outs[1].completion))

@@ -81,15 +81,18 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
                         splits: int = 1, n_inner: int = 1, out_dtype=jnp.bfloat16,
                         wgs: int = WGS, kb: int = KB):
   """The raw kernel. xc: bf16 [R, K] (R >= max(chunk_row) + bm, rows % 8 == 0); w: bf16
-  [E, K, N]; chunk_expert / chunk_row as for `fp4_mgpu.fp4_chunked_matmul`. Returns out_dtype
-  [splits, C, bm, N]: out[s, c, i, n] = row i of chunk c times column n over K part s.
-  wgs: compute warpgroups (64 columns each), kb: 64-wide K tiles a pipeline step."""
+  [E, K, N]; chunk_expert / chunk_row as for `fp4_mgpu.fp4_chunked_matmul`, or both None: a
+  dense product, chunk c of expert 0 from row c * bm, C = R // bm (no tables: as operands XLA
+  made them two small kernels a call). Returns out_dtype [splits, C, bm, N]: out[s, c, i, n] =
+  row i of chunk c times column n over K part s. wgs: compute warpgroups (64 columns each), kb:
+  64-wide K tiles a pipeline step."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   F._patch_register_pool()
 
   _, k, n = w.shape
-  n_chunks = chunk_expert.shape[0]
+  dense = chunk_expert is None
+  n_chunks = xc.shape[0] // bm if dense else chunk_expert.shape[0]
   n_tiles = n // 64
   assert xc.shape[1] == k and n_tiles % (wgs * n_inner) == 0 and k % (64 * kb * splits) == 0
   assert bm in BM_CHOICES
@@ -99,8 +102,11 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
                      f"tile to be a multiple of stages={stages}")
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-  def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, out_gmem, out_smem):
-    n_outer, c_idx, s_idx, e, row0, k0 = F.chunk_coords(ce_gmem, cr_gmem, k_iters)
+  def kernel(*refs, out_smem):
+    ce_gmem, cr_gmem, x_gmem, w_gmem, out_gmem = (None, None) * dense + refs
+    n_outer, c_idx, s_idx, e, row0, k0 = F.chunk_coords(ce_gmem, cr_gmem, k_iters, dense)
+    if dense:
+      row0 = pl.multiple_of(c_idx * bm, 8)
 
     def tile_pipeline(n_idx, state):
       def compute_context(eval_pipeline):
@@ -143,7 +149,7 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(out_smem=F._out_smem(wgs, bm, out_dtype)),
-  )(chunk_expert, chunk_row, xc, w)
+  )(*((xc, w) if dense else (chunk_expert, chunk_row, xc, w)))
 
 
 def dense_stages(bm: int, kb: int, wgs: int, k_steps: int, out_dtype) -> int:
@@ -152,17 +158,36 @@ def dense_stages(bm: int, kb: int, wgs: int, k_steps: int, out_dtype) -> int:
   return F.fit_stages(per_stage, wgs * 64 * bm * jnp.dtype(out_dtype).itemsize, k_steps, 1)
 
 
+# `dense_launch`'s launch: 128-row chunks, 2 compute warpgroups (128 columns a CTA), two 64-wide
+# K tiles a step, no K split. H200, 256 rows, us a call (benchmarks/results/
+# session32_h200_2026-12-04, `bench_small_dots.py`): q/k/v 2048 x 5120 14.94 against XLA's
+# 19.69 (80 CTAs); o 4096 x 2048 23.21 against 17.47 (32 CTAs: left to XLA by DENSE_MIN_CTAS).
+DENSE_LAUNCH = dict(bm=128, wgs=2, kb=2, splits=1)
+DENSE_MIN_CTAS = 64
+
+
+def dense_launch(rows: int, k: int, n: int) -> dict | None:
+  """`dense_matmul`'s launch for a bf16 product of rows x [K, N], or None where XLA's dot is
+  the measured better choice or nothing was measured: 129-256 rows (at 128 XLA's dot took 12.1
+  us against 16.3 for 64-row chunks, session 29), at least DENSE_MIN_CTAS CTAs (one per 128
+  columns of each 128-row chunk)."""
+  c = DENSE_LAUNCH
+  if not 128 < rows <= 256 or k % (64 * c["kb"]) or n % (64 * c["wgs"]):
+    return None
+  if n // (64 * c["wgs"]) * -(-rows // c["bm"]) < DENSE_MIN_CTAS:
+    return None
+  return dict(c)
+
+
 def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, splits: int = 1,
                  out_dtype=jnp.bfloat16, kernel_fn=None):
   """x [M, K] @ bf16 w [K, N] through this kernel with the rows as chunks of bm (128 / 256:
   one or two chunks at decode batches, so the weight is read once or twice): a CTA computes
   64 * wgs columns of a chunk over a K part (splits > 1: float32 parts added by XLA).
-  kernel_fn: the kernel's stand-in (`emulate_chunked_matmul` in CPU tests). Not in the
-  engine: H200, 256 rows, us a call (benchmarks/results/session32_h200_2026-12-04,
-  `bench_small_dots.py`), bm 128 / 2 warpgroups / kb 2: q/k/v 2048 x 5120 14.94 against XLA's
-  19.69; o 4096 x 2048 no launch beat XLA's 17.47 (best 17.70). The `paper` engine's q, k and
-  v are three bf16 products that XLA fuses into one; a kernel path needs them fused at weight
-  sync, as the FP4 ones are (`kernels.fuse_projections`)."""
+  kernel_fn: the kernel's stand-in (`emulate_chunked_matmul` in CPU tests). The engine's path
+  with TRACE_JAX_BF16_DENSE=kernel (`dispatch.BF16_DENSE`, opt-in), where `dense_launch`
+  gives a launch; at 256 rows no launch beat XLA's dot for o 4096 x 2048 (17.47 us; best
+  17.70)."""
   m, k = x.shape
   n = w.shape[1]
   c = -(-m // bm)
@@ -171,10 +196,7 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, spli
   if stages < 1:
     raise ValueError(f"bm={bm} wgs={wgs} kb={kb} does not fit SMEM")
   xc = jnp.pad(x.astype(jnp.bfloat16), ((0, c * bm - m), (0, 0)))
-  # the chunk tables (all expert 0, chunk c from row c * bm) as numpy constants: traced jnp
-  # ones were two small kernels a call in a deviceless compile
-  ce, row0 = np.zeros((c,), np.int32), np.arange(c, dtype=np.int32) * bm
-  out = (kernel_fn or bf16_chunked_matmul)(xc, w[None], ce, row0, bm=bm, stages=stages,
+  out = (kernel_fn or bf16_chunked_matmul)(xc, w[None], None, None, bm=bm, stages=stages,
                                            splits=splits, out_dtype=part, wgs=wgs, kb=kb)
   out = out.reshape(splits, c * bm, n)[:, :m]
   return (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(out_dtype)
@@ -184,6 +206,9 @@ def emulate_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, splits: i
                            out_dtype=jnp.bfloat16, **unused_config):
   """A `jnp` model of `bf16_chunked_matmul` (same inputs and output; unused chunks give 0), for
   CPU tests of the wrapper's tables, K split and output gather."""
+  if chunk_expert is None:  # a dense product (see there)
+    c = xc.shape[0] // bm
+    chunk_expert, chunk_row = np.zeros((c,), np.int32), np.arange(c, dtype=np.int32) * bm
   rows = chunk_row[:, None] + jnp.arange(bm)[None, :]
   xr = xc.astype(jnp.float32)[rows]  # [C, bm, K]
   ce = jnp.maximum(chunk_expert, 0)

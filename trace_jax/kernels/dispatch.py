@@ -111,6 +111,12 @@ _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "
 # 14.1 / 22.2 at 8 rows, 83.0 / 103.1 at 64, 184.0 / 186.9 at 256; down 7.0 / 11.8 at 8, 45.7 /
 # 46.6 at 64. Not measured above 256 rows.
 BF16_KERNEL_ROWS = 256
+# bf16 dense products (the `paper` policy's attention projections): XLA's dot ("xla", the
+# default) or "kernel": the rollout's weight sync puts q, k and v side by side
+# (`layout.fuse_projections`) and products of rows `bf16_mgpu.dense_launch` takes run the bf16
+# Mosaic kernel with 128-row chunks (q/k/v at 256 rows 14.9 against XLA's 19.7 us, session 32).
+# Opt-in until the rollout is measured with it.
+BF16_DENSE = _setting("TRACE_JAX_BF16_DENSE", "xla", ("xla", "kernel"))
 
 
 def on_gpu() -> bool:
@@ -228,6 +234,25 @@ def xla_matmul(x, parts, out_dtype) -> jax.Array:
   return (y if factor is None else y * factor).astype(out_dtype)
 
 
+def _bf16_dense(x, w, out_dtype):
+  """`x [..., K] @ w` (bf16 [K, N]) through `bf16_mgpu.dense_matmul` where its launch rule
+  (`bf16_mgpu.dense_launch`) takes the shape, else None."""
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  rows = x.size // x.shape[-1]
+  launch = bf16_mgpu.dense_launch(rows, *w.shape)
+  if launch is None:
+    return None
+  y = _dense_bf16_call(x.reshape(rows, x.shape[-1]), w, out_dtype=out_dtype, **launch)
+  return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+@_lowered_once("out_dtype", "bm", "wgs", "kb", "splits")
+def _dense_bf16_call(x, w, *, out_dtype, bm, wgs, kb, splits):
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  return bf16_mgpu.dense_matmul(x, w, bm=bm, wgs=wgs, kb=kb, splits=splits,
+                                out_dtype=out_dtype)
+
+
 def float32_dot(x, w) -> jax.Array:
   """float32 `x [..., K] @ w [K, N]` at HIGHEST precision (XLA's default rounds float32 dot
   operands to TF32 on Hopper GPUs): the MoE router's logits. On the GPU a single row goes
@@ -269,6 +294,10 @@ def _out_dtype(x, out_dtype):
 def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None) -> jax.Array:
   """`x @ w`; w `[K, N]` array, FP4 `QArray` (blocks along K) or `PackedWeight`."""
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
+    if BF16_DENSE == "kernel" and parts[1] is None:
+      y = _bf16_dense(x, parts[0], _out_dtype(x, out_dtype))
+      if y is not None:
+        return y
     return xla_matmul(x, parts, _out_dtype(x, out_dtype))
   if not _kernel_ok(x, w, use_kernel) or w.experts:
     return reference.matmul_ref(x, w, out_dtype)

@@ -302,6 +302,10 @@ def _side_by_side_problem(pws) -> str | None:
   return None
 
 
+def _bf16_matrix(w) -> bool:
+  return isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.bfloat16
+
+
 def concat_columns(pws) -> PackedWeight:
   """Dense PackedWeights [K, N_i] side by side: [K, sum N_i]. Exact: the layout's tiles are 64
   columns each and the column factors carry each part's own scales. Each N_i must be a multiple
@@ -315,24 +319,29 @@ def concat_columns(pws) -> PackedWeight:
                       (first.k, sum(pw.n for pw in pws)), first.kb)
 
 
-def fuse_projections(tree):
+def fuse_projections(tree, bf16: bool = False):
   """Where a dict of a parameter tree holds the parts of a `FUSED_PROJECTIONS` entry each as
   `{"kernel": dense PackedWeight}` (no bias) of one format, kb and K, each N unpadded (a
   multiple of N_ALIGN): the first part's kernel becomes the parts side by side
   (`concat_columns`) and the others' kernels None. The model then makes them in one
   call (`Attention`: one GEMV at decode, not three; the rollout's weight sync, unsharded
-  weights). Other dicts are unchanged."""
+  weights). bf16: also parts that are bf16 [K, N_i] arrays of one K (concatenated: a new
+  array beside the master's). Other dicts are unchanged."""
   if not isinstance(tree, dict):
     return tree
-  out = {k: fuse_projections(v) for k, v in tree.items()}
+  out = {k: fuse_projections(v, bf16) for k, v in tree.items()}
   for key, parts in FUSED_PROJECTIONS:
     subs = [out.get(p) for p in parts]
     if not all(isinstance(d, dict) and set(d) == {"kernel"} for d in subs):
       continue
     ws = [d["kernel"] for d in subs]
-    if not all(isinstance(w, PackedWeight) for w in ws) or _side_by_side_problem(ws):
+    if bf16 and all(_bf16_matrix(w) and w.shape[0] == ws[0].shape[0] for w in ws):
+      fused = jnp.concatenate(ws, axis=1)
+    elif all(isinstance(w, PackedWeight) for w in ws) and not _side_by_side_problem(ws):
+      fused = concat_columns(ws)
+    else:
       continue
-    out[key] = {"kernel": concat_columns(ws)}
+    out[key] = {"kernel": fused}
     for p in parts:
       if p != key:
         out[p] = {"kernel": None}

@@ -36,6 +36,7 @@ from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import parallel
 from trace_jax import quant as tq
+from trace_jax.kernels import dispatch as kernel_dispatch
 from trace_jax.kernels.settings import choice_setting
 from trace_jax.models import kv_cache as kvc
 from trace_jax.rollout.sampling import SamplingParams, sample
@@ -645,7 +646,9 @@ def _kernel_layout(params, fuse: bool = True):
       return kernels.prepare_weight(a)
     return a
   out = jax.tree_util.tree_map(conv, params, is_leaf=lambda a: isinstance(a, tq.QArray))
-  return kernels.fuse_projections(out) if fuse and FUSE_PROJECTIONS == "on" else out
+  if not (fuse and FUSE_PROJECTIONS == "on"):
+    return out
+  return kernels.fuse_projections(out, bf16=kernel_dispatch.BF16_DENSE == "kernel")
 
 
 def rollout_weight_shapes(config: M.ModelConfig, policy: tq.QuantPolicy,
