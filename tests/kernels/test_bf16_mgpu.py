@@ -162,4 +162,6 @@ def test_dense_dispatch_opt_in(monkeypatch):
   assert calls == [((256, K), 128, 2, 2)]
   dispatch.matmul(x[:, :60], w, jnp.float32)  # 120 rows: XLA
   dispatch.matmul(x, w[:, :512], jnp.float32)  # 8 CTAs: XLA
+  wide = jnp.zeros((K, bf16_mgpu.DENSE_MAX_N + 128), jnp.bfloat16)  # an lm_head: untimed, XLA
+  dispatch.matmul(x, wide, jnp.float32)
   assert len(calls) == 1

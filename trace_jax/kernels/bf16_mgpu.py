@@ -164,15 +164,16 @@ def dense_stages(bm: int, kb: int, wgs: int, k_steps: int, out_dtype) -> int:
 # 19.69 (80 CTAs); o 4096 x 2048 23.21 against 17.47 (32 CTAs: left to XLA by DENSE_MIN_CTAS).
 DENSE_LAUNCH = dict(bm=128, wgs=2, kb=2, splits=1)
 DENSE_MIN_CTAS = 64
+DENSE_MAX_N = 8192  # past the attention projections' widths (the lm_head's 151,936): untimed
 
 
 def dense_launch(rows: int, k: int, n: int) -> dict | None:
   """`dense_matmul`'s launch for a bf16 product of rows x [K, N], or None where XLA's dot is
   the measured better choice or nothing was measured: 129-256 rows (at 128 XLA's dot took 12.1
   us against 16.3 for 64-row chunks, session 29), at least DENSE_MIN_CTAS CTAs (one per 128
-  columns of each 128-row chunk)."""
+  columns of each 128-row chunk), N up to DENSE_MAX_N."""
   c = DENSE_LAUNCH
-  if not 128 < rows <= 256 or k % (64 * c["kb"]) or n % (64 * c["wgs"]):
+  if not 128 < rows <= 256 or k % (64 * c["kb"]) or n % (64 * c["wgs"]) or n > DENSE_MAX_N:
     return None
   if n // (64 * c["wgs"]) * -(-rows // c["bm"]) < DENSE_MIN_CTAS:
     return None
