@@ -61,6 +61,9 @@ def test_launch_shapes_give_the_same_bits(shape, tile_elems):
 
 def test_supported():
   assert row_quant.kernel_supported(jnp.zeros((4, 2048), jnp.bfloat16), "nvfp4") is None
+  # rows longer than a program's tile (the o_proj input, 4096): one row a program
+  assert row_quant.kernel_supported(jnp.zeros((4, 4096), jnp.bfloat16), "nvfp4") is None
+  assert "up to 4096" in row_quant.kernel_supported(jnp.zeros((4, 4112), jnp.bfloat16), "nvfp4")
   assert "mxfp4" in row_quant.kernel_supported(jnp.zeros((4, 64)), "mxfp4")
   assert "multiples of 16" in row_quant.kernel_supported(jnp.zeros((4, 40)), "nvfp4")
   with pytest.raises(ValueError, match="multiples of 16"):

@@ -41,6 +41,10 @@ from trace_jax.quant import qarray as Q
 # elements; one warp and 8,192 elements were 2-30x slower)
 TILE_ELEMS = 2048
 NUM_WARPS = 4
+# The longest row the kernel takes (a program holds at least one whole row, padded to a power
+# of two): the limit TILE_ELEMS set before session 32 made tiles smaller; the 30B-A3B o_proj's
+# input rows (32 heads x 128) are this long.
+MAX_ROW_ELEMS = 4096
 
 
 def _ieee_reciprocal(d):
@@ -74,8 +78,9 @@ def kernel_supported(x, fmt) -> str | None:
   fmt = F.get_format(fmt)
   if fmt.name != "nvfp4":
     return f"format {fmt.name}, the kernel writes nvfp4"
-  if x.ndim < 1 or x.shape[-1] % fmt.block or not 0 < x.shape[-1] <= TILE_ELEMS:
-    return f"rows of {x.shape[-1:]} elements: the kernel takes multiples of 16 up to {TILE_ELEMS}"
+  if x.ndim < 1 or x.shape[-1] % fmt.block or not 0 < x.shape[-1] <= MAX_ROW_ELEMS:
+    return (f"rows of {x.shape[-1:]} elements: the kernel takes multiples of 16 up to "
+            f"{MAX_ROW_ELEMS}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     return f"dtype {x.dtype}"
   return None
