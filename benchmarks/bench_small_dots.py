@@ -8,10 +8,15 @@ Why: in the 12-layer 30B-A3B decode step at batch 1 (H200, session 16 profiles) 
 float32 dot ran as two kernels of 3.2 us a layer (XLA:GPU rewrites a one-row dot as a multiply
 and a reduction), and the bf16 attention projections ran at about half of their weight bytes'
 time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
-- `router_*`: float32 x [R, 2048] @ w [2048, 128] at HIGHEST precision: `dot` (as the model
-  wrote it), `pad2` (`dispatch.float32_dot`: a zero second row when R = 1 on the GPU), `bcast2`
-  (the row broadcast to two: no concatenate kernel if XLA fuses the broadcast into the
-  product), `mulsum` (multiply and sum over K: one reduction kernel).
+- `router_*`: float32 x [R, 2048] (bf16 values, as the model's router input) @ w [2048, 128] at
+  HIGHEST precision: `dot` (as the model wrote it), `pad2` (`dispatch.float32_dot`: a zero
+  second row when R = 1 on the GPU), `bcast2` (the row broadcast to two: no concatenate kernel
+  if XLA fuses the broadcast into the product), `mulsum` (multiply and sum over K: one
+  reduction kernel), `x6` / `x3` (XLA's dot algorithms BF16_BF16_F32_X6 / _X3: the operands
+  split into bf16 parts in the product's kernel, on tensor cores; X6 keeps every product of a
+  bf16 x with w's three parts, X3 drops w's lowest), `split3` (w's three bf16 parts side by side,
+  made once as a weight sync would: one bf16 product [R, 2048] @ [2048, 384] with float32
+  accumulation and the parts' sum).
 - `qkv_*` / `o_*`: bf16 x [R, K] @ w [K, N] with float32 accumulation, bf16 out, at the
   30B-A3B q/k/v (2048 x 5120) and o (4096 x 2048) shapes: `xla` (`dispatch.xla_matmul`: the
   zero second row at R = 1), `xla_nopad` (the one-row dot as written), `xla_bcast2` (the row
@@ -111,6 +116,8 @@ def main():
   ap.add_argument("--hopper", action="store_true",
                   help="also JAX's hopper_matmul_mgpu at the q/k/v and o shapes")
   ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--products", default="router,route_tail,qkv,o",
+                  help="which products' rows to run")
   args = ap.parse_args()
   if args.plot:
     print(plot(args.plot))
@@ -162,9 +169,10 @@ def main():
   def bcast2(x):  # the row twice: a broadcast may fuse into the product's operand (no kernel)
     return jnp.broadcast_to(x, (2, x.shape[1])) if x.shape[0] == 1 else x
 
+  products = args.products.split(",")
   for r in [int(v) for v in args.rows.split(",")]:
     # the router, float32
-    xr = rng.standard_normal((r, 2048)).astype(np.float32)
+    xr = np.asarray(jnp.asarray(rng.standard_normal((r, 2048)), jnp.bfloat16), np.float32)
     wr = (rng.standard_normal((2048, 128)) * 0.02).astype(np.float32)
     ref = xr.astype(np.float64) @ wr.astype(np.float64)
     variants = {
@@ -172,23 +180,41 @@ def main():
         "pad2": dispatch.float32_dot,  # the library's rule (a zero second row at one row)
         "bcast2": lambda x, w: jnp.dot(bcast2(x), w, precision=hp)[:x.shape[0]],
         "mulsum": lambda x, w: jnp.sum(x[:, :, None] * w[None], axis=1),
+        "x6": lambda x, w: jnp.dot(x, w, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6),
+        "x3": lambda x, w: jnp.dot(x, w, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
     }
-    for tag, fn in variants.items():
+    for tag, fn in (variants.items() if "router" in products else ()):
       row(f"router_{tag}_r{r}", fn, jnp.asarray(xr), jnp.asarray(wr), ref, wr.nbytes)
-    # the tail of routing
-    logits = jnp.asarray(ref, jnp.float32)
+    if "router" in products:
+      parts, rest = [], jnp.asarray(wr)
+      for _ in range(3):  # w = hi + mid + lo exactly (24 bits of mantissa in three of 8)
+        parts.append(rest.astype(jnp.bfloat16))
+        rest = rest - parts[-1].astype(jnp.float32)
+      w3 = jnp.concatenate(parts, axis=1)
 
-    def tail(x, w):  # w (a zero) is read so that XLA does not merge the timed copies' calls
-      p = jax.nn.softmax(x + w[0], axis=-1)
-      v, i = jax.lax.top_k(p, 8)
-      return (v / jnp.sum(v, axis=-1, keepdims=True)) + i.astype(jnp.float32) * 0
+      def split3(x, w3):
+        y = jnp.dot(x.astype(jnp.bfloat16), w3, preferred_element_type=jnp.float32)
+        n = w3.shape[1] // 3
+        return y[:, :n] + y[:, n:2 * n] + y[:, 2 * n:]
 
-    pr = jax.nn.softmax(ref, axis=-1)
-    top = np.sort(np.asarray(pr))[:, ::-1][:, :8]
-    row(f"route_tail_r{r}", tail, logits, jnp.zeros((8,), jnp.float32),
-        top / top.sum(-1, keepdims=True), 1024)
+      row(f"router_split3_r{r}", split3, jnp.asarray(xr), w3, ref, w3.size * 2)
+    if "route_tail" in products:
+      # the tail of routing
+      logits = jnp.asarray(ref, jnp.float32)
+
+      def tail(x, w):  # w (a zero) is read so that XLA does not merge the timed copies' calls
+        p = jax.nn.softmax(x + w[0], axis=-1)
+        v, i = jax.lax.top_k(p, 8)
+        return (v / jnp.sum(v, axis=-1, keepdims=True)) + i.astype(jnp.float32) * 0
+
+      pr = jax.nn.softmax(ref, axis=-1)
+      top = np.sort(np.asarray(pr))[:, ::-1][:, :8]
+      row(f"route_tail_r{r}", tail, logits, jnp.zeros((8,), jnp.float32),
+          top / top.sum(-1, keepdims=True), 1024)
     # dense bf16 projections
     for shape_tag, (k, n) in (("qkv", (2048, 5120)), ("o", (4096, 2048))):
+      if shape_tag not in products:
+        continue
       xb = jnp.asarray(rng.standard_normal((r, k)), jnp.bfloat16)
       wb = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16)
       ref = np.asarray(xb, np.float64) @ np.asarray(wb, np.float64)

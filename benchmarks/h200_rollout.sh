@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -477,6 +477,53 @@ elif [ "$stage" = s30a ]; then
   for m in 64 128 256 512; do tok+=",moe_gateup_E128_K2048_N1536_M${m}_tokamax"; done
   expert_rows "64 128 256 512 2208" "auto auto_nosk" \
     ${tok#,},moe_down_E128_K768_N2048_M256_tokamax ${BK_TIMEOUT:-330} 40
+elif [ "$stage" = s33c ]; then
+  # (session 33) the 8k-capacity FP4 rollout, 48 layers, 2,048 tokens a sequence (as s32b),
+  # with the bf16 q/k/v kernel now the default; then the decode step kernel by kernel at the
+  # context the rollout averages (prompt 1,536 + 128 new: attention's share at ~1.6k tokens)
+  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-360} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-360} - 10 )) \
+    GEN=2048 bash $0 cap8k_inner | tail -4
+  timeout -k 5 ${PROF_TIMEOUT:-170} python3 benchmarks/profile_decode.py --layers 4 \
+    --policy paper --path kernels --batch 256 --prompt_len 1536 --new_tokens 128 \
+    --cache_new_tokens 6656 --decode_chunk 128 --repeats 1 --no_command_buffers \
+    --out $OUT/profile_cap_4l_b256_ctx1536_nocb.json 2>&1 | grep -v "^I1\|^W1" | tail -40
+elif [ "$stage" = s33b ]; then
+  # (session 33) the routing kernel's second version (tiles unrolled and summed elementwise, one
+  # reduction at the end; s33a's first version took 44 us at 2,048 rows against XLA's 10.5):
+  # its GPU tests and bench_routing at 4-16 warps; the router's float32 product written as
+  # XLA's bf16 x6 / x3 dot algorithms and as one bf16 product with w's three bf16 parts
+  # (bench_small_dots' router rows at 1 and 256 rows); the engine's GPU tests with the bf16
+  # dense kernel now the default
+  gpu_tests tests/kernels/test_routing.py "gpu" routing ${RTEST_TIMEOUT:-90}
+  timeout -k 5 ${BR_TIMEOUT:-120} python3 benchmarks/bench_routing.py --warps 4,8,16 \
+    --out $OUT/bench_routing.json 2>&1 | grep -v "^I1\|^W1" | grep "rows\|Error\|wrote"
+  timeout -k 5 ${SD_TIMEOUT:-120} python3 benchmarks/bench_small_dots.py --rows 1,256 \
+    --products router --out $OUT/bench_small_dots_router.json 2>&1 | grep -v "^I1\|^W1" \
+    | grep "router\|Error"
+  gpu_tests tests/rollout/test_engine_gpu.py "" engine ${ETEST_TIMEOUT:-150}
+elif [ "$stage" = s33a ]; then
+  # (session 33) the routing tables' kernel as a grid of 32-row programs (one launch where XLA
+  # ran three reductions over [2,176 x 2,048] terms and two small kernels, ~13 us a layer at
+  # B 256): its GPU tests (tables bit for bit, up to 4,096 rows), bench_routing (kernel vs XLA
+  # path, 256-4,096 rows); the decode step kernel by kernel as s32d with
+  # TRACE_JAX_ROUTING=kernel, then with TRACE_JAX_BF16_DENSE=kernel too (the default side:
+  # call 4 of session 32; bf16 dense alone: s32g); the engine smoke at 160 sequences with the
+  # defaults (s32g's with the bf16 dense kernel had 12 of 160 rows diverge at near-ties: is
+  # that the kernel's?) and with both settings
+  gpu_tests tests/kernels/test_routing.py "gpu" routing ${RTEST_TIMEOUT:-90}
+  timeout -k 5 ${BR_TIMEOUT:-120} python3 benchmarks/bench_routing.py \
+    --out $OUT/bench_routing.json 2>&1 | grep -v "^I1\|^W1" | grep "rows\|Error\|wrote"
+  TRACE_JAX_ROUTING=kernel cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-200} \
+    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_routing.json \
+    | grep "guidance_on\|decode loop:\|routing\|moe/"
+  TRACE_JAX_ROUTING=kernel TRACE_JAX_BF16_DENSE=kernel cap_shape_profile 4 256 paper \
+    ${PROF_TIMEOUT:-200} --no_command_buffers \
+    --out $OUT/profile_cap_4l_b256_nocb_routing_dense.json | tail -45
+  timeout -k 5 ${SMOKE_TIMEOUT:-120} python3 benchmarks/gpu_engine_smoke.py --layers 1 \
+    --batch 160 --out $OUT/gpu_engine_smoke_default.json 2>&1 | grep -v "^I1\|^W1" | tail -3
+  TRACE_JAX_ROUTING=kernel TRACE_JAX_BF16_DENSE=kernel timeout -k 5 ${SMOKE_TIMEOUT:-120} \
+    python3 benchmarks/gpu_engine_smoke.py --layers 1 --batch 160 \
+    --out $OUT/gpu_engine_smoke_routing_dense.json 2>&1 | grep -v "^I1\|^W1" | tail -3
 elif [ "$stage" = s32g ]; then
   # (session 32; prepared, not run: the device time was spent) TRACE_JAX_BF16_DENSE=kernel, the
   # bf16 q, k and v fused at weight sync and run by the bf16 kernel with 128-row chunks at

@@ -138,10 +138,10 @@ def test_dense_lowers_for_cuda():
 
 
 
-def test_dense_dispatch_opt_in(monkeypatch):
-  """With TRACE_JAX_BF16_DENSE=kernel, a bf16 dense product of 129-256 rows on the GPU goes
-  through `dense_matmul` (here around the kernel's jnp model) where `dense_launch` gives enough
-  CTAs; fewer rows, narrower outputs and the default setting keep XLA's dot."""
+def test_dense_dispatch(monkeypatch):
+  """With TRACE_JAX_BF16_DENSE=kernel (the default), a bf16 dense product of 129-256 rows on the
+  GPU goes through `dense_matmul` (here around the kernel's jnp model) where `dense_launch`
+  gives enough CTAs; fewer rows, narrower outputs and the "xla" setting keep XLA's dot."""
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   calls = []
 

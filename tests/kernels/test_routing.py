@@ -20,7 +20,11 @@ from trace_jax.kernels import fp4_mgpu, routing
 def _xla_tables(ids, e, bm, c):
   order, inverse = kernels.sort_by_group(ids)
   gs = kernels.count_by_group(ids, e)
-  return (order, inverse, gs) + tuple(fp4_mgpu.chunk_tables(gs, ids.shape[0], bm))
+  ce, row0, slot, total = fp4_mgpu.chunk_tables(gs, ids.shape[0], bm, with_total=True)
+  return order, inverse, gs, ce, row0, slot, total[:1]
+
+
+_NAMES = ("order", "inverse", "group_sizes", "chunk_expert", "chunk_row", "slot", "total")
 
 
 def _ids(m, e, seed, skew=False):
@@ -31,21 +35,18 @@ def _ids(m, e, seed, skew=False):
   return jnp.asarray(rng.choice(e, size=m, p=p), jnp.int32)
 
 
-# the kernel is opt-in (TRACE_JAX_ROUTING=kernel): its large interpret-mode cases run in the
-# slow tier (~30 s on 2 cores)
+# (interpret mode runs a program at a time: ~1.5 s a case on 2 cores)
 @pytest.mark.parametrize("m,e,skew", [
-    pytest.param(512, 128, False, marks=pytest.mark.slow),
-    pytest.param(600, 128, True, marks=pytest.mark.slow), (1, 128, False), (37, 9, True),
-    pytest.param(1024, 64, False, marks=pytest.mark.slow)],
-    ids=["decode_b64", "non_pow2_skewed", "one_row", "small", "max_rows"])
+    (512, 128, False), (600, 128, True), (1, 128, False), (37, 9, True), (2048, 128, False),
+    pytest.param(4096, 64, True, marks=pytest.mark.slow)],
+    ids=["decode_b64", "non_pow2_skewed", "one_row", "small", "decode_b256", "max_rows"])
 def test_kernel_equals_xla_tables(m, e, skew):
   ids = _ids(m, e, m + e, skew)
   bm = fp4_mgpu.grouped_bm(m, e)
   c = fp4_mgpu.chunk_count(m, e, bm)
   got = routing.routing_tables(ids, num_groups=e, bm=bm, n_chunks=c, interpret=True)
   want = jax.jit(_xla_tables, static_argnums=(1, 2, 3))(ids, e, bm, c)
-  for name, a, b in zip(("order", "inverse", "group_sizes", "chunk_expert", "chunk_row", "slot"),
-                        got, want, strict=True):
+  for name, a, b in zip(_NAMES, got, want, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
@@ -118,7 +119,8 @@ def test_lowers_for_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,e,skew", [(512, 128, False), (600, 128, True), (1, 128, False)])
+@pytest.mark.parametrize("m,e,skew", [(512, 128, False), (600, 128, True), (1, 128, False),
+                                      (2048, 128, False), (2040, 128, True), (4096, 128, False)])
 def test_kernel_on_gpu_equals_xla_tables(m, e, skew):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
@@ -127,8 +129,8 @@ def test_kernel_on_gpu_equals_xla_tables(m, e, skew):
   c = fp4_mgpu.chunk_count(m, e, bm)
   got = routing.routing_tables(ids, num_groups=e, bm=bm, n_chunks=c)
   want = jax.jit(_xla_tables, static_argnums=(1, 2, 3))(ids, e, bm, c)
-  for a, b in zip(got, want, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for name, a, b in zip(_NAMES, got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 @pytest.mark.slow  # (~18-22 s, as the test above; a GPU-only choice of `route`)

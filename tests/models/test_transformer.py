@@ -309,8 +309,8 @@ def test_fused_qkv_projection_equals_three():
   a = apply(packed, tokens, cfg, ctx).logits
   b = apply(fused, tokens, cfg, ctx).logits
   np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
-  # bf16 q, k and v (`paper` keeps attention weights bf16; fused with TRACE_JAX_BF16_DENSE=
-  # kernel): the fused weight is taken, and gives the three projections' logits
+  # bf16 q, k and v (`paper` keeps attention weights bf16; fused unless TRACE_JAX_BF16_DENSE=
+  # xla): the fused weight is taken, and gives the three projections' logits
   paper = tq.make_policy("paper", "nvfp4")
   rollout = jax.jit(functools.partial(M.quantize_params, policy=paper))(params)
   rollout = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if isinstance(a, jax.Array) else a,

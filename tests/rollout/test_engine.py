@@ -200,7 +200,7 @@ def test_fused_projections_give_the_same_rollout(monkeypatch, weights):
   """The engine's weight sync puts an attention layer's q, k and v kernels side by side
   (`kernels.fuse_projections`): FP4 ones where they are in the kernel layout
   (TRACE_JAX_FUSE_PROJECTIONS), bf16 ones (the `paper` policy's, a new array beside the
-  master's) with TRACE_JAX_BF16_DENSE=kernel. The rollout equals the one with three
+  master's) unless TRACE_JAX_BF16_DENSE=xla. The rollout equals the one with three
   projections (greedy tokens; logprobs to float32 summation order), and a re-sync (which
   donates the fused weight) gives it again."""
   from trace_jax.kernels import dispatch

@@ -186,7 +186,7 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, spli
   one or two chunks at decode batches, so the weight is read once or twice): a CTA computes
   64 * wgs columns of a chunk over a K part (splits > 1: float32 parts added by XLA).
   kernel_fn: the kernel's stand-in (`emulate_chunked_matmul` in CPU tests). The engine's path
-  with TRACE_JAX_BF16_DENSE=kernel (`dispatch.BF16_DENSE`, opt-in), where `dense_launch`
+  on the GPU (`dispatch.BF16_DENSE`, TRACE_JAX_BF16_DENSE=xla opts out), where `dense_launch`
   gives a launch; at 256 rows no launch beat XLA's dot for o 4096 x 2048 (17.47 us; best
   17.70)."""
   m, k = x.shape

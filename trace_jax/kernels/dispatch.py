@@ -47,11 +47,11 @@ Decode routing tables: `sort_by_group` and `count_by_group` order and count (tok
 by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
 XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel's chunk tables
 (all of them from three reductions and a look-up, `_routed_by_counts`);
-`TRACE_JAX_ROUTING=kernel` computes all of them in one Pallas kernel (`routing.py`, opt-in; 18x
-slower than the XLA kernels it replaces on the H200). Up to `ROW_CHUNK_ROWS` rows on the GPU
-(one token's top-k: a batch-1 decode step) `route` orders nothing: every row is a chunk of its
-own in the caller's order, its expert the row's id, so the tables are the ids and two constants
-(`row_chunks`).
+`TRACE_JAX_ROUTING=kernel` computes all of them in one Pallas kernel (`routing.py`, opt-in;
+1.5x the XLA kernels' time at 2,048 rows on the H200, session 33). Up to `ROW_CHUNK_ROWS` rows
+on the GPU (one token's top-k: a batch-1 decode step) `route` orders nothing: every row is a
+chunk of its own in the caller's order, its expert the row's id, so the tables are the ids and
+two constants (`row_chunks`).
 
 Pallas kernels for the rollout's glue on the GPU (`append_kv`, `quantize_rows`; opt out with
 `TRACE_JAX_KV_APPEND=xla`, `TRACE_JAX_ROW_QUANT=xla`): None off the GPU and for operands they do
@@ -111,12 +111,17 @@ _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "
 # 14.1 / 22.2 at 8 rows, 83.0 / 103.1 at 64, 184.0 / 186.9 at 256; down 7.0 / 11.8 at 8, 45.7 /
 # 46.6 at 64. Not measured above 256 rows.
 BF16_KERNEL_ROWS = 256
-# bf16 dense products (the `paper` policy's attention projections): XLA's dot ("xla", the
-# default) or "kernel": the rollout's weight sync puts q, k and v side by side
-# (`layout.fuse_projections`) and products of rows `bf16_mgpu.dense_launch` takes run the bf16
-# Mosaic kernel with 128-row chunks (q/k/v at 256 rows 14.9 against XLA's 19.7 us, session 32).
-# Opt-in until the rollout is measured with it.
-BF16_DENSE = _setting("TRACE_JAX_BF16_DENSE", "xla", ("xla", "kernel"))
+# bf16 dense products (the `paper` policy's attention projections, the BF16 engine's): "kernel"
+# (the default): the rollout's weight sync puts q, k and v side by side
+# (`layout.fuse_projections`: a new array beside the master's three, 1 GB at 48 layers of the
+# 30B-A3B shape, which the capacity planner counts) and products of rows
+# `bf16_mgpu.dense_launch` takes run the bf16 Mosaic kernel with 128-row chunks; "xla": XLA's
+# dot. H200: q/k/v at 256 rows 14.9 against XLA's 19.7 us alone (session 32); the 4-layer FP4
+# decode step at the 8k-capacity shape, B 256, 2.004 -> 1.929 ms (kernels 1.694 -> 1.643,
+# session 33). Its summation order is not XLA's: the engine smoke at 160 sequences (1 layer,
+# kernels against the jnp reference path) had 12 of 160 rows take another token at a near-tie
+# (0 with "xla", whose products are the reference's own).
+BF16_DENSE = _setting("TRACE_JAX_BF16_DENSE", "kernel", ("xla", "kernel"))
 
 
 def on_gpu() -> bool:
@@ -424,17 +429,16 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   them if it needs them). With tables, up to `SMALL_SORT` rows: four small XLA kernels a layer
   (`_routed_by_counts`; nine before session 26). With `TRACE_JAX_ROUTING=kernel`, on the GPU,
   for a packed expert weight and up to `routing.MAX_ROWS` rows, all of them come from one
-  Pallas kernel (`routing.py`; 18x slower than the XLA kernels on the H200, session 11: off
-  by default)."""
+  Pallas kernel (`routing.py`; slower than the XLA kernels on the H200, 15.4 against 10.4 us
+  at 2,048 rows, session 33: off by default)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
       m = group_ids.shape[0]
       bm = fp4_mgpu.grouped_bm(m, w.codes.shape[0])
-      order, inverse, gs, ce, row0, slot = routing.routing_tables(
+      order, inverse, gs, ce, row0, slot, total = routing.routing_tables(
           group_ids, num_groups=num_groups, bm=bm,
           n_chunks=fp4_mgpu.chunk_count(m, num_groups, bm))
-      total = jnp.sum(fp4_mgpu.chunks_per_group(gs, bm), keepdims=True, dtype=jnp.int32)
       return order, inverse, gs, (bm, ce, row0, slot, total)
   m = group_ids.shape[0]
   takes_tables = _kernel_takes_tables(w, group_ids, num_groups)

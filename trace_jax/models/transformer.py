@@ -179,8 +179,8 @@ class Attention(nn.Module):
 
   def _fused_qkv(self, n: int):
     """The q_proj kernel where the rollout's weight sync put q, k and v side by side in it
-    (`kernels.fuse_projections`: FP4 kernel-layout weights, or bf16 ones with
-    TRACE_JAX_BF16_DENSE=kernel; k_proj's and v_proj's kernels are None then), else None."""
+    (`kernels.fuse_projections`: FP4 kernel-layout weights, or bf16 ones unless
+    TRACE_JAX_BF16_DENSE=xla; k_proj's and v_proj's kernels are None then), else None."""
     if self.is_initializing() or not self.has_variable("params", "q_proj"):
       return None
     w = self.get_variable("params", "q_proj").get("kernel")

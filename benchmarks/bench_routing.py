@@ -1,0 +1,117 @@
+"""The MoE routing tables (`kernels/routing.py`) at decode sizes: the Pallas kernel against
+the XLA path (`dispatch._routed_by_counts`), checked table by table, timed, one JSON + a PNG.
+
+  PYTHONPATH=. python benchmarks/bench_routing.py --out bench_routing.json
+  python benchmarks/bench_routing.py --plot bench_routing.json   # the PNG of a saved run
+
+Why: in the 8k-capacity FP4 decode step (H200, session 32's profile, B 256, 2,048 rows over
+128 experts) the XLA path's reductions over [2,176 x 2,048] terms and its small kernels took
+~13 us a layer. Rows: `xla` and the kernel at `num_warps`; each kernel row's seven tables are
+compared with the XLA row's on fresh ids (top-k distinct experts a token, from a skewed
+distribution) in the same run, and timed with CUPTI (`profiler.measure`, all kernels of the
+call, median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+import bench_util
+
+EXPERTS, TOP_K = 128, 8
+
+
+def plot(json_path: str) -> str:
+  """Bars of us a call per variant, one group per row count; PNG beside the JSON."""
+  plt, res, rows = bench_util.timed_rows_for_plot(json_path)
+  sizes = sorted({r["rows"] for r in rows})
+  variants = list(dict.fromkeys(r["variant"] for r in rows))
+  fig, ax = plt.subplots(figsize=(7, 4))
+  width = 0.8 / len(variants)
+  for v_i, var in enumerate(variants):
+    us = {r["rows"]: r["us"] for r in rows if r["variant"] == var}
+    ax.bar([i + v_i * width for i in range(len(sizes))], [us.get(s, 0) for s in sizes], width,
+           label=var, color="tab:gray" if var == "xla" else None)
+  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))])
+  ax.set_xticklabels([f"{s} rows\n(B {s // TOP_K})" for s in sizes])
+  ax.set_ylabel("us a call (CUPTI, all kernels)")
+  ax.legend()
+  out = json_path.rsplit(".", 1)[0] + ".png"
+  bench_util.save_figure(fig, f"routing tables, {EXPERTS} experts - {res.get('device')} jax "
+                         f"{res.get('jax_version')} {res.get('git_commit')} "
+                         f"{res.get('date', '')[:10]}", out)
+  return out
+
+
+def _ids(tokens: int, seed: int):
+  """top-k distinct experts a token, experts drawn with a skew (some hot, some rare)."""
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.full(EXPERTS, 0.5))
+  logits = np.log(p)[None, :] + rng.gumbel(size=(tokens, EXPERTS))
+  return np.argsort(-logits, axis=1)[:, :TOP_K].reshape(-1).astype(np.int32)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
+  ap.add_argument("--out", default="bench_routing.json")
+  ap.add_argument("--rows", default="256,512,2048,4096", help="rows (B x top-8)")
+  ap.add_argument("--warps", default="2,4,8", help="num_warps values")
+  ap.add_argument("--iters", type=int, default=20)
+  args = ap.parse_args()
+  if args.plot:
+    print(plot(args.plot))
+    return
+
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import profiler
+
+  from trace_jax.kernels import dispatch, fp4_mgpu, routing
+
+  res = bench_util.result_header(
+      "bench_routing", units=dict(us="microseconds of CUPTI device time a call, median"),
+      experts=EXPERTS, top_k=TOP_K, tile=routing.TILE, rows=[])
+  t0 = time.time()
+
+  def xla_tables(ids):
+    order, inverse, gs, (_, ce, row0, slot, total) = dispatch._routed_by_counts(ids, EXPERTS)
+    return order, inverse, gs, ce, row0, slot, total[:1]
+
+  for m in (int(v) for v in args.rows.split(",")):
+    ids = jnp.asarray(_ids(m // TOP_K, int(time.time()) % 1000 + m))  # fresh each run
+    bm = fp4_mgpu.grouped_bm(m, EXPERTS)
+    variants = {"xla": jax.jit(xla_tables)}
+    for w in (int(v) for v in args.warps.split(",")):
+      variants[f"kernel_w{w}"] = jax.jit(functools.partial(
+          routing.routing_tables, num_groups=EXPERTS, bm=bm, num_warps=w,
+          n_chunks=fp4_mgpu.chunk_count(m, EXPERTS, bm)))
+    want = [np.asarray(a) for a in variants["xla"](ids)]
+    for var, fn in variants.items():
+      row = dict(rows=m, variant=var, bm=bm)
+      try:
+        got = [np.asarray(a) for a in fn(ids)]
+        row["tables_equal_xla"] = all(np.array_equal(a, b) for a, b in zip(got, want))
+        _, tim = profiler.measure(fn.lower(ids).compile(), aggregate=False,
+                                  iterations=args.iters)(ids)
+        row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
+        row["kernels_per_call"] = len(tim[0])
+      except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+      res["rows"].append(row)
+      print(f"[{time.time() - t0:6.1f}s] {m:5d} rows {var:10s} {row.get('us', float('nan')):7.2f}"
+            f" us  equal {row.get('tables_equal_xla')}  {row.get('error', '')[:80]}", flush=True)
+      with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+  print(plot(args.out))
+
+
+if __name__ == "__main__":
+  main()
