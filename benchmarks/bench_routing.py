@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
@@ -72,7 +71,6 @@ def main():
 
   import jax
   import jax.numpy as jnp
-  from jax.experimental.mosaic.gpu import profiler
 
   from trace_jax.kernels import dispatch, fp4_mgpu, routing
 
@@ -93,18 +91,11 @@ def main():
       variants[f"kernel_w{w}"] = jax.jit(functools.partial(
           routing.routing_tables, num_groups=EXPERTS, bm=bm, num_warps=w,
           n_chunks=fp4_mgpu.chunk_count(m, EXPERTS, bm)))
-    want = [np.asarray(a) for a in variants["xla"](ids)]
+    tables = lambda out: [np.asarray(a) for a in out]  # noqa: E731
+    want = tables(variants["xla"](ids))
     for var, fn in variants.items():
-      row = dict(rows=m, variant=var, bm=bm)
-      try:
-        got = [np.asarray(a) for a in fn(ids)]
-        row["tables_equal_xla"] = all(np.array_equal(a, b) for a, b in zip(got, want))
-        _, tim = profiler.measure(fn.lower(ids).compile(), aggregate=False,
-                                  iterations=args.iters)(ids)
-        row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
-        row["kernels_per_call"] = len(tim[0])
-      except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
-        row["error"] = f"{type(e).__name__}: {e}"[:300]
+      row = bench_util.checked_timing(dict(rows=m, variant=var, bm=bm), fn, (ids,), want,
+                                      tables, "tables_equal_xla", args.iters)
       res["rows"].append(row)
       print(f"[{time.time() - t0:6.1f}s] {m:5d} rows {var:10s} {row.get('us', float('nan')):7.2f}"
             f" us  equal {row.get('tables_equal_xla')}  {row.get('error', '')[:80]}", flush=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
@@ -65,7 +64,6 @@ def main():
 
   import jax
   import jax.numpy as jnp
-  from jax.experimental.mosaic.gpu import profiler
 
   from tests.kernels.test_row_quant import rows_case
   from trace_jax import quant as tq
@@ -92,16 +90,8 @@ def main():
         variants[f"t{t}_w{w}"] = jax.jit(functools.partial(
             row_quant.quantize_rows, fmt="nvfp4", tile_elems=t, num_warps=w))
     for var, fn in variants.items():
-      row = dict(site=site, shape=shape, variant=var)
-      try:
-        got = fields(fn(x))
-        row["bits_equal_xla"] = all(np.array_equal(a, b) for a, b in zip(got, want))
-        _, tim = profiler.measure(fn.lower(x).compile(), aggregate=False,
-                                  iterations=args.iters)(x)
-        row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
-        row["kernels_per_call"] = len(tim[0])
-      except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
-        row["error"] = f"{type(e).__name__}: {e}"[:300]
+      row = bench_util.checked_timing(dict(site=site, shape=shape, variant=var), fn, (x,), want,
+                                      fields, "bits_equal_xla", args.iters)
       res["rows"].append(row)
       print(f"[{time.time() - t0:6.1f}s] {site:16s} {var:10s} {row.get('us', float('nan')):7.2f}"
             f" us  equal {row.get('bits_equal_xla')}  {row.get('error', '')[:80]}", flush=True)

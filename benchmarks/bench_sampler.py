@@ -8,14 +8,10 @@ Why: the 4-layer FP4 decode step at B 256 (H200, session 28's profile) spent 259
 one reduction, the Gumbel draw of `jax.random.categorical` (threefry bits for 256 x 151,936
 entries), as long as the lm_head product. Rows: `sampling.sample` at temperature 1 over
 float32 logits [B, V] (V = 151,936, Qwen3's vocabulary) with one key per row, for each draw
-("gumbel": the `gumbel_argmax` kernel on the GPU, "gumbel_xla": XLA's fusion of
-`jax.random.categorical`, "hashed_gumbel", "inverse_cdf"), CUPTI device time of all its
-kernels (median over iterations) and their count; beside each, ratio to "gumbel_xla" in the
-same run; then the kernel alone (`gumbel_argmax`) at other programs a row and warps. Checks:
-"gumbel"'s and the kernel rows' tokens equal "gumbel_xla"'s on the timed logits
-(`tokens_equal_xla`); over 64 rows of the same logits, the sampled tokens' mean
-log-probability against the distribution's negative entropy (a draw that ignored the logits
-would sit near log(1/V)).
+("gumbel", "hashed_gumbel", "inverse_cdf"), CUPTI device time of all its kernels (median over
+iterations) and their count; beside each, ratio to "gumbel" in the same run. Check: over 64
+rows of the same logits, the sampled tokens' mean log-probability against the distribution's
+negative entropy (a draw that ignored the logits would sit near log(1/V)).
 """
 
 from __future__ import annotations
@@ -29,9 +25,7 @@ import numpy as np
 
 import bench_util
 
-# (row name, TRACE_JAX_SAMPLER, TRACE_JAX_GUMBEL)
-SAMPLERS = (("gumbel_xla", "gumbel", "xla"), ("gumbel", "gumbel", "kernel"),
-            ("hashed_gumbel", "hashed_gumbel", "kernel"), ("inverse_cdf", "inverse_cdf", "kernel"))
+SAMPLERS = ("gumbel", "hashed_gumbel", "inverse_cdf")
 
 
 def plot(json_path: str) -> str:
@@ -43,13 +37,12 @@ def plot(json_path: str) -> str:
     res = json.load(f)
   batches = sorted({r["batch"] for r in res["rows"] if "us" in r})
   fig, ax = plt.subplots(figsize=(7, 4))
-  names = list(dict.fromkeys(r["sampler"] for r in res["rows"] if "us" in r))
-  width = 0.8 / len(names)
-  for j, s in enumerate(names):
+  width = 0.8 / len(SAMPLERS)
+  for j, s in enumerate(SAMPLERS):
     us = [next((r["us"] for r in res["rows"] if r["batch"] == b and r["sampler"] == s
                 and "us" in r), 0) for b in batches]
     ax.bar(np.arange(len(batches)) + j * width, us, width, label=s)
-  ax.set_xticks(np.arange(len(batches)) + 0.4 - width / 2, [f"B {b}" for b in batches])
+  ax.set_xticks(np.arange(len(batches)) + width, [f"B {b}" for b in batches])
   ax.set_ylabel("us a draw (CUPTI, all kernels)")
   ax.legend()
   out = json_path.replace(".json", ".png")
@@ -64,26 +57,22 @@ def main():
   ap.add_argument("--batches", default="1,64,256")
   ap.add_argument("--vocab", type=int, default=151936)
   ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--kernel_rows", default="0:4,0:8,2:4",
-                  help="gumbel_argmax alone: splits:num_warps pairs (splits 0: x the default)")
   args = ap.parse_args()
   if args.plot:
     print(plot(args.plot))
     return
-  import functools
 
   import jax
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
 
-  from trace_jax.kernels import gumbel_argmax
   from trace_jax.rollout import SamplingParams, sampling
 
   t0 = time.time()
   res = bench_util.result_header(
       "bench_sampler", vocab=args.vocab,
       units=dict(us="microseconds of CUPTI device time a draw (all its kernels), median",
-                 x_gumbel="this draw's us over gumbel_xla's at the same batch, same run"),
+                 x_gumbel="this draw's us over gumbel's at the same batch, same run"),
       rows=[])
   params = SamplingParams(1.0)
   for b in (int(s) for s in args.batches.split(",")):
@@ -92,56 +81,29 @@ def main():
     check_logits = jnp.broadcast_to(logits[:1], (64, args.vocab))
     logp = jax.nn.log_softmax(logits[0])
     neg_entropy = float(jnp.sum(jnp.exp(logp) * logp))
-    base = want = None
-
-    def timed(row, fn, *inputs):
-      compiled = fn.lower(*inputs).compile()
-      _, tim = profiler.measure(compiled, aggregate=False, iterations=args.iters)(*inputs)
-      row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
-      row["kernels"] = len(tim[0])
-      row["x_gumbel"] = row["us"] / base if base else None
-
-    for name, s, g in SAMPLERS:
-      sampling.SAMPLER, sampling.GUMBEL = s, g  # read when `sample` is traced
+    base = None
+    for s in SAMPLERS:
+      sampling.SAMPLER = s  # read when `sample` is traced
       fn = jax.jit(lambda lg, k: sampling.sample(lg, k, params))
-      row = dict(batch=b, sampler=name, name=f"{name}_b{b}")
+      row = dict(batch=b, sampler=s, name=f"{s}_b{b}")
       try:
         tok, lp = fn(check_logits, jax.random.split(jax.random.key(11), 64))
         row["mean_logprob_64"] = float(jnp.mean(lp))
         row["neg_entropy"] = neg_entropy
-        tokens = np.asarray(fn(logits, keys)[0])
-        want = tokens if name == "gumbel_xla" else want
-        if s == "gumbel":
-          row["tokens_equal_xla"] = bool(np.array_equal(tokens, want))
-        timed(row, fn, logits, keys)
-        base = row["us"] if name == "gumbel_xla" else base
+        compiled = fn.lower(logits, keys).compile()
+        _, tim = profiler.measure(compiled, aggregate=False, iterations=args.iters)(logits, keys)
+        row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
+        row["kernels"] = len(tim[0])
+        base = row["us"] if s == "gumbel" else base
+        row["x_gumbel"] = row["us"] / base if base else None
       except Exception as e:  # noqa: BLE001 - a failed row stays a row
         row["error"] = f"{type(e).__name__}: {e}"[:400]
       res["rows"].append(row)
       print(f"{row['name']:24s} " + (f"{row['us']:9.1f} us {row['kernels']:3d} kernels "
                                      f"x_gumbel {row['x_gumbel']:.2f}  mean logprob "
                                      f"{row['mean_logprob_64']:.2f} (neg entropy "
-                                     f"{neg_entropy:.2f}) equal {row.get('tokens_equal_xla')}"
-                                     if "us" in row else row["error"]),
+                                     f"{neg_entropy:.2f})" if "us" in row else row["error"]),
             flush=True)
-    sampling.SAMPLER, sampling.GUMBEL = "gumbel", "kernel"
-    words = jax.random.key_data(keys)
-    for pair in args.kernel_rows.split(","):
-      sp, nw = (int(x) for x in pair.split(":"))
-      sp = sp * gumbel_argmax.default_splits(b, args.vocab) if sp else None
-      name = f"kernel_s{sp or 'default'}_w{nw}"
-      row = dict(batch=b, sampler=name, name=f"{name}_b{b}")
-      try:
-        fn = jax.jit(functools.partial(gumbel_argmax.gumbel_argmax, splits=sp, num_warps=nw))
-        row["tokens_equal_xla"] = bool(np.array_equal(np.asarray(fn(words, logits)), want))
-        timed(row, fn, words, logits)
-      except Exception as e:  # noqa: BLE001 - a failed row stays a row
-        row["error"] = f"{type(e).__name__}: {e}"[:400]
-      res["rows"].append(row)
-      print(f"{row['name']:24s} {row.get('us', float('nan')):9.1f} us  equal "
-            f"{row.get('tokens_equal_xla')} {row.get('error', '')[:100]}", flush=True)
-      with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
   res["total_s"] = time.time() - t0
   with open(args.out, "w") as f:
     json.dump(res, f, indent=1, default=str)

@@ -69,6 +69,28 @@ def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
   threading.Thread(target=watch, daemon=True).start()
 
 
+def checked_timing(row: dict, fn, inputs: tuple, want: list, outputs, equal_key: str,
+                   iters: int) -> dict:
+  """Fill `row` for one jitted variant `fn`: its outputs (`outputs(fn(*inputs))`, a list of
+  numpy arrays) against `want` bit for bit (`row[equal_key]`), its CUPTI device time a call
+  (all its kernels, median over `iters`: `us`) and kernel count (`kernels_per_call`); a
+  variant that fails gets `error` instead (a row, not the end of the run)."""
+  import statistics
+
+  import numpy as np
+  from jax.experimental.mosaic.gpu import profiler
+  try:
+    got = outputs(fn(*inputs))
+    row[equal_key] = all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    _, tim = profiler.measure(fn.lower(*inputs).compile(), aggregate=False,
+                              iterations=iters)(*inputs)
+    row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
+    row["kernels_per_call"] = len(tim[0])
+  except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
+    row["error"] = f"{type(e).__name__}: {e}"[:300]
+  return row
+
+
 def timed_rows_for_plot(json_path: str):
   """(pyplot on the Agg backend, the saved result, its rows that have a time `us`): the start
   of the plot functions of the benchmarks that time each row once."""

@@ -14,8 +14,6 @@ draw over 151,936 entries at B 256 (benchmarks/results/session29_h200_2026-12-03
 - "inverse_cdf": one uniform per row against the cumulative probabilities, in blocks
   (`inverse_cdf_sample`): 157 us (0.52x); the 4-layer FP4 decode step's kernels at the
   8k-capacity shape 1.709 (gumbel) / 1.603 (hashed_gumbel) / 1.549 ms.
-On the GPU the "gumbel" draw runs as one Pallas kernel (`kernels.gumbel_argmax`, `GUMBEL`):
-the same tokens bit for bit, threefry bits and all.
 The default stays "gumbel": the draws follow the same distribution (the same chi-square tests)
 but not the same samples, and a draw's token moves when logit rounding moves it across the
 noise. A tensor-parallel rollout (bf16 partial sums) drew the single-device rollout's tokens
@@ -23,6 +21,10 @@ bit for bit with the threefry Gumbel draws (tests/parallel/test_train.py); with 
 2 of 256 draws moved, with the inverse CDF (whose token moves when rounding shifts the
 cumulative sums across the uniform at any entry, not only at the top two) 10% of positions
 differed. Either opt-in saves 0.7-0.9% of a 48-layer decode step (16.8 ms) at B 256.
+The "gumbel" draw as one Pallas kernel (threefry bits, Gumbel transform and argmax; the same
+tokens bit for bit on the H200) took 250 us of the step against XLA's fusion's 257, and the
+log-probabilities' max over the logits, which XLA had read in that fusion, became a 39 us pass
+of its own: removed (benchmarks/results/session33_h200_2026-12-04/gumbel_argmax_kernel.patch).
 """
 
 from __future__ import annotations
@@ -36,9 +38,6 @@ import numpy as np
 from trace_jax.kernels.settings import choice_setting
 
 SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "gumbel", ("gumbel", "hashed_gumbel", "inverse_cdf"))
-# "gumbel" on the GPU: `kernels.gumbel_argmax` ("kernel", the default), the same tokens as
-# `jax.random.categorical` bit for bit from one Pallas kernel, or XLA's fusion of it ("xla")
-GUMBEL = choice_setting("TRACE_JAX_GUMBEL", "kernel", ("kernel", "xla"))
 CDF_BLOCK = 512  # vocabulary entries a block of `inverse_cdf_sample`'s two-level prefix sums
 
 
@@ -186,29 +185,12 @@ def hashed_gumbel_sample(keys: jax.Array, logits: jax.Array) -> jax.Array:
   return jnp.argmax(logits - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
 
 
-def _gumbel_kernel_words(keys: jax.Array, scaled: jax.Array) -> jax.Array | None:
-  """The keys' threefry words `[B, 2]` where `gumbel_argmax` draws these rows on the GPU
-  (`GUMBEL`), else None."""
-  from trace_jax.kernels import dispatch, gumbel_argmax  # noqa: PLC0415 - kernels stay lazy
-  if GUMBEL != "kernel" or not dispatch.on_gpu() or keys.ndim != 1:
-    return None
-  if not (jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
-          and str(jax.random.key_impl(keys)) == "threefry2x32"):
-    return None
-  words = jax.random.key_data(keys)
-  return words if gumbel_argmax.kernel_supported(words, scaled) is None else None
-
-
 def _draw(keys: jax.Array, scaled: jax.Array) -> jax.Array:
   """Tokens `[B]` from temperature-scaled, filtered logits by the `SAMPLER` rule."""
   if SAMPLER == "inverse_cdf":
     return inverse_cdf_sample(keys, scaled)
   if SAMPLER == "hashed_gumbel":
     return hashed_gumbel_sample(keys, scaled)
-  words = _gumbel_kernel_words(keys, scaled)
-  if words is not None:
-    from trace_jax.kernels import gumbel_argmax  # noqa: PLC0415
-    return gumbel_argmax.gumbel_argmax(words, scaled)
   return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
 
 
