@@ -60,7 +60,7 @@ def main():
   ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")
   ap.add_argument("--out", default="bench_routing.json")
   ap.add_argument("--rows", default="256,512,2048,4096", help="rows (B x top-8)")
-  ap.add_argument("--warps", default="2,4,8", help="num_warps values")
+  ap.add_argument("--warps", default="4,8,16", help="num_warps values")
   ap.add_argument("--iters", type=int, default=20)
   args = ap.parse_args()
   if args.plot:

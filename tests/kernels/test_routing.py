@@ -106,16 +106,18 @@ def test_limits():
 
 
 def test_lowers_for_cuda(monkeypatch):
-  """The Triton lowering accepts the kernel (register tiles, masked loads and stores)."""
+  """The Triton lowering accepts the kernels (register tiles, masked loads and stores, the
+  order's scatter), at 128 groups and at 9 (tiles of groups past the tables' ends)."""
   pytest.importorskip("jax_cuda13_plugin")
   from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: PLC0415
   h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
   monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-  fn = lambda ids: routing.routing_tables(ids, num_groups=128, bm=16,  # noqa: E731
-                                          n_chunks=fp4_mgpu.chunk_count(600, 128, 16))
-  text = jax.jit(fn).trace(jax.ShapeDtypeStruct((600,), jnp.int32)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "moe_routing_tables" in text
+  for e in (128, 9):
+    fn = functools.partial(routing.routing_tables, num_groups=e, bm=16,
+                           n_chunks=fp4_mgpu.chunk_count(600, e, 16))
+    text = jax.jit(fn).trace(jax.ShapeDtypeStruct((600,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "moe_routing_rows" in text and "moe_routing_chunks" in text
 
 
 @pytest.mark.gpu

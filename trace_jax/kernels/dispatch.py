@@ -47,8 +47,9 @@ Decode routing tables: `sort_by_group` and `count_by_group` order and count (tok
 by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
 XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel's chunk tables
 (all of them from three reductions and a look-up, `_routed_by_counts`);
-`TRACE_JAX_ROUTING=kernel` computes all of them in one Pallas kernel (`routing.py`, opt-in;
-1.5x the XLA kernels' time at 2,048 rows on the H200, session 33). Up to `ROW_CHUNK_ROWS` rows
+`TRACE_JAX_ROUTING=kernel` computes all of them in two Pallas kernels (`routing.py`, opt-in;
+untimed; its one-kernel predecessor took 1.5x the XLA kernels' time at 2,048 rows on the H200,
+session 33). Up to `ROW_CHUNK_ROWS` rows
 on the GPU (one token's top-k: a batch-1 decode step) `route` orders nothing: every row is a
 chunk of its own in the caller's order, its expert the row's id, so the tables are the ids and
 two constants (`row_chunks`).
@@ -428,9 +429,9 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   or bf16 experts for `bf16_mgpu` up to its `MAX_ROWS`), or None (the grouped matmul builds
   them if it needs them). With tables, up to `SMALL_SORT` rows: four small XLA kernels a layer
   (`_routed_by_counts`; nine before session 26). With `TRACE_JAX_ROUTING=kernel`, on the GPU,
-  for a packed expert weight and up to `routing.MAX_ROWS` rows, all of them come from one
-  Pallas kernel (`routing.py`; slower than the XLA kernels on the H200, 15.4 against 10.4 us
-  at 2,048 rows, session 33: off by default)."""
+  for a packed expert weight and up to `routing.MAX_ROWS` rows, all of them come from two
+  Pallas kernels (`routing.py`; off by default: their one-kernel predecessor was slower than
+  the XLA kernels on the H200, 15.4 against 10.4 us at 2,048 rows, session 33)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
