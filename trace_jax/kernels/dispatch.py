@@ -49,10 +49,9 @@ XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel
 (all of them from three reductions and a look-up, `_routed_by_counts`);
 `TRACE_JAX_ROUTING=kernel` computes all of them in two Pallas kernels (`routing.py`, opt-in;
 untimed; its one-kernel predecessor took 1.5x the XLA kernels' time at 2,048 rows on the H200,
-session 33). Up to `ROW_CHUNK_ROWS` rows
-on the GPU (one token's top-k: a batch-1 decode step) `route` orders nothing: every row is a
-chunk of its own in the caller's order, its expert the row's id, so the tables are the ids and
-two constants (`row_chunks`).
+session 33). Up to `ROW_CHUNK_ROWS` rows on the GPU (one token's top-k: a batch-1 decode step)
+`route` orders nothing: every row is a chunk of its own in the caller's order, its expert the
+row's id, so the tables are the ids and two constants (`row_chunks`).
 
 Pallas kernels for the rollout's glue on the GPU (`append_kv`, `quantize_rows`; opt out with
 `TRACE_JAX_KV_APPEND=xla`, `TRACE_JAX_ROW_QUANT=xla`): None off the GPU and for operands they do
