@@ -1,9 +1,11 @@
 """The SASS of a Mosaic GPU kernel as ptxas makes it for an H200, on a machine without a GPU:
 compiles one kernel call for an H200 (deviceless, the `gpu_census.py` topology), with Mosaic's
 dumps on, and prints the instructions of the kernel's main loop (the shortest backward branch
-that holds a wgmma) opcode by opcode, with its registers. What it is for: seeing what a kernel
-change does to the loop (session 19 took the FP4-KV decode attention from 830 to 495 instructions
-a 64-token tile with it) before spending device time. It does not time anything.
+that holds a wgmma) opcode by opcode, with its registers, and how many of them come up to the
+loop's last wgmma (a tile's own path where a rare tail shares the loop). What it is for:
+seeing what a kernel change does to the loop (session 19 took the FP4-KV decode attention from
+830 to 495 instructions a 64-token tile with it) before spending device time. It does not time
+anything.
 
 Needs the jax-cuda13 plugin line (Python >= 3.12, see `gpu_census.py`) and, for the SASS itself,
 `nvdisasm` (pip `nvidia-cuda-nvdisasm`; ptxas comes with the plugin's CUDA packages), found on
@@ -73,6 +75,17 @@ def main_loop(sass_text: str) -> list[str]:
   return ins[best[0]:best[1] + 1]
 
 
+def through_last_wgmma(loop: list[str]) -> list[str]:
+  """The loop's instructions up to its last wgmma and the waits right after it: a tile's own
+  path where the loop also holds a rarely taken tail (the stream attention kernel's row merge,
+  its global stores, loads and atomic, sits after its PV products in the same loop)."""
+  body = [t for t in loop if not t.endswith(":")]
+  last = max(i for i, t in enumerate(body) if "HGMMA" in t)
+  while last + 1 < len(body) and opcode(body[last + 1]) == "WARPGROUP":
+    last += 1
+  return body[:last + 1]
+
+
 def opcode(text: str) -> str:
   return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
@@ -84,8 +97,9 @@ def report(sass_path: str, listing: bool) -> dict:
   ops = collections.Counter(opcode(t) for t in body)
   with open(sass_path) as f:
     total = sum(1 for ln in f if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", ln))
-  print(f"{os.path.basename(sass_path)}: main loop {len(body)} instructions, {total} in the "
-        "kernel")
+  tile = through_last_wgmma(loop)
+  print(f"{os.path.basename(sass_path)}: main loop {len(body)} instructions ({len(tile)} up to "
+        f"its last wgmma), {total} in the kernel")
   print("  " + " ".join(f"{k}:{v}" for k, v in ops.most_common()))
   uniform = sum(v for k, v in ops.items() if k.startswith("U"))
   print(f"  uniform datapath {uniform}, barriers {ops.get('BAR', 0)}, wgmma {ops.get('HGMMA', 0)}")
@@ -102,8 +116,8 @@ def report(sass_path: str, listing: bool) -> dict:
       print("  PTXAS: " + w)
   if listing:
     print("\n".join(loop))
-  return dict(instructions=len(body), total_instructions=total, opcodes=dict(ops),
-              ptxas_warnings=warnings)
+  return dict(instructions=len(body), to_last_wgmma=len(tile), total_instructions=total,
+              opcodes=dict(ops), ptxas_warnings=warnings)
 
 
 def main():

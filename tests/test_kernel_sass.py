@@ -40,6 +40,11 @@ def test_main_loop_is_the_shortest_loop_with_a_wgmma():
   assert loop[0] == ".L_x_1:" and body[-1].startswith("@P2 BRA")
   ops = collections.Counter(kernel_sass.opcode(t) for t in body)
   assert ops == {"PRMT": 1, "HGMMA": 1, "BRA": 2, "UIADD3": 1}
+  # a tile's own path: up to the last wgmma (and the waits after it), not the tail
+  assert [kernel_sass.opcode(t) for t in kernel_sass.through_last_wgmma(loop)] == ["PRMT",
+                                                                                 "HGMMA"]
+  waited = loop[:3] + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] + loop[3:]
+  assert len(kernel_sass.through_last_wgmma(waited)) == 3
 
 
 def test_report_carries_ptxas_performance_warnings(tmp_path):
@@ -52,7 +57,8 @@ def test_report_carries_ptxas_performance_warnings(tmp_path):
   (tmp_path / "k.ptxas").write_text(
       f"ptxas info    : Used 96 registers, used 16 barriers\nptxas info    : {warn}\n")
   got = kernel_sass.report(str(sass), listing=False)
-  assert got["instructions"] == 5 and got["ptxas_warnings"] == [warn]
+  assert got["instructions"] == 5 and got["to_last_wgmma"] == 2
+  assert got["ptxas_warnings"] == [warn]
   (tmp_path / "k.ptxas").write_text("ptxas info    : Used 96 registers\n")
   assert kernel_sass.report(str(sass), listing=False)["ptxas_warnings"] == []
 
