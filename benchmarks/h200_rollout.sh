@@ -35,6 +35,20 @@ gpu_tests() {
   echo "$3 gpu tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed" | tail -8
 }
+# the routing-tables kernel (`kernels/routing.py`): its GPU tests (log test_routing.txt), then
+# bench_routing against the XLA path (JSON bench_routing.json): [more bench_routing flags]
+routing_tests_bench() {
+  gpu_tests tests/kernels/test_routing.py "gpu" routing ${RTEST_TIMEOUT:-90}
+  timeout -k 5 ${BR_TIMEOUT:-120} python3 benchmarks/bench_routing.py "$@" \
+    --out $OUT/bench_routing.json 2>&1 | grep -v "^I1\|^W1" | grep "rows\|Error\|wrote"
+}
+# the decode step kernel by kernel as s32d with TRACE_JAX_ROUTING=kernel: its routing and MoE
+# rows (JSON profile_cap_4l_b256_nocb_routing.json)
+routing_profile() {
+  TRACE_JAX_ROUTING=kernel cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-200} \
+    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_routing.json \
+    | grep "guidance_on\|decode loop:\|routing\|moe/"
+}
 # bench_kernels rows of the old tree (ab_old) and this one (new), each side in its own
 # process: ROWS EXTRA (rows for the new side only, with a leading comma) TIMEOUT; JSONs
 # bench_kernels_old.json / bench_kernels_new.json
@@ -483,12 +497,8 @@ elif [ "$stage" = s34a ]; then
   # chunks: sizes, ends, chunk tables, slots; the one-kernel grid took 15.4 us at 2,048 rows
   # against XLA's 10.4, s33b): GPU tests, bench_routing, then the decode step kernel by kernel
   # with TRACE_JAX_ROUTING=kernel (the default side: this session's call 1)
-  gpu_tests tests/kernels/test_routing.py "gpu" routing ${RTEST_TIMEOUT:-90}
-  timeout -k 5 ${BR_TIMEOUT:-120} python3 benchmarks/bench_routing.py \
-    --out $OUT/bench_routing.json 2>&1 | grep -v "^I1\|^W1" | grep "rows\|Error\|wrote"
-  TRACE_JAX_ROUTING=kernel cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-200} \
-    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_routing.json \
-    | grep "guidance_on\|decode loop:\|routing\|moe/"
+  routing_tests_bench
+  routing_profile
 elif [ "$stage" = s33d ]; then
   # (session 33) the token draw as one Pallas kernel (`kernels.gumbel_argmax`: threefry bits,
   # Gumbel transform and argmax, jax.random.categorical's tokens bit for bit; XLA's fusion
@@ -520,9 +530,7 @@ elif [ "$stage" = s33b ]; then
   # XLA's bf16 x6 / x3 dot algorithms and as one bf16 product with w's three bf16 parts
   # (bench_small_dots' router rows at 1 and 256 rows); the engine's GPU tests with the bf16
   # dense kernel now the default
-  gpu_tests tests/kernels/test_routing.py "gpu" routing ${RTEST_TIMEOUT:-90}
-  timeout -k 5 ${BR_TIMEOUT:-120} python3 benchmarks/bench_routing.py --warps 4,8,16 \
-    --out $OUT/bench_routing.json 2>&1 | grep -v "^I1\|^W1" | grep "rows\|Error\|wrote"
+  routing_tests_bench --warps 4,8,16
   timeout -k 5 ${SD_TIMEOUT:-120} python3 benchmarks/bench_small_dots.py --rows 1,256 \
     --products router --out $OUT/bench_small_dots_router.json 2>&1 | grep -v "^I1\|^W1" \
     | grep "router\|Error"
@@ -536,12 +544,8 @@ elif [ "$stage" = s33a ]; then
   # call 4 of session 32; bf16 dense alone: s32g); the engine smoke at 160 sequences with the
   # defaults (s32g's with the bf16 dense kernel had 12 of 160 rows diverge at near-ties: is
   # that the kernel's?) and with both settings
-  gpu_tests tests/kernels/test_routing.py "gpu" routing ${RTEST_TIMEOUT:-90}
-  timeout -k 5 ${BR_TIMEOUT:-120} python3 benchmarks/bench_routing.py \
-    --out $OUT/bench_routing.json 2>&1 | grep -v "^I1\|^W1" | grep "rows\|Error\|wrote"
-  TRACE_JAX_ROUTING=kernel cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-200} \
-    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_routing.json \
-    | grep "guidance_on\|decode loop:\|routing\|moe/"
+  routing_tests_bench
+  routing_profile
   TRACE_JAX_ROUTING=kernel TRACE_JAX_BF16_DENSE=kernel cap_shape_profile 4 256 paper \
     ${PROF_TIMEOUT:-200} --no_command_buffers \
     --out $OUT/profile_cap_4l_b256_nocb_routing_dense.json | tail -45
