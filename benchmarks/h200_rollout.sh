@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -95,6 +95,9 @@ attention_side_rows() {
   # release (the slot's codes and scales released once in registers). The stagger and early
   # release settings were removed after s22b / s22c (no faster): those sides need a028067 /
   # d5e988d; deferred PV products (defer, splits_defer) were removed after s23a (slower): a40d25d
+  # (session 34) decoded V through SMEM one head_dim half at a time: 32 KB less, a 4th stage
+  [ $1 = v_halves3 ] && envs="TRACE_JAX_ATTN_V_SMEM=halves TRACE_JAX_ATTN_STAGES=3"
+  [ $1 = v_halves4 ] && envs="TRACE_JAX_ATTN_V_SMEM=halves TRACE_JAX_ATTN_STAGES=4"
   [ $1 = auto_barriers ] && envs=TRACE_JAX_ATTN_AUTO_BARRIERS=on
   [ $1 = stages3 ] && envs=TRACE_JAX_ATTN_STAGES=3
   [ $1 = late_release ] && envs=TRACE_JAX_ATTN_EARLY_RELEASE=off
@@ -491,6 +494,18 @@ elif [ "$stage" = s30a ]; then
   for m in 64 128 256 512; do tok+=",moe_gateup_E128_K2048_N1536_M${m}_tokamax"; done
   expert_rows "64 128 256 512 2208" "auto auto_nosk" \
     ${tok#,},moe_down_E128_K768_N2048_M256_tokamax ${BK_TIMEOUT:-330} 40
+elif [ "$stage" = s34b ]; then
+  # (session 34) the decode attention with V through SMEM in halves (TRACE_JAX_ATTN_V_SMEM=halves,
+  # 32 KB less SMEM: a 4th pipeline stage fits; Nsight Compute on B 16 x 8k, session 24: the top
+  # stall was the wait for a stage's TMA data): GPU tests (bit for bit the whole-V kernel), then
+  # bench_attention rows of the default and of halves with 4 stages (SIDES), the live rows at
+  # the rollout's shape (B 256, 8k cache, ~1,600 visible); then Nsight Compute on the default
+  # kernel at that shape (`ncu_kernels.py attn_b256_ctx1600`: ncu itself crashed there in
+  # session 34, a segmentation fault after connecting, before any report)
+  gpu_tests tests/kernels/test_attention_gpu.py "v_halves" attn_halves ${MOSAIC_TIMEOUT:-120}
+  LIVE_KERNELS=stream LIVE=256x8192x1600,64x8192x1536,16x8192x2048 \
+    attention_ab "${SIDES:-new v_halves4}" 8 ${BENCH_TIMEOUT:-95}
+  NCU_CASES=attn_b256_ctx1600 bash $0 s23b_inner
 elif [ "$stage" = s34a ]; then
   # (session 33; prepared, not run: the device time was spent) the routing tables from two
   # kernels, each row's group counted once (rows: sorted positions, order, partial counts;

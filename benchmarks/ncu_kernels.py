@@ -6,7 +6,9 @@ took.
   ncu --clock-control none --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \\
       --set full -o OUT/ncu_CASE python3 benchmarks/ncu_kernels.py CASE
 
-Cases: attn_b64_32k / attn_b16_8k (the NVFP4 decode attention, its default schedule), gemv (the
+Cases: attn_b64_32k / attn_b16_8k (the NVFP4 decode attention, its default schedule),
+attn_b256_ctx1600 (the 8k-capacity rollout's own shape: 256 rows of an 8,192-slot cache, each
+row's first 1,536-1,663 slots visible, the context the rollout averages), gemv (the
 FP4 GEMV, 8192 x 28672, one row), grouped256 / grouped2208 (the FP4 grouped expert matmul, 128
 experts, K 2048, N 1536, 256 or 2,208 rows of top-8 routing: a decode batch of 32, the 8k-capacity
 rollout's 276), qproj1 (the FP4 2048 x 4096 product at one row). Each case
@@ -26,8 +28,8 @@ import bench_util  # (a sibling module)
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("case", choices=("attn_b64_32k", "attn_b16_8k", "gemv", "grouped256",
-                                   "grouped2208", "qproj1"))
+  ap.add_argument("case", choices=("attn_b64_32k", "attn_b16_8k", "attn_b256_ctx1600", "gemv",
+                                   "grouped256", "grouped2208", "qproj1"))
   ap.add_argument("--calls", type=int, default=3, help="kernel calls after the checked one")
   args = ap.parse_args()
 
@@ -42,7 +44,8 @@ def main():
                                8))
 
   if args.case.startswith("attn"):
-    b, s = (64, 32768) if args.case == "attn_b64_32k" else (16, 8192)
+    b, s = {"attn_b64_32k": (64, 32768), "attn_b16_8k": (16, 8192),
+            "attn_b256_ctx1600": (256, 8192)}[args.case]
     shape = (b, s, attention_mgpu.KV_HEADS, attention_mgpu.HEAD_DIM)
 
     def kv(key):
@@ -51,6 +54,9 @@ def main():
     k, v = jax.jit(kv)(next(keys)), jax.jit(kv)(next(keys))
     q = jax.random.normal(next(keys), (b, 32, 128), jnp.bfloat16)
     valid = jnp.ones((b, s), bool)
+    if args.case == "attn_b256_ctx1600":
+      live = jax.random.randint(next(keys), (b, 1), 1536, 1664)
+      valid = jnp.arange(s)[None, :] < live
     fn = jax.jit(attention_mgpu.decode_attention)
     ops = (q, k, v, valid)
     want = jax.jit(kernels.decode_attention_ref)(*ops)

@@ -398,6 +398,12 @@ def _lower_all(sds, b, s, kvh, h, hd):
             sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
+      for heads, schedule in ((h, "stream"), (16 * kvh, "splits")):  # V in halves, 4 stages
+        lowered = jax.jit(functools.partial(AM.decode_attention, schedule=schedule, stages=4,
+                                            v_halves=True)).trace(
+            sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
+                lowering_platforms=("cuda",))
+        assert "mosaic" in lowered.as_text()
 
 
 # ------------------------------------------------------------------ Mosaic NVFP4 kernel (CPU parts)
@@ -491,9 +497,11 @@ def test_mosaic_wrapper_emulated_matches_reference():
   odd = make_kv("nvfp4", (b, 150, kvh, hd), 1)
   assert "multiple of 8" in AM.kernel_supported(q, odd, odd)
   with pytest.raises(ValueError, match="pipeline stages"):
-    AM.decode_attention(q, k, v, valid, stages=4)
+    AM.decode_attention(q, k, v, valid, stages=5)
   # XLA's merge stages the partials through SMEM: 3 stages do not fit beside them at gp 16
   assert (AM.max_stages(16, merge=False), AM.max_stages(16, merge=True)) == (2, 3)
+  # V through SMEM in halves frees 32 KB: a 4th stage with the in-kernel merge
+  assert (AM.max_stages(8, True, v_halves=True), AM.max_stages(16, False, v_halves=True)) == (4, 2)
   q16 = jnp.zeros((b, 16 * kvh, hd), jnp.bfloat16)
   with pytest.raises(ValueError, match="1 to 2 fit"):
     AM.decode_attention(q16, k, v, valid, stages=3, merge=False)

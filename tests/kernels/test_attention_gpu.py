@@ -177,13 +177,14 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 # ------------------------------------------------------------------ Mosaic NVFP4 decode kernel
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau",
-                                             "merge", "out_dtype", "schedule", "emulate"))
+                                             "merge", "out_dtype", "schedule", "emulate",
+                                             "v_halves"))
 def _mosaic(q, k, v, valid, splits=None, stages=None, overlap=False, lazy_tau=8.0, merge=True,
-            out_dtype=None, schedule=None, emulate=False):
+            out_dtype=None, schedule=None, emulate=False, v_halves=None):
   from trace_jax.kernels import attention_mgpu
   return attention_mgpu.decode_attention(
       q, k, v, valid, splits=splits, stages=stages, overlap=overlap, lazy_tau=lazy_tau,
-      merge=merge, out_dtype=out_dtype, schedule=schedule,
+      merge=merge, out_dtype=out_dtype, schedule=schedule, v_halves=v_halves,
       kernel_fn=attention_mgpu.emulate_stream_kernel if emulate else None)
 
 
@@ -286,6 +287,23 @@ def test_mosaic_stream_schedule(b, s, stages, g, lazy):
     assert not np.asarray(got[~seen]).any()
   got = _mosaic(q, k, v, valid, **kw)
   assert got.dtype == jnp.bfloat16 and relerr(got[seen], ref(q, k, v, valid)[seen]) < MOSAIC_TOL
+
+
+@pytest.mark.parametrize("schedule,stages,g", [
+    ("stream", 4, 8), ("stream", 3, 16), ("stream", 4, 5), ("splits", 4, 8), ("splits", 2, 16)])
+def test_mosaic_v_halves(schedule, stages, g):
+  """V through SMEM one head_dim half at a time (TRACE_JAX_ATTN_V_SMEM=halves; room for a 4th
+  stage) gives the whole-V kernel's output bit for bit (each PV accumulator takes the same
+  operands), float32 out, ragged rows, and the reference's within MOSAIC_TOL."""
+  b, s = 7, 1000
+  k, v = make_kv("nvfp4", (b, s, 4, 128), 21), make_kv("nvfp4", (b, s, 4, 128), 22)
+  q = jax.random.normal(jax.random.key(23), (b, 4 * g, 128), jnp.float32).astype(jnp.bfloat16)
+  lengths = jnp.asarray([1000, 999, 513, 64, 65, 17, 1])
+  kw = dict(schedule=schedule, out_dtype=jnp.float32)
+  got = _mosaic(q, k, v, lengths, stages=stages, v_halves=True, **kw)
+  whole = _mosaic(q, k, v, lengths, stages=min(stages, 3), v_halves=False, **kw)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(whole))
+  assert relerr(got, jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)) < MOSAIC_TOL
 
 
 @pytest.mark.parametrize("s", [1000, 8192])

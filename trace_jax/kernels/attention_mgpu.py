@@ -39,10 +39,11 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
   warpgroup's scores passes it by more than 8, decided by one `bar.red.or` vote
   (`_raise_vote`); otherwise the probabilities are taken against the old max (<= 2**8, so
   nothing overflows; the softmax is invariant to the shift).
-- V step: V decoded the same way, stored bf16 to SMEM; O^T[64 hd, gp] += V^T (SMEM,
-  transposed A) @ P' (SMEM, stored transposed as `[gp, 64 tokens]` so that it can share V's
-  128 B swizzle; `[64, 8]` bf16 rows are too narrow for any swizzle), accumulated onto the
-  rescaled O^T in place, with P' = p * g_v * 2**8 (the V row factor varies along the
+- V step: V decoded the same way, stored bf16 to SMEM one head_dim half at a time (the first
+  half's product waited before the second half overwrites it: `V_HALVES`); O^T[64 hd, gp] +=
+  V^T (SMEM, transposed A) @ P' (SMEM, stored transposed as `[gp, 64 tokens]` so that it can
+  share V's 128 B swizzle; `[64, 8]` bf16 rows are too narrow for any swizzle), accumulated onto
+  the rescaled O^T in place, with P' = p * g_v * 2**8 (the V row factor varies along the
   contraction, so it rides on the probabilities: rounded to bf16 there).
 - instructions per thread and 64-token tile in the loop (SASS, deviceless compile for sm_90a):
   830 with the earlier decode (22 a code word), accurate exp, N 16, a zeroed PV accumulator
@@ -68,8 +69,10 @@ not ("cannot apply swizzle to non-contiguous refs"), hence the row scales are re
 through `_row_scaler` (a per-call transposed `[B, KVH, S]` copy, the first design, was 4-7%
 slower per call on the H200); wgmma with both operands in SMEM needs equal swizzles, and
 swizzles of 16 B are refused (hence P^T); SMEM has room for 3 pipeline stages (~38 KB each)
-beside ~80 KB of buffers (`max_stages`), the default (a third stage paid only once Mosaic's
-automatic barriers around SMEM stores were off: `AUTO_BARRIERS`, session 22).
+beside ~80 KB of buffers, 4 with decoded V through SMEM one head_dim half at a time (~48 KB of
+buffers: `V_HALVES`, `max_stages`), the default (a third stage paid only once Mosaic's
+automatic barriers around SMEM stores were off: `AUTO_BARRIERS`, session 22; the fourth 2-4%,
+session 34).
 
 Numerics against the reference (which rounds `code * s * g` to bf16 and the normalized
 probabilities to bf16): K's values are exact products times an f32 row factor; the V row factor
@@ -118,10 +121,11 @@ _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 # TRACE_JAX_ATTN_MERGE=xla: as XLA ops after the kernel (the A/B side).
 MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla")) == "kernel"
 MERGE_UNROLL = 4  # parts whose partials the merging part loads at once
-# TMA pipeline stages, 38 KB each (`max_stages`; fewer where 3 do not fit). Without the automatic
-# barriers a third stage pays (H200, session 22: B 64 x 32k 496.8 -> 468.4 us a kernel; with
-# them it did not, session 21). TRACE_JAX_ATTN_STAGES: another default (A/B)
-STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
+# TMA pipeline stages, 38 KB each (`max_stages`; fewer where 4 do not fit: 3 with V through SMEM
+# whole). Without the automatic barriers a third stage pays (H200, session 22: B 64 x 32k 496.8
+# -> 468.4 us a kernel; with them it did not, session 21); with V in halves a fourth (`V_HALVES`).
+# TRACE_JAX_ATTN_STAGES: another default (A/B)
+STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 4, minimum=1)
 # Mosaic brackets each SMEM store of a warpgroup with warpgroup barriers (earlier reads done
 # before, the writes done after). These kernels need none of them: their stores (P^T, decoded V)
 # are read only by wgmma, after `commit_smem` (a fence and a barrier, always emitted), and are
@@ -134,6 +138,17 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 3, minimum=1)
 AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off")) == "on"
 
 
+# Decoded V goes through SMEM as the PV products' A operand: "halves" (the default: one head_dim
+# half at a time, the first product waited before the second half is stored; 32 KB for the CTA's
+# 4 heads, which leaves room for a 4th pipeline stage, `max_stages`) or "whole" (both halves, 64
+# KB, 3 stages). H200, kernel us, whole (3 stages) -> halves (4), same run (session 34,
+# bench_attention): B 16 x 8k 40.2 -> 39.3, B 64 x 8k 130.3 -> 126.3, B 64 x 32k 470.3 -> 451.2
+# (61.0 -> 63.6% of 4.27 TB/s); rollout-shaped (8k cache, L live) B 256 L 1,600 106.7 -> 102.4,
+# B 64 L 1,536 32.2 -> 31.4, B 16 L 2,048 17.4 both; the outputs are bit for bit the same.
+# TRACE_JAX_ATTN_V_SMEM=whole: the other (A/B)
+V_HALVES = choice_setting("TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves")) == "halves"
+
+
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
 # a run of (row, tile) units crossing rows) or "splits" (`mgpu_decode_kernel`: a CTA per row and
 # split of the cache). Stream: the 48-layer FP4 decode step at 8k capacity 19.93 -> 18.17 ms on
@@ -141,11 +156,14 @@ AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "of
 SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "splits"))
 
 
-def max_stages(gp: int, merge: bool) -> int:
+def max_stages(gp: int, merge: bool, v_halves: bool = False) -> int:
   """The most pipeline stages that fit the H200's 227 KB of SMEM beside the kernels' buffers
   (Mosaic's totals, deviceless compiles): with the in-kernel merge 158 KB with 2 stages at gp 8,
   196 KB with 3 (212 at gp 16), 4 do not fit (235 KB); XLA's merge stages the partials through
-  SMEM too: 3 stages at gp 16 need 229 KB."""
+  SMEM too: 3 stages at gp 16 need 229 KB. With V through SMEM in halves (`V_HALVES`), 32 KB
+  less: 4 stages with the in-kernel merge."""
+  if v_halves and merge:
+    return 4
   return 2 if gp == 16 and not merge else 3
 
 
@@ -575,11 +593,12 @@ def _bf16_smem(shape, swizzle: int):
 
 
 def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None,
-               overlap: bool, placed: bool = False):
+               overlap: bool, placed: bool = False, v_halves: bool = False):
   """The kernels' work on one 64-token tile, shared by both schedules: (wg, q [gp, 128] SMEM
   ref of this warpgroup's queries, the pipeline slot's tile refs, scratch refs, state) ->
   state (m [gp] running max in log2 units, l [64, gp] per-thread partial sums, o0 / o1
-  [64, gp] unnormalized O^T halves)."""
+  [64, gp] unnormalized O^T halves). v_halves: V goes through SMEM one head_dim half at a
+  time (`V_SMEM`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax import lax
@@ -596,10 +615,12 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                     plgpu.load(ks_s, (), layout=wgmma_layout))
 
+    def v_operands():
+      return (plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+              plgpu.load(vs_s, (), layout=wgmma_layout))
+
     def decode_v():  # V to SMEM (the last tile's PV wgmma, its reader, has completed)
-      v_smem[wg] = decode_stacked(
-          plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
-          plgpu.load(vs_s, (), layout=wgmma_layout))
+      v_smem[wg] = decode_stacked(*v_operands())
 
     def s_scope(acc):
       plgpu.wgmma(acc, k0, q.at[:, pl.ds(0, 64)].T)
@@ -631,11 +652,21 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     p = jnp.exp2(s - m[None, :])
     l = l + p
     p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
-    if not overlap:
+    if v_halves:  # half 0 to SMEM; half 1 waits in registers for the first product's end
+      v0, v1 = decode(*v_operands())
+      v_smem[wg] = v0
+    elif not overlap:
       decode_v()
     plgpu.commit_smem()
 
     def o_scope(accs):
+      if v_halves:
+        plgpu.wgmma(accs[0], v_smem.at[wg].T, p_smem.at[wg].T)
+        plgpu.wgmma_wait(0)  # its reader done: every warp of the warpgroup waited
+        v_smem[wg] = v1
+        plgpu.commit_smem()
+        plgpu.wgmma(accs[1], v_smem.at[wg].T, p_smem.at[wg].T)
+        return
       plgpu.wgmma(accs[0], v_smem.at[wg, pl.ds(0, 64)].T, p_smem.at[wg].T)
       plgpu.wgmma(accs[1], v_smem.at[wg, pl.ds(64, 64)].T, p_smem.at[wg].T)
 
@@ -655,14 +686,15 @@ def _initial_state(gp: int):
           zeros, zeros, zeros)
 
 
-def _scratch(gp: int):
-  """SMEM beside the pipeline's buffers: queries and their TMA barriers, decoded V, P^T,
-  reduction rows, vote flags."""
+def _scratch(gp: int, v_halves: bool = False):
+  """SMEM beside the pipeline's buffers: queries and their TMA barriers, decoded V (both
+  head_dim halves, or one: `V_SMEM`), P^T, reduction rows, vote flags."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   return dict(
       q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
       q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=KV_HEADS),
-      v_smem=_bf16_smem((KV_HEADS, 128, 64), 128),  # [head_dim half x 64 tokens, 64]
+      # [head_dim half x 64 tokens, 64]
+      v_smem=_bf16_smem((KV_HEADS, 64 if v_halves else 128, 64), 128),
       p_smem=_bf16_smem((KV_HEADS, gp, 64), 128),  # P^T: V's swizzle, which wgmma needs
       red_smem=plgpu.SMEM((KV_HEADS, red_elems(gp)), jnp.float32),  # per warpgroup
       vote_smem=plgpu.SMEM((KV_HEADS,), jnp.int32))  # `_raise_vote`'s flags
@@ -678,11 +710,12 @@ def _compiler_params(auto_barriers: bool):
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
                                              "v_factor", "overlap", "lazy_tau", "heads",
-                                             "out_dtype", "placed"))
+                                             "out_dtype", "placed", "v_halves"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
-                       heads: int | None = None, out_dtype=jnp.bfloat16, placed: bool = False):
+                       heads: int | None = None, out_dtype=jnp.bfloat16, placed: bool = False,
+                       v_halves: bool = False):
   """The raw kernel, split schedule: CTA (row, split) runs tiles [split * split_tiles, ...) of
   its row. kt int32 [B]: 64-token tiles each row needs (through its last visible slot; later
   tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
@@ -716,7 +749,9 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   b = qp.shape[0]
   gp = qp.shape[2]  # the N side: query heads per KV head, padded (`query_lanes`)
   col_sum = _column_reducer("add", gp)
-  step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap, placed)
+  if v_halves and overlap:
+    raise ValueError("V through SMEM in halves takes no overlap")
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap, placed, v_halves)
   if heads is not None:
     merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
@@ -790,7 +825,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
               jax.ShapeDtypeStruct((b, n_splits, KV_HEADS, 2, gp), jnp.float32))
   if heads is not None:
     out_type += (jax.ShapeDtypeStruct((b, KV_HEADS * heads, HEAD_DIM), out_dtype),)
-  scratch = _scratch(gp)
+  scratch = _scratch(gp, v_halves)
   if heads is None:  # the partials' staging for TMA stores, only where XLA merges them (the
     # in-kernel merge stores from registers): 8 KB at gp 8
     scratch.update(o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
@@ -854,11 +889,11 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
-                                             "heads", "out_dtype", "placed"))
+                                             "heads", "out_dtype", "placed", "v_halves"))
 def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                        v_factor: float, heads: int, stages: int = 2,
                        lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                       placed: bool = False):
+                       placed: bool = False, v_halves: bool = False):
   """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
   of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
   length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
@@ -877,7 +912,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   b, n_ctas = rows.shape[0], units.shape[0]
   gp = qp.shape[2]
   col_sum = _column_reducer("add", gp)
-  step = _tile_step(gp, k_factor, v_factor, lazy_tau, False, placed)
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, False, placed, v_halves)
   merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
   def decode_attention_stream(units_gmem, rows_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem,
@@ -954,7 +989,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   return plgpu.kernel(
       decode_attention_stream, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
       num_threads=KV_HEADS + 1, thread_name="wg",
-      compiler_params=_compiler_params(AUTO_BARRIERS), scratch_types=_scratch(gp),
+      compiler_params=_compiler_params(AUTO_BARRIERS), scratch_types=_scratch(gp, v_halves),
   )(units, rows, qp, kc, vc, ks, vs, kg, vg, vf)
 
 
@@ -1024,13 +1059,14 @@ def _to_kernel_layout(m, l, o):
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
                    lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
-                   out_dtype=jnp.bfloat16, placed: bool = False):
+                   out_dtype=jnp.bfloat16, placed: bool = False, v_halves: bool = False):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order (un-placing "kv_words"), multiplies in the kernel's physical head_dim
   order, runs the same online softmax per 64-token tile (tiles at or past `kt` leave the state
   as it is), and with `heads` the merged output (`merge_partials`, the combine the in-kernel
   merge equals). Lets CPU tests cover the plumbing around the kernel."""
-  del stages, overlap  # (the order of the softmax sum, and of the kernel's work, not modelled)
+  # (the order of the softmax sum, and of the kernel's work, not modelled)
+  del stages, overlap, v_halves
   b = kc.shape[0]
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,
                                           n_splits * split_tiles * TILE, k_factor, v_factor,
@@ -1058,13 +1094,13 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                           v_factor: float, heads: int, stages: int = 2,
                           lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                          placed: bool = False):
+                          placed: bool = False, v_halves: bool = False):
   """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
   every CTA steps through its units (all CTAs at once, a scan over steps), skips empty ones,
   and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
   row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
   writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
-  del stages
+  del stages, v_halves  # (the order of the work, not modelled)
   b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
@@ -1173,7 +1209,8 @@ def default_splits(b: int, s: int) -> int:
 def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
                      splits: int | None = None, stages: int | None = None, overlap: bool = False,
                      lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
-                     schedule: str | None = None, kernel_fn=None) -> jax.Array:
+                     schedule: str | None = None, v_halves: bool | None = None,
+                     kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
@@ -1199,7 +1236,9 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
                      f"to {MAX_STREAM_TILES * TILE} slots and fewer than "
                      f"{1 << (31 - _UNIT_ROW_SHIFT)} rows, not {s} x {b}")
-  fit = max_stages(query_lanes(g), merge)
+  if v_halves is None:
+    v_halves = V_HALVES and not overlap
+  fit = max_stages(query_lanes(g), merge, v_halves)
   if stages is None:
     stages = min(STAGES, fit)
   if not 1 <= stages <= fit:
@@ -1230,13 +1269,14 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     res = (kernel_fn or mgpu_stream_kernel)(
         units, rows, qp, kc, vc, ks, vs, kg, vg, vf,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
-        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, placed=placed)
+        v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, placed=placed,
+        v_halves=v_halves)
     return res[2].astype(out_dtype)
   res = (kernel_fn or mgpu_decode_kernel)(
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
       stages=stages, overlap=overlap, lazy_tau=lazy_tau,
       k_factor=float(2 ** ROW_SHIFT * scale * LOG2E), v_factor=float(2 ** ROW_SHIFT),
-      heads=g if merge else None, out_dtype=kernel_dtype, placed=placed)
+      heads=g if merge else None, out_dtype=kernel_dtype, placed=placed, v_halves=v_halves)
   if merge:
     return res[2].astype(out_dtype)
   o, ml = res
