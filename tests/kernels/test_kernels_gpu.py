@@ -160,31 +160,6 @@ def test_grouped_expert_shapes(k, n, m, seed, n_inners):
     assert relerr(_grouped(x, pw, g, jnp.float32, n_inner=n_inner), ref) < TOL, n_inner
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "n_inner", "deferred"))
-def _grouped_store(x, pw, g, out_dtype, n_inner, deferred):
-  return kernels.grouped_matmul(x, pw, g, out_dtype,
-                                config=dict(n_inner=n_inner, deferred_store=deferred))
-
-
-@pytest.mark.parametrize("k,n,m,seed,n_inner", [
-    (768, 2048, 2048, 8, 8),  # down at the 8k-capacity batch: 8 chained tiles of 3 K steps
-    (2048, 1536, 2048, 10, 6),  # gate+up there
-    (768, 2048, 512, 12, 2),  # a chain of two (START, STOP)
-])
-def test_grouped_deferred_store(k, n, m, seed, n_inner):
-  """Chained tiles whose output stores are waited before the staging tile is next written
-  (TRACE_JAX_EPILOGUE_WAIT=deferred) give the waited-at-once kernel's output bit for bit,
-  float32 and bf16 out, and the reference's within TOL."""
-  pw, g, x, ref = expert_case(k, n, m, seed)
-  for dt in (jnp.float32, jnp.bfloat16):
-    got = _grouped_store(x, pw, g, dt, n_inner, True)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
-                                  np.asarray(_grouped_store(x, pw, g, dt, n_inner, False)
-                                             .astype(jnp.float32)))
-    if dt == jnp.float32:
-      assert relerr(got, ref) < TOL
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "n_ctas", "merge"))
 def _grouped_stream_k(x, pw, g, out_dtype, n_ctas=None, merge="xla"):
   cfg = dict(stream_k=True, merge=merge) | ({} if n_ctas is None else dict(n_ctas=n_ctas))

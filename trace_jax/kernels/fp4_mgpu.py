@@ -273,27 +273,18 @@ def when_used(e):
   return pl.when(e >= 0)
 
 
-# A chained tile's output store (`fp4_chunked_matmul` with n_inner > 1): "after" (the compute
-# warpgroup waits for the TMA store to have read the staging tile right after issuing it) or
-# "deferred" (it waits before it next writes the staging tile, so the store's read overlaps the
-# next tile's products; the chain's last tile waits after). TRACE_JAX_EPILOGUE_WAIT (A/B)
-EPILOGUE_WAIT = choice_setting("TRACE_JAX_EPILOGUE_WAIT", "after", ("after", "deferred"))
-
-
-def store_tile(y, stage_ref, out_ref, *, deferred: bool = False, last: bool = True):
+def store_tile(y, stage_ref, out_ref):
   """A warpgroup's finished tile (y: [64 columns, bm rows] in the WGMMA layout) to its output
-  rows: transposed into SMEM, then one TMA copy to `out_ref` ([bm, 64] of the output), waited
-  (its SMEM read) before returning; deferred: waited before the staging tile is written
-  instead (an earlier store of this warpgroup may still read it), and after only where `last`
-  (no store of this warpgroup follows: SMEM must be read before the kernel exits)."""
+  rows: transposed into SMEM, then one TMA copy to `out_ref` ([bm, 64] of the output), its
+  SMEM read waited at once. (Waiting before the staging tile's next write instead, so that a
+  chained tile's store overlaps the next tile's products, was no faster on the H200: grouped
+  kernels at 512-2,208 rows within +-1.5 us, session 34, benchmarks/results/
+  session34_h200_2026-12-04/deferred_store.patch.)"""
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  if deferred:
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   _transposed_store()(y, stage_ref)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(stage_ref, out_ref)
-  if last or not deferred:
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def run_tile_chain(tile_pipeline, refs, n_outer, n_inner: int):
@@ -387,12 +378,12 @@ def _in_specs(bm: int, kb: int, wgs: int, unit):
 
 @functools.partial(jax.jit, static_argnames=("fmt", "kb", "bm", "wgs", "stages", "splits",
                                              "n_inner", "stream_k", "out_dtype", "dense",
-                                             "n_ctas", "merge", "deferred_store"))
+                                             "n_ctas", "merge"))
 def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fmt: str,
                        kb: int, bm: int, wgs: int = 4, stages: int = 3, splits: int = 1,
                        n_inner: int = 1, stream_k: int = 0, out_dtype=jnp.bfloat16,
                        dense: bool = False, total=None, n_ctas: int = 0,
-                       merge: str = "xla", deferred_store: bool | None = None):
+                       merge: str = "xla"):
   """The raw kernel. xc: bf16 [R, K_pad] (K permuted; R >= max(chunk_row) + bm); codes/scales/
   factor from a `PackedWeight` ([E, ...]); chunk_expert int32 [C] (-1: empty chunk, skipped);
   chunk_row int32 [C]: first row of xc of each chunk, a multiple of 8 (a chunk reads bm rows
@@ -416,9 +407,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
   total: a grouped call's stream-K schedule instead (`_grouped_stream_k_kernel`, n_ctas CTAs):
   an int32 vector whose element 0 is the chunks in use (`chunk_tables`' reserved chunks);
   returns (out [C, bm, N_pad] out_dtype, part float32 [2, n_ctas, bm, 256]); with merge
-  "kernel" out holds the cut tiles too and part is the kernel's scratch.
-  deferred_store: chained tiles' output stores waited before the staging tile is next written
-  (None: `EPILOGUE_WAIT`)."""
+  "kernel" out holds the cut tiles too and part is the kernel's scratch."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   _patch_register_pool()
@@ -440,9 +429,6 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
                      f"tile to be a multiple of stages={stages}")
   step_products = _step_products(fmt, kb)
-  if deferred_store is None:
-    deferred_store = EPILOGUE_WAIT == "deferred"
-  deferred = deferred_store and n_inner > 1
 
   def kernel(ce_gmem, cr_gmem, x_gmem, w_gmem, s_gmem, f_gmem, out_gmem, out_smem, f_smem,
              f_bar):
@@ -460,8 +446,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
           plgpu.barrier_wait(f_bar.at[wg])
           f = plgpu.load(f_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
           store_tile((acc_ref[...] * f[:, None]).astype(out_dtype), out_smem.at[wg],
-                     out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)],
-                     deferred=deferred, last=state in (None, plgpu.PipelinePipeline.STOP))
+                     out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
 
       def body(_, x_smem, w_smem, s_smem, acc_ref):
         step_products(x_smem, w_smem, s_smem, acc_ref)
