@@ -497,7 +497,8 @@ elif [ "$stage" = s30a ]; then
 elif [ "$stage" = s34f ]; then
   # (session 34) V's half 1 decoded while half 0's product runs (TRACE_JAX_ATTN_V1_DECODE=overlap)
   # against with half 0 (the default): B 64 x 32k and the rollout-shaped live rows, each side
-  # in its own process (relerr against the reference printed per row)
+  # in its own process (relerr against the reference printed per row). Overlap was 6-7%
+  # slower and was removed (its code: results/session34_h200_2026-12-04/v1_decode_overlap.patch)
   for side in early overlap; do
     TRACE_JAX_ATTN_V1_DECODE=$side timeout -k 5 ${BENCH_TIMEOUT:-60} python3 \
       benchmarks/bench_attention.py --what decode --formats nvfp4_mosaic --batches 64 \

@@ -145,12 +145,10 @@ AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "of
 # bench_attention): B 16 x 8k 40.2 -> 39.3, B 64 x 8k 130.3 -> 126.3, B 64 x 32k 470.3 -> 451.2
 # (61.0 -> 63.6% of 4.27 TB/s); rollout-shaped (8k cache, L live) B 256 L 1,600 106.7 -> 102.4,
 # B 64 L 1,536 32.2 -> 31.4, B 16 L 2,048 17.4 both; the outputs are bit for bit the same.
-# TRACE_JAX_ATTN_V_SMEM=whole: the other (A/B)
+# (Half 1 decoded after half 0's product is issued, to run under it, was slower: B 64 x 32k
+# 450.5 -> 481.8, B 256 L 1,600 102.3 -> 108.2; benchmarks/results/session34_h200_2026-12-04/
+# v1_decode_overlap.patch.) TRACE_JAX_ATTN_V_SMEM=whole: the other (A/B)
 V_HALVES = choice_setting("TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves")) == "halves"
-# With V in halves, half 1 is decoded with half 0 ("early") or after half 0's product is issued
-# and before it is waited ("overlap": its latency behind the decode; the scale multipliers are
-# made twice). TRACE_JAX_ATTN_V1_DECODE (A/B)
-V1_DECODE = choice_setting("TRACE_JAX_ATTN_V1_DECODE", "early", ("early", "overlap"))
 
 
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
@@ -254,14 +252,13 @@ cvt.rn.bf16x2.f32 $1, x1, x1;
 
 
 @functools.cache
-def _tile_decoder(stacked: bool = False, placed: bool = False, half: int | None = None):
+def _tile_decoder(stacked: bool = False, placed: bool = False):
   """inline_mgpu function: (codes uint32 [64, 16], scales uint32 [64, 8], both wgmma layout)
   -> the two 64 x 64 halves of head_dim as bf16 wgmma-layout arrays (physical order), or with
   `stacked` one [128, 64] array, half j in rows 64j.. (one SMEM store instead of two: Mosaic
-  brackets each store of a warpgroup with barriers), or with `half` j only that half's array.
-  placed: the code words are "kv_words" (`e2m1.KV_WORD_PLACES`), decoded by the matmul
-  weights' `WEIGHT_DECODE_ASM` (13 instructions a word) instead of `DECODE_ASM` (17): the same
-  registers, bit for bit."""
+  brackets each store of a warpgroup with barriers). placed: the code words are "kv_words"
+  (`e2m1.KV_WORD_PLACES`), decoded by the matmul weights' `WEIGHT_DECODE_ASM` (13
+  instructions a word) instead of `DECODE_ASM` (17): the same registers, bit for bit."""
   word_asm = WEIGHT_DECODE_ASM if placed else DECODE_ASM
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -269,12 +266,11 @@ def _tile_decoder(stacked: bool = False, placed: bool = False, half: int | None 
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import llvm, vector
 
+  half = plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
   both = plgpu.ShapeDtypeStruct((128, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
-  one = plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
-  ret = both if stacked else one if half is not None else (one, one)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA), return_type=ret)
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                     return_type=both if stacked else (half, half))
   def decode(ctx, codes, scales):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
@@ -288,7 +284,7 @@ def _tile_decoder(stacked: bool = False, placed: bool = False, half: int | None 
       st = llvm.inline_asm(llvm.StructType.get_literal([i32] * 2), [w0, w1], _SCALE_ASM,
                            "=r,=r,r,r", has_side_effects=True)
       mults.append([llvm.extractvalue(i32, st, [j]) for j in range(2)])
-    for j in (range(2) if half is None else (half,)):  # head_dim half
+    for j in range(2):  # head_dim half
       regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, 64)), dtype=object)
       for ri in range(2):
         cw = cregs[0, j, 0, 0, ri, 0, 0, 0, 0]
@@ -303,8 +299,6 @@ def _tile_decoder(stacked: bool = False, placed: bool = False, half: int | None 
     if stacked:  # the WGMMA layout's first register axis is the 64-row block
       return fa.FragmentedArray(_registers=np.concatenate(outs, axis=0),
                                 _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-    if half is not None:
-      return fa.FragmentedArray(_registers=outs[0], _layout=fa.WGMMA_LAYOUT, _is_signed=None)
     return tuple(fa.FragmentedArray(_registers=r, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
                  for r in outs)
 
@@ -613,7 +607,6 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
 
   wgmma_layout = plgpu.Layout.WGMMA
   decode, decode_stacked = _tile_decoder(placed=placed), _tile_decoder(True, placed)
-  decode_half0, decode_half1 = (_tile_decoder(placed=placed, half=j) for j in (0, 1))
   col_max = _column_reducer("max", gp)
   raise_vote = _raise_vote()
 
@@ -661,9 +654,7 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     p = jnp.exp2(s - m[None, :])
     l = l + p
     p_smem.at[wg].T[...] = _row_scaler(v_factor, gp)(p, vg_s).astype(jnp.bfloat16)
-    if v_halves and V1_DECODE == "overlap":  # half 1 is decoded while half 0's product runs
-      v_smem[wg] = decode_half0(*v_operands())
-    elif v_halves:  # half 0 to SMEM; half 1 waits in registers for the first product's end
+    if v_halves:  # half 0 to SMEM; half 1 waits in registers for the first product's end
       v0, v1 = decode(*v_operands())
       v_smem[wg] = v0
     elif not overlap:
@@ -673,9 +664,8 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     def o_scope(accs):
       if v_halves:
         plgpu.wgmma(accs[0], v_smem.at[wg].T, p_smem.at[wg].T)
-        second = decode_half1(*v_operands()) if V1_DECODE == "overlap" else v1
         plgpu.wgmma_wait(0)  # its reader done: every warp of the warpgroup waited
-        v_smem[wg] = second
+        v_smem[wg] = v1
         plgpu.commit_smem()
         plgpu.wgmma(accs[1], v_smem.at[wg].T, p_smem.at[wg].T)
         return
