@@ -288,9 +288,10 @@ def main():
       if why:
         raise ValueError(why)
     m = attention_mgpu  # the Mosaic kernel runs its defaults (settings: TRACE_JAX_ATTN_*)
-    fit = m.max_stages(m.query_lanes(H // KVH), m.MERGE_IN_KERNEL, m.V_HALVES)
+    halves = m.V_HALVES and m.MERGE_IN_KERNEL  # (`decode_attention`'s rule)
+    fit = m.max_stages(m.query_lanes(H // KVH), m.MERGE_IN_KERNEL, halves)
     cfg = (dict(schedule=m.SCHEDULE, stages=min(m.STAGES, fit), auto_barriers=m.AUTO_BARRIERS,
-                v_halves=m.V_HALVES,
+                v_halves=halves,
                 splits=m.default_splits(b, s) if m.SCHEDULE == "splits" else None) if variant
            else attention_pallas.default_config(b, KVH, s, data_fmt.endswith("fp4")))
     kv_bytes = nbytes(k) + nbytes(v)

@@ -129,7 +129,8 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 4, minimum=1)
 # Mosaic brackets each SMEM store of a warpgroup with warpgroup barriers (earlier reads done
 # before, the writes done after). These kernels need none of them: their stores (P^T, decoded V)
 # are read only by wgmma, after `commit_smem` (a fence and a barrier, always emitted), and are
-# overwritten only after their reader, the last tile's PV wgmma, has been waited by every warp;
+# overwritten only after their reader, the last tile's PV wgmma (with V in halves, half 1's
+# store: half 0's product), has been waited by every warp;
 # the cross-warp reductions bring their own barriers; each thread releases a pipeline slot
 # itself (mbarrier arrive with release order). Off: 8 -> 4 barriers a tile, kernels 2-3%
 # shorter on the H200 (session 22). The split kernel with XLA's merge keeps them (its partials
@@ -600,7 +601,7 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
   ref of this warpgroup's queries, the pipeline slot's tile refs, scratch refs, state) ->
   state (m [gp] running max in log2 units, l [64, gp] per-thread partial sums, o0 / o1
   [64, gp] unnormalized O^T halves). v_halves: V goes through SMEM one head_dim half at a
-  time (`V_SMEM`)."""
+  time (`V_HALVES`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax import lax
@@ -690,7 +691,7 @@ def _initial_state(gp: int):
 
 def _scratch(gp: int, v_halves: bool = False):
   """SMEM beside the pipeline's buffers: queries and their TMA barriers, decoded V (both
-  head_dim halves, or one: `V_SMEM`), P^T, reduction rows, vote flags."""
+  head_dim halves, or one: `V_HALVES`), P^T, reduction rows, vote flags."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   return dict(
       q_smem=_bf16_smem((KV_HEADS, gp, HEAD_DIM), 128),
@@ -741,7 +742,8 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   `live_splits`). heads (query heads per KV head, <= gp): merge the splits in the kernel
   (`_split_merger`) and return a third output, the attention `[B, 4 * heads, 128]` in
   out_dtype (bfloat16 or float32), logical head_dim order; the partials are then its scratch
-  (written only where a row has more than one live split)."""
+  (written only where a row has more than one live split). v_halves: decoded V through SMEM
+  one head_dim half at a time (`V_HALVES`; not with overlap)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax import lax
@@ -1218,6 +1220,8 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
   splits, overlap, or XLA's merge ask for the split kernel). overlap: see
   `mgpu_decode_kernel`. merge: the split combine in the kernel (else XLA's, after it).
+  v_halves: decoded V through SMEM in halves (None: `V_HALVES`, whole with overlap or XLA's
+  merge).
   kernel_fn replaces the kernel (tests pass `emulate_kernel` / `emulate_stream_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
@@ -1238,8 +1242,8 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
                      f"to {MAX_STREAM_TILES * TILE} slots and fewer than "
                      f"{1 << (31 - _UNIT_ROW_SHIFT)} rows, not {s} x {b}")
-  if v_halves is None:
-    v_halves = V_HALVES and not overlap
+  if v_halves is None:  # (GPU-tested with the in-kernel merge; XLA's merge keeps whole V)
+    v_halves = V_HALVES and not overlap and merge
   fit = max_stages(query_lanes(g), merge, v_halves)
   if stages is None:
     stages = min(STAGES, fit)
