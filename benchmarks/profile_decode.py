@@ -65,7 +65,8 @@ def _timed(engine, prompts, new, repeats):
 
 
 def _scope(args):
-  """The jit name-stack scope a device event's own arguments carry (see `bench_util.source_scope`), or "?"."""
+  """The jit name-stack scope a device event's own arguments carry (see
+  `bench_util.source_scope`), or "?"."""
   for key in ("tf_op", "long_name", "hlo_op", "name"):
     v = args.get(key)
     if isinstance(v, str) and "/" in v:
@@ -126,6 +127,9 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
   # "kernel_mosaic_gpu_kernel"), so a count per step alone counts the prefill's big expert
   # products in
   loop_us, loop_count, loop_source = (collections.Counter() for _ in range(3))
+  # the prefill program's kernels (`jit_prefill_program`: the prompt's passes and the first
+  # step's carry), in ms of the traced call, not per step
+  pre_us, pre_count = collections.Counter(), collections.Counter()
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
       continue
@@ -149,9 +153,13 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
     src = bench_util.source_scope(op) if op else "(unattributed) " + e["name"][:60]
     by_source[src] += e["dur"]
     name_source[e["name"][:120]] = src
-    if "_decode" in str(args.get("hlo_module", "")):
+    module = str(args.get("hlo_module", ""))
+    if "_decode" in module:
       loop_us[src] += e["dur"]
       loop_count[src] += 1
+    elif "prefill_program" in module:
+      pre_us[src] += e["dur"]
+      pre_count[src] += 1
   total = sum(by_name.values())
   per_step = lambda us: us / max(steps, 1) / 1e3  # noqa: E731 - ms per decode step
   # the decode loop alone: kernels that run at least once per step (prefill kernels, which the
@@ -185,6 +193,13 @@ def summarize_trace(log_dir, steps, top=40, sources=None):
           "sources": [{"source": k, "ms_per_step": per_step(v),
                        "calls_per_step": decode_calls[k] / max(steps, 1)}
                       for k, v in decode_source.most_common(60)]},
+      "prefill": {
+          "rule": "kernels of the prefill program (hlo_module jit_prefill_program), ms of the "
+                  "traced call",
+          "kernel_ms": sum(pre_us.values()) / 1e3,
+          "kernels": sum(pre_count.values()),
+          "sources": [{"source": k, "ms": v / 1e3, "calls": pre_count[k]}
+                      for k, v in pre_us.most_common(40)]},
       "hlo_instructions_mapped": len(sources),
       "top_xla_op_scopes": [{"scope": k, "ms_per_step": per_step(v)}
                             for k, v in ops_by_scope.most_common(top)],
@@ -266,6 +281,12 @@ def main():
       for row in loop.get("sources", [])[:45]:
         print(f"  loop {1e3 * row['ms_per_step']:7.1f} us x{row['calls_per_step']:5.1f}"
               f"  {row['source']}")
+      pre = p.get("prefill", {})
+      if pre.get("kernels"):
+        print(f"prefill program: {pre['kernel_ms']:.3f} ms of kernels in the traced call, "
+              f"{pre['kernels']} kernels")
+        for row in pre["sources"][:20]:
+          print(f"  prefill {row['ms']:8.3f} ms x{row['calls']:5d}  {row['source']}")
       # every program's kernels, the prompt's prefill included (spread over the steps): a
       # kernel the prefill also runs shows its decode cost in the loop rows above, not here
       print("all programs, prefill included (ms a decode step, calls a step):")
