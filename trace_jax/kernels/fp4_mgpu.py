@@ -277,8 +277,8 @@ def store_tile(y, stage_ref, out_ref):
   """A warpgroup's finished tile (y: [64 columns, bm rows] in the WGMMA layout) to its output
   rows: transposed into SMEM, then one TMA copy to `out_ref` ([bm, 64] of the output), its
   SMEM read waited at once. (Waiting before the staging tile's next write instead, so that a
-  chained tile's store overlaps the next tile's products, was no faster on the H200: grouped
-  kernels at 512-2,208 rows within +-1.5 us, session 34, benchmarks/results/
+  chained tile's store overlaps the next tile's products, was no faster on the H200: sessions
+  31 and 34, grouped kernels at 512-2,208 rows within +-1.5 us, benchmarks/results/
   session34_h200_2026-12-04/deferred_store.patch.)"""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   _transposed_store()(y, stage_ref)
