@@ -20,6 +20,13 @@ if [ "${stage%_inner}" != "$stage" ]; then stage=${stage%_inner}; inner=1; else 
 [ $inner = 1 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94
+# the 8k-capacity rollout (stage cap8k), 2,048 tokens a sequence, 20 GiB of host memory
+# reserved: DEFAULT_TIMEOUT (seconds for the rows; CAP_TIMEOUT overrides it)
+cap8k_2048() {
+  local limit=${CAP_TIMEOUT:-$1}
+  HOST_RESERVE=20 ROWS_TIMEOUT=$limit ROW_TIMEOUT=$(( limit - 10 )) GEN=2048 \
+    bash $0 cap8k_inner | tail -4
+}
 # the FP4 decode step at the 8k-capacity shape (prompt 512, cache for 7,680 new tokens, 256
 # generated in windows of 128): LAYERS BATCH POLICY TIMEOUT [more profile_decode.py flags]
 cap_shape_profile() {
@@ -553,8 +560,7 @@ elif [ "$stage" = s34c ]; then
   # (session 34) s33c's rollout with the attention's V through SMEM in halves and 4 stages
   # now the default: the 8k-capacity FP4 rollout, 48 layers, 2,048 tokens a sequence (the
   # first try was stopped when the machine was taken back; its profile is left out to fit)
-  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-400} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-400} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
+  cap8k_2048 400
 elif [ "$stage" = s34b ]; then
   # (session 34) the decode attention with V through SMEM in halves (TRACE_JAX_ATTN_V_SMEM=halves,
   # 32 KB less SMEM: a 4th pipeline stage fits; Nsight Compute on B 16 x 8k, session 24: the top
@@ -593,8 +599,7 @@ elif [ "$stage" = s33c ]; then
   # (session 33) the 8k-capacity FP4 rollout, 48 layers, 2,048 tokens a sequence (as s32b),
   # with the bf16 q/k/v kernel now the default; then the decode step kernel by kernel at the
   # context the rollout averages (prompt 1,536 + 128 new: attention's share at ~1.6k tokens)
-  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-360} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-360} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
+  cap8k_2048 360
   timeout -k 5 ${PROF_TIMEOUT:-170} python3 benchmarks/profile_decode.py --layers 4 \
     --policy paper --path kernels --batch 256 --prompt_len 1536 --new_tokens 128 \
     --cache_new_tokens 6656 --decode_chunk 128 --repeats 1 --no_command_buffers \
@@ -680,8 +685,7 @@ elif [ "$stage" = s32b ]; then
   # tokens a sequence (as s26c / s27b) with session 31's wgmma wait
   gpu_tests tests/kernels/test_kernels_gpu.py "capacity or grouped_expert" grouped2 \
     ${KTEST_TIMEOUT:-110}
-  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-360} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-360} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
+  cap8k_2048 360
 elif [ "$stage" = s32a ]; then
   # (session 32) session 31's wgmma wait (7af7252) against the tree before it (ab_old: a git
   # archive of 253a8af) at every chunk width it touches: grouped 2,208 rows (bm 32) both
@@ -877,8 +881,7 @@ elif [ "$stage" = s27b ]; then
   # first reruns s27a's kv_words equality test and the model decode step's kernel choice
   [ "${TESTS:-0}" = 1 ] && gpu_tests tests/kernels/test_attention_gpu.py \
     "kv_words or model_decode" kvwords2 ${ATEST_TIMEOUT:-150}
-  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-330} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-330} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
+  cap8k_2048 330
   mv $OUT/bench_rollout_cap8k_${LAYERS:-48}l.json \
     $OUT/bench_rollout_cap8k_${LAYERS:-48}l_fp4_${TRACE_JAX_KV_WORDS:-placed}.json
 elif [ "$stage" = s26b ]; then
@@ -1136,8 +1139,7 @@ elif [ "$stage" = s20c ]; then
 elif [ "$stage" = s20b ]; then
   # (session 20) the 8k-capacity FP4 row with the in-kernel split combine (s19d: 10,865 tok/s
   # vs BF16 3,658 in s15c/s19, 2.97x)
-  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-330} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-330} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
+  cap8k_2048 330
 elif [ "$stage" = s19d ]; then
   # (session 19) the lazy running max (s19a's kernel at 518 instructions a tile: FP4 10,746 vs
   # BF16 3,658 tok/s at 8k capacity in s15c, 2.94x): the Mosaic attention GPU tests (both
@@ -1146,8 +1148,7 @@ elif [ "$stage" = s19d ]; then
   for side in exact_max new; do
     attention_side_rows $side nvfp4_mosaic ${BENCH_TIMEOUT:-60} $(( ${BENCH_TIMEOUT:-60} - 15 ))
   done
-  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-300} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-300} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
+  cap8k_2048 300
 elif [ "$stage" = s18e ]; then
   # (session 18) s18d at B 32: w4a16 fused, not fused, BF16 (s17e: 12,014 vs 7,315 tok/s)
   POLICIES=w4a16 BATCHES=32 HF_TAG=_w4a16_b32 ROWS_TIMEOUT=100 ROW_TIMEOUT=95 \
@@ -1304,8 +1305,7 @@ elif [ "$stage" = s15c ]; then
   # (session 15) s15's FP4 row was refused: compiling took 15 GiB of host memory against the
   # 12 GiB reserved (276 planned on 119.2 GiB free, 268 fit on 104.2): both 8k-capacity rows,
   # FP4 with 20 GiB reserved, then BF16
-  HOST_RESERVE=20 ROWS_TIMEOUT=${CAP_TIMEOUT:-340} ROW_TIMEOUT=$(( ${CAP_TIMEOUT:-340} - 10 )) \
-    GEN=2048 bash $0 cap8k_inner | tail -4
+  cap8k_2048 340
   mv $OUT/bench_rollout_cap8k_${LAYERS:-48}l.json $OUT/bench_rollout_cap8k_${LAYERS:-48}l_fp4.json
   POLICIES=bf16 ROWS_TIMEOUT=${BF16_TIMEOUT:-200} ROW_TIMEOUT=$(( ${BF16_TIMEOUT:-200} - 10 )) \
     GEN=2048 bash $0 cap8k_inner | tail -4
