@@ -288,7 +288,7 @@ def main():
       if why:
         raise ValueError(why)
     m = attention_mgpu  # the Mosaic kernel runs its defaults (settings: TRACE_JAX_ATTN_*)
-    halves = m.V_HALVES and m.MERGE_IN_KERNEL  # (`decode_attention`'s rule)
+    halves = m.default_v_halves(False, m.MERGE_IN_KERNEL)
     fit = m.max_stages(m.query_lanes(H // KVH), m.MERGE_IN_KERNEL, halves)
     cfg = (dict(schedule=m.SCHEDULE, stages=min(m.STAGES, fit), auto_barriers=m.AUTO_BARRIERS,
                 v_halves=halves,

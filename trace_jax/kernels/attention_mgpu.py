@@ -177,6 +177,13 @@ def _code_transforms(swizzled: bool) -> tuple:
 SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "splits"))
 
 
+def default_v_halves(overlap: bool, merge: bool) -> bool:
+  """Whether `decode_attention` puts decoded V through SMEM in halves unless told (`V_HALVES`):
+  not with overlap, and only with the in-kernel merge (the configuration its GPU tests and
+  timings ran; XLA's merge keeps whole V)."""
+  return V_HALVES and not overlap and merge
+
+
 def max_stages(gp: int, merge: bool, v_halves: bool = False) -> int:
   """The most pipeline stages that fit the H200's 227 KB of SMEM beside the kernels' buffers
   (Mosaic's totals, deviceless compiles): with the in-kernel merge 158 KB with 2 stages at gp 8,
@@ -1270,8 +1277,8 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
     raise ValueError(f"Mosaic decode attention kernel: the stream schedule takes caches of up "
                      f"to {MAX_STREAM_TILES * TILE} slots and fewer than "
                      f"{1 << (31 - _UNIT_ROW_SHIFT)} rows, not {s} x {b}")
-  if v_halves is None:  # (GPU-tested with the in-kernel merge; XLA's merge keeps whole V)
-    v_halves = V_HALVES and not overlap and merge
+  if v_halves is None:
+    v_halves = default_v_halves(overlap, merge)
   if swizzled_codes is None:
     swizzled_codes = CODE_SMEM == "swizzled"
   fit = max_stages(query_lanes(g), merge, v_halves)
