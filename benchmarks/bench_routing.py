@@ -15,7 +15,6 @@ call, median).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -96,11 +95,8 @@ def main():
     for var, fn in variants.items():
       row = bench_util.checked_timing(dict(rows=m, variant=var, bm=bm), fn, (ids,), want,
                                       tables, "tables_equal_xla", args.iters)
-      res["rows"].append(row)
-      print(f"[{time.time() - t0:6.1f}s] {m:5d} rows {var:10s} {row.get('us', float('nan')):7.2f}"
-            f" us  equal {row.get('tables_equal_xla')}  {row.get('error', '')[:80]}", flush=True)
-      with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+      bench_util.keep_checked_row(res, row, f"{m:5d} rows {var:10s}", "tables_equal_xla", t0,
+                                  args.out)
   print(plot(args.out))
 
 

@@ -16,7 +16,6 @@ fresh inputs (`tests/kernels/test_row_quant.rows_case`) in the same run, and tim
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -92,11 +91,8 @@ def main():
     for var, fn in variants.items():
       row = bench_util.checked_timing(dict(site=site, shape=shape, variant=var), fn, (x,), want,
                                       fields, "bits_equal_xla", args.iters)
-      res["rows"].append(row)
-      print(f"[{time.time() - t0:6.1f}s] {site:16s} {var:10s} {row.get('us', float('nan')):7.2f}"
-            f" us  equal {row.get('bits_equal_xla')}  {row.get('error', '')[:80]}", flush=True)
-      with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+      bench_util.keep_checked_row(res, row, f"{site:16s} {var:10s}", "bits_equal_xla", t0,
+                                  args.out)
   print(plot(args.out))
 
 

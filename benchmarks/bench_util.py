@@ -91,6 +91,20 @@ def checked_timing(row: dict, fn, inputs: tuple, want: list, outputs, equal_key:
   return row
 
 
+def keep_checked_row(res: dict, row: dict, label: str, equal_key: str, t0: float,
+                     path: str) -> None:
+  """A `checked_timing` row into the result: appended, printed (elapsed time, label, time a
+  call, whether it equalled, the error if any) and the result saved to `path` (a run cut
+  short keeps what it measured)."""
+  import json
+  import time
+  res["rows"].append(row)
+  print(f"[{time.time() - t0:6.1f}s] {label} {row.get('us', float('nan')):7.2f} us  equal "
+        f"{row.get(equal_key)}  {row.get('error', '')[:80]}", flush=True)
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1, default=str)
+
+
 def timed_rows_for_plot(json_path: str):
   """(pyplot on the Agg backend, the saved result, its rows that have a time `us`): the start
   of the plot functions of the benchmarks that time each row once."""

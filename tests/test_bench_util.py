@@ -66,3 +66,22 @@ def test_relerr_max():
   assert bench_util.relerr_max(gb, jnp.asarray(ref)) == float(want_b)
   got[2, 3] = np.inf
   assert np.isnan(bench_util.relerr_max(got, ref))
+
+
+def test_keep_checked_row_appends_prints_and_saves(tmp_path, capsys):
+  """A timed row and a failed one: both appended, each printed with its label, time, equality
+  and error, and the file rewritten after each so that it holds every row kept so far."""
+  import json
+  import time
+  path = str(tmp_path / "r.json")
+  res = {"benchmark": "x", "rows": []}
+  t0 = time.time()
+  bench_util.keep_checked_row(res, {"variant": "a", "us": 4.25, "eq": True}, " 256 rows a",
+                              "eq", t0, path)
+  assert json.load(open(path))["rows"] == [{"variant": "a", "us": 4.25, "eq": True}]
+  bench_util.keep_checked_row(res, {"variant": "b", "error": "ValueError: no"}, " 256 rows b",
+                              "eq", t0, path)
+  assert [r["variant"] for r in json.load(open(path))["rows"]] == ["a", "b"]
+  a, b = capsys.readouterr().out.splitlines()
+  assert a.endswith(" 256 rows a    4.25 us  equal True  ")
+  assert b.endswith(" 256 rows b     nan us  equal None  ValueError: no")
