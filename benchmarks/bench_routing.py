@@ -74,7 +74,7 @@ def main():
   from trace_jax.kernels import dispatch, fp4_mgpu, routing
 
   res = bench_util.result_header(
-      "bench_routing", units=dict(us="microseconds of CUPTI device time a call, median"),
+      "bench_routing", units=bench_util.CHECKED_TIMING_UNITS,
       experts=EXPERTS, top_k=TOP_K, tile=routing.TILE, rows=[])
   t0 = time.time()
 

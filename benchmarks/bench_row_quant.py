@@ -69,7 +69,7 @@ def main():
   from trace_jax.kernels import row_quant
 
   res = bench_util.result_header(
-      "bench_row_quant", units=dict(us="microseconds of CUPTI device time a call, median"),
+      "bench_row_quant", units=bench_util.CHECKED_TIMING_UNITS,
       defaults=dict(tile_elems=row_quant.TILE_ELEMS, num_warps=row_quant.NUM_WARPS), rows=[])
   t0 = time.time()
 

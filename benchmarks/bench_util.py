@@ -69,6 +69,10 @@ def start_watchdog(state: dict, hang_s: float, rows: list, save, log) -> None:
   threading.Thread(target=watch, daemon=True).start()
 
 
+# The unit of `checked_timing`'s time, for the result header of the benchmarks that use it
+CHECKED_TIMING_UNITS = dict(us="microseconds of CUPTI device time a call, median")
+
+
 def checked_timing(row: dict, fn, inputs: tuple, want: list, outputs, equal_key: str,
                    iters: int) -> dict:
   """Fill `row` for one jitted variant `fn`: its outputs (`outputs(fn(*inputs))`, a list of
