@@ -158,6 +158,8 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   prompts = [list(rng.integers(3, config.vocab_size, FLAGS.prompt_len)) for _ in range(batch)]
   s = SamplingParams(temperature=1.0)
 
+  timelines = {}  # the chunked engine's host seconds by part (`ChunkTimeline`), per call
+
   def generate(max_new, seed):
     t = time.perf_counter()
     out = engine.generate(prompts, n=1, sampling=s, seed=seed, max_new_tokens=max_new)
@@ -170,6 +172,8 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       out = None  # one rollout at a time: at capacity its guidance fills host memory
       t, out = generate(max_new, 2 + r)
       ts.append(t)
+      if engine.last_timeline is not None:
+        timelines.setdefault(f"new_tokens_{max_new}", []).append(engine.last_timeline.as_dict())
     return ts, out
 
   _log("compiling")
@@ -183,9 +187,13 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   ones = timed(1, FLAGS.one_token_repeats)[0]
   t_one = min(ones)
   _log(f"prefill + one step {', '.join(f'{t:.2f}' for t in ones)} s")
+  for t in timelines.get("new_tokens_1", []):
+    _log("host seconds by part: " + json.dumps(t["seconds"]))
   fulls, out = timed(gen_tokens, FLAGS.repeats)
   t_full = _median(fulls)
   _log(f"median {t_full:.2f} s")
+  for t in timelines.get(f"new_tokens_{gen_tokens}", []):
+    _log("host seconds by part: " + json.dumps(t["seconds"]))
   gen = int(np.sum(np.asarray(out.completion_mask)))
   guidance_per_token = out.guidance_bytes_per_token()
   completion = np.asarray(out.completion)
@@ -221,6 +229,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "rollout_floor_over_measured": (floor_b / FLAGS.bandwidth) * gen_tokens / t_full,
       "peak_device_bytes": peak, "planned_capacity": planned,
       "capacity_limits": limits, "host_reserve_gib": FLAGS.host_reserve_gib if planned else None,
+      "chunk_timelines": timelines,
   }
 
 

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -280,9 +281,16 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
                           decode_chunk=4)
   chunked.sync(_params())
   s = SamplingParams(temperature=1.0)
-  for kw in (dict(n=2), dict(n=2, max_new_tokens=[3, 2])):
+  for kw, windows in ((dict(n=2), 2), (dict(n=2, max_new_tokens=[3, 2]), 1)):
     a = one.generate(PROMPTS, sampling=s, seed=3, **kw)
+    t0 = time.perf_counter()
     b = chunked.generate(PROMPTS, sampling=s, seed=3, **kw)
+    wall = time.perf_counter() - t0
+    timeline = chunked.last_timeline.as_dict()  # where the host spent the call, by part
+    assert timeline["windows"] == windows
+    assert {"prefill_launch", "host_arrays", "prompt_records_wait", "page_commit_wait",
+            "prompt_copy", "window_wait", "window_place", "assemble"} <= set(timeline["seconds"])
+    assert 0 < timeline["total_s"] <= wall
     leaves_b = jax.tree_util.tree_leaves(b.guidance)
     assert leaves_b and all(isinstance(x, np.ndarray) for x in leaves_b)
     assert b.guidance_bytes() == a.guidance_bytes() > 0
@@ -498,3 +506,27 @@ def test_chunked_engine_plans_host_memory():
     free = roomy.device_bytes * 0.9 - shared.weight_bytes
     both = bytes_per_sequence(CFG, policy, 22, guidance_tokens=24) + per_seq
     assert shared.capacity_limits(16 + 6) == (cap, int(free // both))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux /proc")
+def test_host_guidance_arrays_commit_the_prompt_pages_and_take_its_records():
+  """`_host_guidance_arrays` shapes the final host arrays from the prefill's records (rows times
+  the samples, prompt + steps along time) and commits the prompt's pages in host threads (about
+  the prompt's bytes, not the 136 MiB array); `_host_guidance` then copies each prompt's
+  records to its samples' rows, zeros after the prompt."""
+  from trace_jax.rollout.engine import _host_guidance, _host_guidance_arrays, _wait_blocks
+  rng = np.random.default_rng(0)
+  pre = {0: {"x": rng.integers(1, 255, (16, 64, 4096), dtype=np.uint8)},
+         3: {"y": rng.standard_normal((16, 64, 2), dtype=np.float32)}}
+  before = _rss_bytes()
+  arrays, commits = _host_guidance_arrays(pre, 2, 1024)
+  _wait_blocks(commits)
+  grown = _rss_bytes() - before
+  prompt_bytes = 32 * 64 * (4096 + 8)
+  assert 0.9 * prompt_bytes <= grown <= 1.5 * prompt_bytes + 2**20, grown
+  _host_guidance(arrays, pre, 2)
+  for layer, site in ((0, "x"), (3, "y")):
+    full, src = arrays[layer][site], pre[layer][site]
+    assert full.shape == (32, 64 + 1024) + src.shape[2:] and full.dtype == src.dtype
+    np.testing.assert_array_equal(full[:, :64], np.repeat(src, 2, axis=0))
+    assert not full[:, 64:].any()

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import mmap
 import os
+import time
 from typing import Sequence
 
 import jax
@@ -97,12 +98,15 @@ def _repeat_rows(tree, n: int):
                                 is_leaf=lambda x: isinstance(x, (tq.QArray, tq.Guidance)))
 
 
-def _zeros_resized(tree, axis: int, size: int, zeros=jnp.zeros):
+def _zeros_resized(tree, axis, size, zeros=jnp.zeros):
   """Zeros shaped like `tree` (arrays, QArrays, Guidance: values or abstract shapes; None stays
-  None) with `size` along `axis`: decode-step buffers (time, axis 1), a whole batch's prefill
-  buffers (rows), the chunked engine's host arrays (`zeros=host_zeros`)."""
+  None) with `size` along `axis` (or sizes along axes: tuples): decode-step buffers (time, axis
+  1), a whole batch's prefill buffers (rows), the chunked engine's host arrays
+  (`zeros=host_zeros`)."""
+  sizes = dict(zip(axis, size)) if isinstance(axis, tuple) else {axis: size}
+
   def resized(shape):
-    return tuple(shape[:axis]) + (size,) + tuple(shape[axis + 1:])
+    return tuple(sizes.get(i, d) for i, d in enumerate(shape))
 
   def grow(x):
     if isinstance(x, (tq.QArray, tq.Guidance)):
@@ -708,55 +712,102 @@ _COPY_BLOCK_BYTES = 64 * 2**20
 _copy_pool = None
 
 
-def _copy_blocks(copies) -> None:
-  """Run `dst[index] = src` for each (dst, index, src) in `copies`, cut into row blocks of
-  about `_COPY_BLOCK_BYTES`, on a pool of host threads (one per CPU, at most 16)."""
+def _pool():
   global _copy_pool
-
-  def run(block):
-    dst, index, src, lo, hi = block
-    dst[index][lo:hi] = src[lo:hi]  # dst[index] is a view: the copy lands in dst
-
-  blocks = []
-  for dst, index, src in copies:
-    rows = src.shape[0]
-    step = max(1, _COPY_BLOCK_BYTES * rows // max(src.nbytes, 1))
-    for r in range(0, rows, step):
-      blocks.append((dst, index, src, r, min(r + step, rows)))
-  if len(blocks) <= 1:
-    for block in blocks:
-      run(block)
-    return
   if _copy_pool is None:
     import concurrent.futures
     _copy_pool = concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1),
                                                        thread_name_prefix="guidance_copy")
-  for _ in _copy_pool.map(run, blocks):
-    pass
+  return _copy_pool
 
 
-def _host_guidance(pre_records, window_records, n: int, steps: int) -> dict:
+def _copy_blocks(copies, wait: bool = True) -> list:
+  """Run `dst[index] = src` for each (dst, index, src) in `copies` (src None: zeros, which
+  commits the pages of a `host_zeros` region), cut into row blocks of about
+  `_COPY_BLOCK_BYTES`, on a pool of host threads (one per CPU, at most 16). wait=False: return
+  the blocks' futures at once (`_wait_blocks`) instead of running them to the end."""
+  def run(block):
+    dst, index, src, lo, hi = block
+    view = dst[index]  # a view: the copy lands in dst
+    view[lo:hi] = 0 if src is None else src[lo:hi]
+
+  blocks = []
+  for dst, index, src in copies:
+    region = dst[index]
+    rows = region.shape[0]
+    step = max(1, _COPY_BLOCK_BYTES * rows // max(region.nbytes, 1))
+    for r in range(0, rows, step):
+      blocks.append((dst, index, src, r, min(r + step, rows)))
+  if wait and len(blocks) <= 1:
+    for block in blocks:
+      run(block)
+    return []
+  futures = [_pool().submit(run, block) for block in blocks]
+  if wait:
+    _wait_blocks(futures)
+    return []
+  return futures
+
+
+def _wait_blocks(futures) -> None:
+  for f in futures:
+    f.result()  # (re-raises a block's error)
+
+
+@dataclasses.dataclass
+class ChunkTimeline:
+  """Host seconds of the chunked engine's parts in its last `generate` (`lap` adds the time
+  since the previous lap to a part): where a rollout waits on the device (prompt_records_wait,
+  window_wait, window_records_wait) and where on host copies (page_commit_wait, prompt_copy,
+  window_place). Time is counted when the host reaches a point, so work the device does while
+  the host copies shows up in no wait."""
+  seconds: dict = dataclasses.field(default_factory=dict)
+  windows: int = 0
+  _last: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
+
+  def lap(self, part: str) -> None:
+    now = time.perf_counter()
+    self.seconds[part] = self.seconds.get(part, 0.0) + now - self._last
+    self._last = now
+
+  def as_dict(self) -> dict:
+    return {"seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            "total_s": round(sum(self.seconds.values()), 4), "windows": self.windows}
+
+
+def _host_guidance_arrays(pre_records, n: int, steps: int) -> tuple[dict, list]:
   """The chunked rollout's final guidance in host memory, `[rows, prompt + steps, ...]` per
-  site: the prompt's records repeated per sample in place, zeros where decode windows will land
-  (`_place_window`; windows never run stay zero, as in the one-program engine). Allocated once
-  and filled window by window, so host memory holds the guidance about once, not a joined copy
-  beside the windows, and only as far as windows ran (`host_zeros`: pages are committed as
-  they are written; a rollout whose rows all stop early commits less than the planner's
-  prompt + max_new tokens)."""
-  out, copies = {}, []
-  for layer, sites in window_records.items():
+  site, shaped from the prefill's records (`n` samples a prompt: rows `i * n + j`), and the
+  futures of the host threads committing the prompt's pages (zeros written). Called as soon as
+  the prefill is launched, so the page commits run while the device prefills; the prompt's
+  records are copied in when they land (`_host_guidance`). Allocated once and filled window by
+  window, so host memory holds the guidance about once, not a joined copy beside the windows,
+  and only as far as windows ran (`host_zeros`: pages are committed as they are written; a
+  rollout whose rows all stop early commits less than the planner's prompt + max_new tokens;
+  windows never run stay zero, as in the one-program engine)."""
+  out, fills = {}, []
+  for layer, sites in pre_records.items():
     out[layer] = {}
-    for site, g in sites.items():
-      pre = pre_records[layer][site]
-      total = pre.shape[1] + steps
-      full = _zeros_resized(g, 1, total, host_zeros)
-      for dst, src in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(pre),
-                          strict=True):
-        for j in range(n):  # sample j of prompt i is row i * n + j (no repeated copy)
-          copies.append((dst, (slice(j, None, n), slice(0, src.shape[1])), src))
+    for site, pre in sites.items():
+      rows, p = pre.shape[0], pre.shape[1]
+      full = _zeros_resized(pre, (0, 1), (rows * n, p + steps), host_zeros)
+      fills += [(dst, (slice(None), slice(0, p)), None)
+                for dst in jax.tree_util.tree_leaves(full)]
       out[layer][site] = full
+  return out, _copy_blocks(fills, wait=False)
+
+
+def _host_guidance(guidance, pre_records, n: int) -> None:
+  """Copy the prompt's host records into the final arrays (`_host_guidance_arrays`): sample j
+  of prompt i is row i * n + j (no repeated copy)."""
+  copies = []
+  for layer, sites in guidance.items():
+    for site, full in sites.items():
+      for dst, src in zip(jax.tree_util.tree_leaves(full),
+                          jax.tree_util.tree_leaves(pre_records[layer][site]), strict=True):
+        for j in range(n):
+          copies.append((dst, (slice(j, None, n), slice(0, src.shape[1])), src))
   _copy_blocks(copies)
-  return out
 
 
 def _to_host(tree):
@@ -860,6 +911,7 @@ class RolloutEngine:
     if decode_chunk < 0:
       raise ValueError(f"decode_chunk must be >= 0 (0: one program), got {decode_chunk}")
     self.decode_chunk = int(decode_chunk)
+    self.last_timeline: ChunkTimeline | None = None  # the chunked engine's last generate
     # prefill_tokens: prompt tokens per prefill pass; a larger batch is prefilled in passes of
     # that many tokens' prompts (`_prefill_passes`), which bounds the forward's transients where
     # the capacity planner counts the decode's memory. 64k prompt tokens: the prompt-2048 B=64
@@ -1010,41 +1062,60 @@ class RolloutEngine:
 
   def _generate_chunked(self, key, tokens, mask, seq_keys, max_new, stop) -> Rollout:
     """Prefill, then windows of `decode_chunk` steps until every row is done; each window's
-    records are copied to host memory while the next window decodes."""
+    records are copied to host memory while the next window decodes. Host seconds of each
+    part: `last_timeline` (`ChunkTimeline`)."""
     n, steps, chunk = key[2], key[3], self.decode_chunk
     pre_fn, window_fn = self._chunk_programs(key)
+    clock = ChunkTimeline()
     pre_records, pre_routes, positions, prompt_len, carry = pre_fn(self.params, tokens, mask)
+    clock.lap("prefill_launch")
+    # The final host arrays now, their prompt pages committed by host threads while the device
+    # prefills (at 8k capacity on the H200, 48 layers, 255 prompts of 512: 5.6 GB of prompt
+    # guidance; prefill plus one step took 5.5 s, the prefill's kernels ~2.3 s; session 35)
+    guidance, commits = _host_guidance_arrays(pre_records, n, steps)
+    clock.lap("host_arrays")
     # The prompt's records come to host memory while the first window decodes, not before it
-    # is launched: at 8k capacity on the H200 (275 prompts of 512, 48 layers: 6 GB of
-    # guidance) prefill plus one step took 16 s of wall time, its kernels about 1.5 s (the
-    # 4-layer profile's prefill kernels times 12; session 13).
+    # is launched (session 13: prefill plus one step 16 s of wall time, kernels ~1.5 s).
     _start_host_copies(pre_records)
     p = int(tokens.shape[1])
-    windows, count, pending, guidance = [], -(-steps // chunk), None, None
+    windows, count, pending = [], -(-steps // chunk), None
 
     def land(bufs, ran):  # a finished window: its records into the final arrays, then dropped
-      nonlocal guidance, pre_records
+      nonlocal pre_records, commits
       records = _to_host(bufs["records"])
-      if guidance is None:
-        guidance, pre_records = _host_guidance(pre_records, records, n, steps), None
+      clock.lap("window_records_wait")
+      if pre_records is not None:
+        _wait_blocks(commits)
+        clock.lap("page_commit_wait")
+        _host_guidance(guidance, pre_records, n)
+        pre_records, commits = None, None
+        clock.lap("prompt_copy")
       _place_window(guidance, records, p + len(windows) * chunk, ran)
+      clock.lap("window_place")
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
     for i in range(count):
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
       _start_host_copies(bufs["records"])
+      clock.lap("window_launch")
       if i == 0:
         pre_records = _to_host(pre_records)
+        clock.lap("prompt_records_wait")
       if pending is not None:  # the previous window's copy overlaps this window's decoding
         land(*pending)
       done, s = _to_host((jnp.all(carry["done"]), carry["s"]))
+      clock.lap("window_wait")
       pending = bufs, int(s) - i * chunk  # the steps this window ran (it stops when all are done)
       if bool(done):
         break
     land(*pending)
     del pending
-    return _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
-                     _join_windows(windows, count, steps), n, steps, guidance=guidance)
+    out = _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
+                    _join_windows(windows, count, steps), n, steps, guidance=guidance)
+    clock.lap("assemble")
+    clock.windows = len(windows)
+    self.last_timeline = clock
+    return out
 
   def _check_capacity(self, rows: int, p: int) -> None:
     """CapacityError if `rows` sequences of prompt bucket `p` do not fit, naming the memory
