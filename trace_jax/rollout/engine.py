@@ -810,6 +810,13 @@ def _host_guidance(guidance, pre_records, n: int) -> None:
   _copy_blocks(copies)
 
 
+@jax.jit
+def _window_flags(done, s):
+  """Whether every row is done, and the step count: new arrays (a decode window's carry is
+  donated to the next window before the host reads these)."""
+  return jnp.all(done), s + 0
+
+
 def _to_host(tree):
   """Numpy copies of a tree's arrays in host memory. An array spread over several processes'
   devices (a multi-host mesh) is gathered, so every process holds the whole batch's values,
@@ -1076,9 +1083,16 @@ class RolloutEngine:
     clock.lap("host_arrays")
     # The prompt's records come to host memory while the first window decodes, not before it
     # is launched (session 13: prefill plus one step 16 s of wall time, kernels ~1.5 s).
-    _start_host_copies(pre_records)
     p = int(tokens.shape[1])
-    windows, count, pending = [], -(-steps // chunk), None
+    windows, count = [], -(-steps // chunk)
+
+    def launch(carry):  # a window, and its end flags read before the next launch donates carry
+      carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
+      clock.lap("window_dispatch")
+      flags = _window_flags(carry["done"], carry["s"])
+      _start_host_copies((bufs["records"], flags))
+      clock.lap("window_copies_start")
+      return carry, bufs, flags
 
     def land(bufs, ran):  # a finished window: its records into the final arrays, then dropped
       nonlocal pre_records, commits
@@ -1094,22 +1108,26 @@ class RolloutEngine:
       clock.lap("window_place")
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
+    # Window i + 1 is launched before the host learns whether window i finished every row, so
+    # the device never waits on the host between windows (a window launched after the last
+    # one runs no step and is dropped). The device holds two windows' records at once: the
+    # next one's launch comes after the previous one has landed.
+    carry, bufs, flags = launch(carry)
+    _start_host_copies(pre_records)
+    clock.lap("prompt_copies_start")
+    pre_records = _to_host(pre_records)
+    clock.lap("prompt_records_wait")
     for i in range(count):
-      carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
-      _start_host_copies(bufs["records"])
-      clock.lap("window_launch")
-      if i == 0:
-        pre_records = _to_host(pre_records)
-        clock.lap("prompt_records_wait")
-      if pending is not None:  # the previous window's copy overlaps this window's decoding
-        land(*pending)
-      done, s = _to_host((jnp.all(carry["done"]), carry["s"]))
+      nxt = launch(carry) if i + 1 < count else None
+      if nxt is not None:
+        carry = nxt[0]
+      done, s = _to_host(flags)
       clock.lap("window_wait")
-      pending = bufs, int(s) - i * chunk  # the steps this window ran (it stops when all are done)
-      if bool(done):
+      land(bufs, int(s) - i * chunk)  # the steps window i ran (it stops when all are done)
+      if bool(done) or nxt is None:
         break
-    land(*pending)
-    del pending
+      _, bufs, flags = nxt
+    del bufs, nxt
     out = _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
                     _join_windows(windows, count, steps), n, steps, guidance=guidance)
     clock.lap("assemble")
