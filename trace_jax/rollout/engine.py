@@ -1088,10 +1088,9 @@ class RolloutEngine:
 
     def launch(carry):  # a window, and its end flags read before the next launch donates carry
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
-      clock.lap("window_dispatch")
       flags = _window_flags(carry["done"], carry["s"])
-      _start_host_copies((bufs["records"], flags))
-      clock.lap("window_copies_start")
+      _start_host_copies(flags)
+      clock.lap("window_dispatch")
       return carry, bufs, flags
 
     def land(bufs, ran):  # a finished window: its records into the final arrays, then dropped
@@ -1110,14 +1109,19 @@ class RolloutEngine:
 
     # Window i + 1 is launched before the host learns whether window i finished every row, so
     # the device never waits on the host between windows (a window launched after the last
-    # one runs no step and is dropped). The device holds two windows' records at once: the
-    # next one's launch comes after the previous one has landed.
+    # one runs no step and is dropped). Window i's records start for host memory before that
+    # launch, once the host knows window i runs (window i - 1 had not ended every row): a copy
+    # started at every launch copied the dropped window's records too, a whole window of
+    # zeros (2.8 GB at the 8k-capacity shape; session 35). The device holds two windows'
+    # records at once: the next one's launch comes after the previous one has landed.
     carry, bufs, flags = launch(carry)
     _start_host_copies(pre_records)
     clock.lap("prompt_copies_start")
     pre_records = _to_host(pre_records)
     clock.lap("prompt_records_wait")
     for i in range(count):
+      _start_host_copies(bufs["records"])
+      clock.lap("window_copies_start")
       nxt = launch(carry) if i + 1 < count else None
       if nxt is not None:
         carry = nxt[0]
