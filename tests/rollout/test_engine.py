@@ -288,9 +288,11 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
     wall = time.perf_counter() - t0
     timeline = chunked.last_timeline.as_dict()  # where the host spent the call, by part
     assert timeline["windows"] == windows
-    assert {"prefill_launch", "host_arrays", "window_dispatch", "prompt_records_wait",
-            "page_commit_wait", "prompt_copy", "window_wait", "window_place",
+    assert {"prefill_launch", "host_arrays", "window_dispatch", "window_wait", "landing_wait",
             "assemble"} <= set(timeline["seconds"])
+    assert set(timeline["landing_seconds"]) == {  # the landing thread's parts
+        "prompt_records_wait", "page_commit_wait", "prompt_copy", "window_records_wait",
+        "window_place"}
     assert 0 < timeline["total_s"] <= wall
     leaves_b = jax.tree_util.tree_leaves(b.guidance)
     assert leaves_b and all(isinstance(x, np.ndarray) for x in leaves_b)

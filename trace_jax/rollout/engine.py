@@ -21,6 +21,8 @@ memory, in host memory too (`capacity_limits`, `plan_capacity`).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -756,12 +758,14 @@ def _wait_blocks(futures) -> None:
 
 @dataclasses.dataclass
 class ChunkTimeline:
-  """Host seconds of the chunked engine's parts in its last `generate` (`lap` adds the time
-  since the previous lap to a part): where a rollout waits on the device (prompt_records_wait,
-  window_wait, window_records_wait) and where on host copies (page_commit_wait, prompt_copy,
-  window_place). Time is counted when the host reaches a point, so work the device does while
-  the host copies shows up in no wait."""
+  """Host seconds of the chunked engine's parts in its last `generate`. seconds: the calling
+  thread's (`lap` adds the time since its previous lap to a part; they sum to the call's
+  time): launches, waits on the device (window_wait) and on the landing thread
+  (landing_wait). landing_seconds: the landing thread's, beside them (`timed`): waits for
+  records to reach host memory (prompt_records_wait, window_records_wait) and host copies
+  (page_commit_wait, prompt_copy, window_place)."""
   seconds: dict = dataclasses.field(default_factory=dict)
+  landing_seconds: dict = dataclasses.field(default_factory=dict)
   windows: int = 0
   _last: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
 
@@ -770,8 +774,18 @@ class ChunkTimeline:
     self.seconds[part] = self.seconds.get(part, 0.0) + now - self._last
     self._last = now
 
+  @contextlib.contextmanager
+  def timed(self, part: str):
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.landing_seconds[part] = (self.landing_seconds.get(part, 0.0)
+                                    + time.perf_counter() - t)
+
   def as_dict(self) -> dict:
     return {"seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            "landing_seconds": {k: round(v, 4) for k, v in self.landing_seconds.items()},
             "total_s": round(sum(self.seconds.values()), 4), "windows": self.windows}
 
 
@@ -1069,8 +1083,8 @@ class RolloutEngine:
 
   def _generate_chunked(self, key, tokens, mask, seq_keys, max_new, stop) -> Rollout:
     """Prefill, then windows of `decode_chunk` steps until every row is done; each window's
-    records are copied to host memory while the next window decodes. Host seconds of each
-    part: `last_timeline` (`ChunkTimeline`)."""
+    records are copied to host memory (by a landing thread) while the next window decodes.
+    Host seconds of each part: `last_timeline` (`ChunkTimeline`)."""
     n, steps, chunk = key[2], key[3], self.decode_chunk
     pre_fn, window_fn = self._chunk_programs(key)
     clock = ChunkTimeline()
@@ -1081,8 +1095,6 @@ class RolloutEngine:
     # guidance; prefill plus one step took 5.5 s, the prefill's kernels ~2.3 s; session 35)
     guidance, commits = _host_guidance_arrays(pre_records, n, steps)
     clock.lap("host_arrays")
-    # The prompt's records come to host memory while the first window decodes, not before it
-    # is launched (session 13: prefill plus one step 16 s of wall time, kernels ~1.5 s).
     p = int(tokens.shape[1])
     windows, count = [], -(-steps // chunk)
 
@@ -1093,45 +1105,52 @@ class RolloutEngine:
       clock.lap("window_dispatch")
       return carry, bufs, flags
 
-    def land(bufs, ran):  # a finished window: its records into the final arrays, then dropped
-      nonlocal pre_records, commits
-      records = _to_host(bufs["records"])
-      clock.lap("window_records_wait")
-      if pre_records is not None:
+    def land_prompt(pre_records):
+      with clock.timed("prompt_records_wait"):
+        pre_records = _to_host(pre_records)
+      with clock.timed("page_commit_wait"):
         _wait_blocks(commits)
-        clock.lap("page_commit_wait")
+      with clock.timed("prompt_copy"):
         _host_guidance(guidance, pre_records, n)
-        pre_records, commits = None, None
-        clock.lap("prompt_copy")
-      _place_window(guidance, records, p + len(windows) * chunk, ran)
-      clock.lap("window_place")
+
+    def land(i, bufs, flags):  # window i's records into the final arrays, then dropped
+      with clock.timed("window_records_wait"):
+        ran = int(_to_host(flags[1])) - i * chunk  # the steps it ran (it stops when all are done)
+        records = _to_host(bufs["records"])
+      with clock.timed("window_place"):
+        _place_window(guidance, records, p + i * chunk, ran)
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
+    # The host's blocking copies run on a landing thread, in order: the prompt's records, then
+    # each window's. On the H200 starting a copy to host memory blocked the caller about as
+    # long as the copy took (session 35: 5.6 GB of prompt records, 2.9-5.5 s; 2.8 GB a window,
+    # ~0.8 s), which kept the next window's launch, and the device, waiting.
     # Window i + 1 is launched before the host learns whether window i finished every row, so
     # the device never waits on the host between windows (a window launched after the last
-    # one runs no step and is dropped). Window i's records start for host memory before that
-    # launch, once the host knows window i runs (window i - 1 had not ended every row): a copy
-    # started at every launch copied the dropped window's records too, a whole window of
-    # zeros (2.8 GB at the 8k-capacity shape; session 35). The device holds two windows'
-    # records at once: the next one's launch comes after the previous one has landed.
-    carry, bufs, flags = launch(carry)
-    _start_host_copies(pre_records)
-    clock.lap("prompt_copies_start")
-    pre_records = _to_host(pre_records)
-    clock.lap("prompt_records_wait")
-    for i in range(count):
-      _start_host_copies(bufs["records"])
-      clock.lap("window_copies_start")
-      nxt = launch(carry) if i + 1 < count else None
-      if nxt is not None:
-        carry = nxt[0]
-      done, s = _to_host(flags)
-      clock.lap("window_wait")
-      land(bufs, int(s) - i * chunk)  # the steps window i ran (it stops when all are done)
-      if bool(done) or nxt is None:
-        break
-      _, bufs, flags = nxt
-    del bufs, nxt
+    # one runs no step and is neither landed nor copied). The device holds two windows' records
+    # at once: window i + 1 is launched once window i - 1 has landed.
+    lander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guidance_landing")
+    try:
+      carry, bufs, flags = launch(carry)
+      landed = [lander.submit(land_prompt, pre_records)]
+      del pre_records
+      for i in range(count):
+        if i:
+          landed[-1].result()  # window i - 1 has landed (the one landing thread goes in order)
+          clock.lap("landing_wait")
+        nxt = launch(carry) if i + 1 < count else None
+        landed.append(lander.submit(land, i, bufs, flags))
+        done = bool(_to_host(flags[0]))
+        clock.lap("window_wait")
+        if done or nxt is None:
+          break
+        carry, bufs, flags = nxt
+      del bufs, nxt, carry
+      for f in landed:
+        f.result()
+      clock.lap("landing_wait")
+    finally:
+      lander.shutdown(wait=True)
     out = _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
                     _join_windows(windows, count, steps), n, steps, guidance=guidance)
     clock.lap("assemble")
