@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -503,6 +503,24 @@ elif [ "$stage" = s30a ]; then
   for m in 64 128 256 512; do tok+=",moe_gateup_E128_K2048_N1536_M${m}_tokamax"; done
   expert_rows "64 128 256 512 2208" "auto auto_nosk" \
     ${tok#,},moe_down_E128_K768_N2048_M256_tokamax ${BK_TIMEOUT:-330} 40
+elif [ "$stage" = s36a ]; then
+  # (prepared in session 35, not run: the device time was spent) the chunked engine's landing
+  # on a landing thread (TRACE_JAX_GUIDANCE_LANDING=thread) against the calling thread (the
+  # default, s35c's rollout: 35.5 s): the 48-layer 8k-capacity rollout, each side in its own
+  # process, their host seconds by part printed. The first side's programs go to a persistent
+  # compilation cache for the second (a side took 250-330 s in session 35, ~150-210 s of it
+  # the first call's compile)
+  export TRACE_JAX_COMPILATION_CACHE=/tmp/jax_cache_s36a
+  for side in thread inline; do
+    limit=${SIDE_TIMEOUT:-330}; [ $side = inline ] && limit=${INLINE_TIMEOUT:-250}
+    TRACE_JAX_GUIDANCE_LANDING=$side cap8k_2048 $limit | sed "s/^/[$side] /"
+    python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+  print('first call s', r.get('first_call_s'), 'total s', r.get('total_s'))
+  for k, ts in (r.get('chunk_timelines') or {}).items():
+    for t in ts: print(k, json.dumps(t))" $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$side] /"
+    mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$side.json
+  done
 elif [ "$stage" = s35e ]; then
   # (session 35) the chunked engine's host copies on a landing thread: the 4-layer decode at the
   # 8k-capacity shape (s35a's flags: B 256, windows of 128), its timing line only (the profile
@@ -531,7 +549,9 @@ elif [ "$stage" = s35a ]; then
   # staggering, 465 -> 448 instructions a tile in the SASS): the Mosaic attention GPU tests (the
   # new one bit for bit against plain rows; the rest re-run with V in halves the default), then
   # bench_attention rows of plain and swizzled, the rollout-shaped live rows beside; then the
-  # 4-layer decode step with its prefill program's kernels (profile_decode's new prefill rows)
+  # 4-layer decode step with its prefill program's kernels (profile_decode's new prefill rows).
+  # Ran: the tests passed through the new one (the kv_words pair ran out of time); swizzled
+  # 3-6% slower on every row, removed (results/session35_h200_2026-12-04/code_smem_swizzled.patch)
   gpu_tests tests/kernels/test_attention_gpu.py "mosaic or kv_words" attn_mosaic \
     ${MOSAIC_TIMEOUT:-200}
   LIVE_KERNELS=stream LIVE=256x8192x1600,64x8192x1536,16x8192x2048 \

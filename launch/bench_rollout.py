@@ -188,13 +188,13 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   t_one = min(ones)
   _log(f"prefill + one step {', '.join(f'{t:.2f}' for t in ones)} s")
   for t in timelines.get("new_tokens_1", []):
-    _log("host seconds by part: " + json.dumps(t["seconds"]) + "; landing thread: "
+    _log("host seconds by part: " + json.dumps(t["seconds"]) + "; within the landing: "
          + json.dumps(t["landing_seconds"]))
   fulls, out = timed(gen_tokens, FLAGS.repeats)
   t_full = _median(fulls)
   _log(f"median {t_full:.2f} s")
   for t in timelines.get(f"new_tokens_{gen_tokens}", []):
-    _log("host seconds by part: " + json.dumps(t["seconds"]) + "; landing thread: "
+    _log("host seconds by part: " + json.dumps(t["seconds"]) + "; within the landing: "
          + json.dumps(t["landing_seconds"]))
   gen = int(np.sum(np.asarray(out.completion_mask)))
   guidance_per_token = out.guidance_bytes_per_token()

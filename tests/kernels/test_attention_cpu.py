@@ -399,9 +399,8 @@ def _lower_all(sds, b, s, kvh, h, hd):
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
       for heads, schedule in ((h, "stream"), (16 * kvh, "splits")):  # V in halves, 4 stages
-        # (and the code words in swizzled SMEM tiles)
         lowered = jax.jit(functools.partial(AM.decode_attention, schedule=schedule, stages=4,
-                                            v_halves=True, swizzled_codes=True)).trace(
+                                            v_halves=True)).trace(
             sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
                 lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()

@@ -178,14 +178,13 @@ def test_model_prefill_uses_the_kernel(monkeypatch):
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "overlap", "lazy_tau",
                                              "merge", "out_dtype", "schedule", "emulate",
-                                             "v_halves", "swizzled_codes"))
+                                             "v_halves"))
 def _mosaic(q, k, v, valid, splits=None, stages=None, overlap=False, lazy_tau=8.0, merge=True,
-            out_dtype=None, schedule=None, emulate=False, v_halves=None, swizzled_codes=None):
+            out_dtype=None, schedule=None, emulate=False, v_halves=None):
   from trace_jax.kernels import attention_mgpu
   return attention_mgpu.decode_attention(
       q, k, v, valid, splits=splits, stages=stages, overlap=overlap, lazy_tau=lazy_tau,
       merge=merge, out_dtype=out_dtype, schedule=schedule, v_halves=v_halves,
-      swizzled_codes=swizzled_codes,
       kernel_fn=attention_mgpu.emulate_stream_kernel if emulate else None)
 
 
@@ -304,26 +303,6 @@ def test_mosaic_v_halves(schedule, stages, g):
   got = _mosaic(q, k, v, lengths, stages=stages, v_halves=True, **kw)
   whole = _mosaic(q, k, v, lengths, stages=min(stages, 3), v_halves=False, **kw)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(whole))
-  assert relerr(got, jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)) < MOSAIC_TOL
-
-
-@pytest.mark.parametrize("schedule,g,overlap,placed", [
-    ("stream", 8, False, True), ("stream", 16, False, False), ("splits", 8, True, True),
-    ("splits", 5, False, True)])
-def test_mosaic_code_smem(schedule, g, overlap, placed):
-  """The pipeline stages' code words in swizzled SMEM tiles (TRACE_JAX_ATTN_CODE_SMEM=swizzled:
-  no staggered loads) give the plain rows' output bit for bit, float32 out, ragged rows, both
-  code packings, V decoded overlapped or not."""
-  b, s = 5, 1000
-  k, v = make_kv("nvfp4", (b, s, 4, 128), 31), make_kv("nvfp4", (b, s, 4, 128), 32)
-  if placed:
-    k, v = (jax.jit(functools.partial(tq.with_packing, packing="kv_words"))(x) for x in (k, v))
-  q = jax.random.normal(jax.random.key(33), (b, 4 * g, 128), jnp.float32).astype(jnp.bfloat16)
-  lengths = jnp.asarray([1000, 640, 63, 65, 1])
-  kw = dict(schedule=schedule, overlap=overlap, out_dtype=jnp.float32)
-  got = _mosaic(q, k, v, lengths, swizzled_codes=True, **kw)
-  np.testing.assert_array_equal(np.asarray(got),
-                                np.asarray(_mosaic(q, k, v, lengths, swizzled_codes=False, **kw)))
   assert relerr(got, jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)) < MOSAIC_TOL
 
 

@@ -272,25 +272,30 @@ def test_sync_shares_unchanged_master_arrays():
     eng.generate(PROMPTS, sampling=s)
 
 
-def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
+def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypatch):
   """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
-  host memory per window. Same tokens, logprobs, routes and guidance bits as the one-program
-  engine, also when every row stops early (a window left out) and with GRPO samples."""
+  host memory per window, landed inline or on a landing thread (`GUIDANCE_LANDING`). Same
+  tokens, logprobs, routes and guidance bits as the one-program engine, also when every row
+  stops early (a window left out) and with GRPO samples."""
+  from trace_jax.rollout import engine as engine_module
   one = _engine("paper")
   chunked = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
                           decode_chunk=4)
   chunked.sync(_params())
   s = SamplingParams(temperature=1.0)
-  for kw, windows in ((dict(n=2), 2), (dict(n=2, max_new_tokens=[3, 2]), 1)):
+  for kw, windows, landing in ((dict(n=2), 2, "inline"), (dict(n=2), 2, "thread"),
+                               (dict(n=2, max_new_tokens=[3, 2]), 1, "inline"),
+                               (dict(n=2, max_new_tokens=[3, 2]), 1, "thread")):
     a = one.generate(PROMPTS, sampling=s, seed=3, **kw)
+    monkeypatch.setattr(engine_module, "GUIDANCE_LANDING", landing)
     t0 = time.perf_counter()
     b = chunked.generate(PROMPTS, sampling=s, seed=3, **kw)
     wall = time.perf_counter() - t0
     timeline = chunked.last_timeline.as_dict()  # where the host spent the call, by part
     assert timeline["windows"] == windows
-    assert {"prefill_launch", "host_arrays", "window_dispatch", "window_wait", "landing_wait",
+    assert {"prefill_launch", "host_arrays", "window_dispatch", "window_wait", "landing",
             "assemble"} <= set(timeline["seconds"])
-    assert set(timeline["landing_seconds"]) == {  # the landing thread's parts
+    assert set(timeline["landing_seconds"]) == {  # within the landing, by part
         "prompt_records_wait", "page_commit_wait", "prompt_copy", "window_records_wait",
         "window_place"}
     assert 0 < timeline["total_s"] <= wall
@@ -303,6 +308,14 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else():
                            a.guidance, b.guidance)
     for f in ("tokens", "token_mask", "positions", "completion_mask", "logprobs", "routes"):
       np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
+  # A landing's error reaches the caller, from the landing thread too.
+  def broken(*args):
+    raise RuntimeError("landing failed")
+  monkeypatch.setattr(engine_module, "_place_window", broken)
+  for landing in ("inline", "thread"):
+    monkeypatch.setattr(engine_module, "GUIDANCE_LANDING", landing)
+    with pytest.raises(RuntimeError, match="landing failed"):
+      chunked.generate(PROMPTS, sampling=s, seed=3, n=2)
   # Device memory: the prompt's and one window's guidance instead of the whole sequence's.
   cfg = M.qwen3_30b_a3b(12)
   policy = tq.make_policy("paper")

@@ -152,24 +152,6 @@ AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "of
 V_HALVES = choice_setting("TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves")) == "halves"
 
 
-# How a pipeline stage holds the K and V code words in SMEM: "plain" (row-major [64 tokens, 64
-# words], as the cache) or "swizzled" (tiles of 8 x 8 words, 32-byte swizzle). A warpgroup
-# loads its 16-word column block in the wgmma layout; from plain rows Mosaic's transfer plan
-# staggers half the lanes to avoid SMEM bank conflicts and selects the words back (8 `SEL`s
-# for K and 8 for V a tile); from the swizzled tiles the plain transfer has no conflicts (SASS,
-# B 256 x 2,048: 465 -> 448 instructions a tile up to the last wgmma). Not yet run on a GPU:
-# TRACE_JAX_ATTN_CODE_SMEM=swizzled opts in (its GPU test: `test_mosaic_code_smem`)
-CODE_SMEM = choice_setting("TRACE_JAX_ATTN_CODE_SMEM", "plain", ("plain", "swizzled"))
-
-
-def _code_transforms(swizzled: bool) -> tuple:
-  """The code words' SMEM transforms of a pipeline stage (`CODE_SMEM`)."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  if not swizzled:
-    return ()
-  return plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)
-
-
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
 # a run of (row, tile) units crossing rows) or "splits" (`mgpu_decode_kernel`: a CTA per row and
 # split of the cache). Stream: the 48-layer FP4 decode step at 8k capacity 19.93 -> 18.17 ms on
@@ -738,13 +720,12 @@ def _compiler_params(auto_barriers: bool):
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
                                              "v_factor", "overlap", "lazy_tau", "heads",
-                                             "out_dtype", "placed", "v_halves",
-                                             "swizzled_codes"))
+                                             "out_dtype", "placed", "v_halves"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
                        heads: int | None = None, out_dtype=jnp.bfloat16, placed: bool = False,
-                       v_halves: bool = False, swizzled_codes: bool = False):
+                       v_halves: bool = False):
   """The raw kernel, split schedule: CTA (row, split) runs tiles [split * split_tiles, ...) of
   its row. kt int32 [B]: 64-token tiles each row needs (through its last visible slot; later
   tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
@@ -769,8 +750,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   (`_split_merger`) and return a third output, the attention `[B, 4 * heads, 128]` in
   out_dtype (bfloat16 or float32), logical head_dim order; the partials are then its scratch
   (written only where a row has more than one live split). v_halves: decoded V through SMEM
-  one head_dim half at a time (`V_HALVES`; not with overlap). swizzled_codes: the stages'
-  code words in swizzled tiles (`CODE_SMEM`)."""
+  one head_dim half at a time (`V_HALVES`; not with overlap)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax import lax
@@ -832,13 +812,11 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
                   red_smem, vote_smem, carry)
 
     row = lambda i: (t0 + i, 0)  # noqa: E731
-    codes_t = _code_transforms(swizzled_codes)
     # the split's needed tiles only: a dynamic grid (a static one over split_tiles made the
     # row's last live split wait for an (L2) load of each tile past the row's end)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(jnp.clip(need - t0, 0, split_tiles),), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((TILE, 64), row, transforms=codes_t),
-                  plgpu.BlockSpec((TILE, 64), row, transforms=codes_t),
+        in_specs=[plgpu.BlockSpec((TILE, 64), row), plgpu.BlockSpec((TILE, 64), row),
                   plgpu.BlockSpec((TILE, 8), row), plgpu.BlockSpec((TILE, 8), row),
                   plgpu.BlockSpec((TILE, KV_HEADS), row), plgpu.BlockSpec((TILE, KV_HEADS), row),
                   plgpu.BlockSpec((TILE,), lambda i: (t0 + i,))],
@@ -922,13 +900,11 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
-                                             "heads", "out_dtype", "placed", "v_halves",
-                                             "swizzled_codes"))
+                                             "heads", "out_dtype", "placed", "v_halves"))
 def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                        v_factor: float, heads: int, stages: int = 2,
                        lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                       placed: bool = False, v_halves: bool = False,
-                       swizzled_codes: bool = False):
+                       placed: bool = False, v_halves: bool = False):
   """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
   of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
   length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
@@ -1007,13 +983,11 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
         memo[id(i)] = (i, _unit_row_tile(entry(i)))
       return memo[id(i)][1]
 
-    spec = lambda cols, t=(): plgpu.BlockSpec(  # noqa: E731
-        (None, TILE, cols), lambda i: (*tile_of(i), 0), transforms=t)
-    codes_t = _code_transforms(swizzled_codes)
+    spec = lambda cols: plgpu.BlockSpec(  # noqa: E731
+        (None, TILE, cols), lambda i: (*tile_of(i), 0))
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(n,), memory_registers=40,
-        in_specs=[spec(64, codes_t), spec(64, codes_t), spec(8), spec(8), spec(KV_HEADS),
-                  spec(KV_HEADS),
+        in_specs=[spec(64), spec(64), spec(8), spec(8), spec(KV_HEADS), spec(KV_HEADS),
                   plgpu.BlockSpec((None, TILE), tile_of)],
         wg_axis="wg", num_compute_wgs=KV_HEADS, max_concurrent_steps=stages,
         compute_context=compute_context)
@@ -1096,15 +1070,14 @@ def _to_kernel_layout(m, l, o):
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
                    lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
-                   out_dtype=jnp.bfloat16, placed: bool = False, v_halves: bool = False,
-                   swizzled_codes: bool = False):
+                   out_dtype=jnp.bfloat16, placed: bool = False, v_halves: bool = False):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order (un-placing "kv_words"), multiplies in the kernel's physical head_dim
   order, runs the same online softmax per 64-token tile (tiles at or past `kt` leave the state
   as it is), and with `heads` the merged output (`merge_partials`, the combine the in-kernel
   merge equals). Lets CPU tests cover the plumbing around the kernel."""
   # (the order of the softmax sum, and of the kernel's work, not modelled)
-  del stages, overlap, v_halves, swizzled_codes
+  del stages, overlap, v_halves
   b = kc.shape[0]
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,
                                           n_splits * split_tiles * TILE, k_factor, v_factor,
@@ -1132,14 +1105,13 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
                           v_factor: float, heads: int, stages: int = 2,
                           lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                          placed: bool = False, v_halves: bool = False,
-                          swizzled_codes: bool = False):
+                          placed: bool = False, v_halves: bool = False):
   """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
   every CTA steps through its units (all CTAs at once, a scan over steps), skips empty ones,
   and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
   row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
   writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
-  del stages, v_halves, swizzled_codes  # (the order of the work, not modelled)
+  del stages, v_halves  # (the order of the work, not modelled)
   b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
@@ -1249,14 +1221,14 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
                      splits: int | None = None, stages: int | None = None, overlap: bool = False,
                      lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
                      schedule: str | None = None, v_halves: bool | None = None,
-                     swizzled_codes: bool | None = None, kernel_fn=None) -> jax.Array:
+                     kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
   (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
   splits, overlap, or XLA's merge ask for the split kernel). overlap: see
   `mgpu_decode_kernel`. merge: the split combine in the kernel (else XLA's, after it).
   v_halves: decoded V through SMEM in halves (None: `V_HALVES`, whole with overlap or XLA's
-  merge). swizzled_codes: the stages' code words in swizzled tiles (None: `CODE_SMEM`).
+  merge).
   kernel_fn replaces the kernel (tests pass `emulate_kernel` / `emulate_stream_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
@@ -1279,8 +1251,6 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
                      f"{1 << (31 - _UNIT_ROW_SHIFT)} rows, not {s} x {b}")
   if v_halves is None:
     v_halves = default_v_halves(overlap, merge)
-  if swizzled_codes is None:
-    swizzled_codes = CODE_SMEM == "swizzled"
   fit = max_stages(query_lanes(g), merge, v_halves)
   if stages is None:
     stages = min(STAGES, fit)
@@ -1313,14 +1283,13 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
         units, rows, qp, kc, vc, ks, vs, kg, vg, vf,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
         v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, placed=placed,
-        v_halves=v_halves, swizzled_codes=swizzled_codes)
+        v_halves=v_halves)
     return res[2].astype(out_dtype)
   res = (kernel_fn or mgpu_decode_kernel)(
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
       stages=stages, overlap=overlap, lazy_tau=lazy_tau,
       k_factor=float(2 ** ROW_SHIFT * scale * LOG2E), v_factor=float(2 ** ROW_SHIFT),
-      heads=g if merge else None, out_dtype=kernel_dtype, placed=placed, v_halves=v_halves,
-      swizzled_codes=swizzled_codes)
+      heads=g if merge else None, out_dtype=kernel_dtype, placed=placed, v_halves=v_halves)
   if merge:
     return res[2].astype(out_dtype)
   o, ml = res

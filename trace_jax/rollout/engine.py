@@ -759,11 +759,12 @@ def _wait_blocks(futures) -> None:
 @dataclasses.dataclass
 class ChunkTimeline:
   """Host seconds of the chunked engine's parts in its last `generate`. seconds: the calling
-  thread's (`lap` adds the time since its previous lap to a part; they sum to the call's
-  time): launches, waits on the device (window_wait) and on the landing thread
-  (landing_wait). landing_seconds: the landing thread's, beside them (`timed`): waits for
-  records to reach host memory (prompt_records_wait, window_records_wait) and host copies
-  (page_commit_wait, prompt_copy, window_place)."""
+  thread's (`lap` adds the time since its previous lap to a part; they sum to the call's time):
+  launches, waits on the device (window_wait), landing (records into the final arrays: inline,
+  or waits on the landing thread, `GUIDANCE_LANDING`). landing_seconds: within the landing, on
+  whichever thread lands (`timed`): waits for records to reach host memory
+  (prompt_records_wait, window_records_wait) and host copies (page_commit_wait, prompt_copy,
+  window_place)."""
   seconds: dict = dataclasses.field(default_factory=dict)
   landing_seconds: dict = dataclasses.field(default_factory=dict)
   windows: int = 0
@@ -822,6 +823,23 @@ def _host_guidance(guidance, pre_records, n: int) -> None:
         for j in range(n):
           copies.append((dst, (slice(j, None, n), slice(0, src.shape[1])), src))
   _copy_blocks(copies)
+
+
+# Where the chunked engine lands guidance (host copies into the final arrays): "inline", on the
+# calling thread (each window's copies started at its launch), or "thread", on a landing thread
+# of its own (copies started there; the window dropped after the last one is never copied).
+# Inline measured on the H200 (session 35); thread only at 4 layers, where it was no faster.
+GUIDANCE_LANDING = choice_setting("TRACE_JAX_GUIDANCE_LANDING", "inline", ("inline", "thread"))
+
+
+def _run_now(fn, *args) -> concurrent.futures.Future:
+  """fn(*args) on the calling thread, as a finished future (inline landing)."""
+  f = concurrent.futures.Future()
+  try:
+    f.set_result(fn(*args))
+  except BaseException as e:  # noqa: BLE001 - raised again at .result(), as a thread's would be
+    f.set_exception(e)
+  return f
 
 
 @jax.jit
@@ -1083,8 +1101,8 @@ class RolloutEngine:
 
   def _generate_chunked(self, key, tokens, mask, seq_keys, max_new, stop) -> Rollout:
     """Prefill, then windows of `decode_chunk` steps until every row is done; each window's
-    records are copied to host memory (by a landing thread) while the next window decodes.
-    Host seconds of each part: `last_timeline` (`ChunkTimeline`)."""
+    records are copied to host memory while the next window decodes. Host seconds of each
+    part: `last_timeline` (`ChunkTimeline`)."""
     n, steps, chunk = key[2], key[3], self.decode_chunk
     pre_fn, window_fn = self._chunk_programs(key)
     clock = ChunkTimeline()
@@ -1095,18 +1113,22 @@ class RolloutEngine:
     # guidance; prefill plus one step took 5.5 s, the prefill's kernels ~2.3 s; session 35)
     guidance, commits = _host_guidance_arrays(pre_records, n, steps)
     clock.lap("host_arrays")
+    # The prompt's records come to host memory while the first window decodes, not before it
+    # is launched (session 13: prefill plus one step 16 s of wall time, kernels ~1.5 s).
     p = int(tokens.shape[1])
     windows, count = [], -(-steps // chunk)
+    thread = GUIDANCE_LANDING == "thread"
 
     def launch(carry):  # a window, and its end flags read before the next launch donates carry
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
       flags = _window_flags(carry["done"], carry["s"])
-      _start_host_copies(flags)
+      _start_host_copies(flags if thread else (bufs["records"], flags))
       clock.lap("window_dispatch")
       return carry, bufs, flags
 
     def land_prompt(pre_records):
       with clock.timed("prompt_records_wait"):
+        _start_host_copies(pre_records)
         pre_records = _to_host(pre_records)
       with clock.timed("page_commit_wait"):
         _wait_blocks(commits)
@@ -1115,31 +1137,40 @@ class RolloutEngine:
 
     def land(i, bufs, flags):  # window i's records into the final arrays, then dropped
       with clock.timed("window_records_wait"):
-        ran = int(_to_host(flags[1])) - i * chunk  # the steps it ran (it stops when all are done)
+        if thread:
+          _start_host_copies(bufs["records"])
         records = _to_host(bufs["records"])
+        ran = int(_to_host(flags[1])) - i * chunk  # the steps it ran (it stops when all are done)
       with clock.timed("window_place"):
         _place_window(guidance, records, p + i * chunk, ran)
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
-    # The host's blocking copies run on a landing thread, in order: the prompt's records, then
-    # each window's. On the H200 starting a copy to host memory blocked the caller about as
-    # long as the copy took (session 35: 5.6 GB of prompt records, 2.9-5.5 s; 2.8 GB a window,
-    # ~0.8 s), which kept the next window's launch, and the device, waiting.
     # Window i + 1 is launched before the host learns whether window i finished every row, so
-    # the device never waits on the host between windows (a window launched after the last
-    # one runs no step and is neither landed nor copied). The device holds two windows' records
-    # at once: window i + 1 is launched once window i - 1 has landed.
+    # the device does not wait on the host between windows (a window launched after the last
+    # one runs no step and is dropped). The device holds two windows' records at once: the
+    # next one's launch comes after the previous one has landed. On the H200 (48 layers, 8k
+    # capacity, 255 x 2,048 tokens) the rollout took 35.5 s, 39.3 s launching each window
+    # after the host had read that the last one had not ended (session 35). Starting a copy to
+    # host memory there blocked the caller for about as long as the copy (5.6 GB of prompt
+    # records: 2.9-5.5 s), so each window's copies start right after its launch: started
+    # before the next window's launch instead, the rollout took 36.4 s (the copies of the
+    # dropped window after the last one, 2.8 GB of zeros, are the price). With
+    # GUIDANCE_LANDING "thread" the landing (copies started and awaited, records placed) runs
+    # on a thread of its own, in order, and the dropped window is never copied.
     lander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guidance_landing")
+    submit = lander.submit if thread else _run_now
     try:
       carry, bufs, flags = launch(carry)
-      landed = [lander.submit(land_prompt, pre_records)]
+      landed = [submit(land_prompt, pre_records)]
       del pre_records
+      clock.lap("landing")
       for i in range(count):
         if i:
-          landed[-1].result()  # window i - 1 has landed (the one landing thread goes in order)
-          clock.lap("landing_wait")
+          landed[-1].result()  # window i - 1 has landed (one landing thread: in order)
+          clock.lap("landing")
         nxt = launch(carry) if i + 1 < count else None
-        landed.append(lander.submit(land, i, bufs, flags))
+        landed.append(submit(land, i, bufs, flags))
+        clock.lap("landing")
         done = bool(_to_host(flags[0]))
         clock.lap("window_wait")
         if done or nxt is None:
@@ -1148,7 +1179,7 @@ class RolloutEngine:
       del bufs, nxt, carry
       for f in landed:
         f.result()
-      clock.lap("landing_wait")
+      clock.lap("landing")
     finally:
       lander.shutdown(wait=True)
     out = _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
