@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -92,6 +92,9 @@ expert_rows() {
 attention_side_rows() {
   local root=$PWD envs=""
   [ $1 = old ] && root=$PWD/ab_old
+  # (session 35) the tree with V's decoded registers fed to the PV wgmma as its A operand, no
+  # V through SMEM (wrong results; a timing probe made by stage s36b in /tmp/attn_probe)
+  [ $1 = v_registers_probe ] && root=/tmp/attn_probe
   [ $1 = exact_max ] && envs=TRACE_JAX_ATTN_LAZY_MAX=off
   [ $1 = xla_merge ] && envs=TRACE_JAX_ATTN_MERGE=xla
   [ $1 = stages2 ] && envs=TRACE_JAX_ATTN_STAGES=2
@@ -521,6 +524,28 @@ for r in json.load(open(sys.argv[1]))['results']:
     for t in ts: print(k, json.dumps(t))" $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$side] /"
     mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$side.json
   done
+elif [ "$stage" = s36c ]; then
+  # (prepared in session 35, not run) how the guidance's copies to host memory go on the H200
+  # (bench_host_copy: 5.6 GB in 1,000 arrays, the prompt's at the 8k-capacity shape): plain,
+  # started async, on arrays still being made, via pinned host memory, and on another thread
+  # (does this thread keep running?); then s36b
+  timeout -k 5 ${HC_TIMEOUT:-150} python3 benchmarks/bench_host_copy.py --total_gb 5.6 \
+    --arrays 1000 --busy_s 2 --out $OUT/bench_host_copy.json 2>&1 | grep -v "^I1\|^W1" | tail -8
+  bash $0 s36b_inner
+elif [ "$stage" = s36b ]; then
+  # (prepared in session 35, not run) what V^T as registers would give the decode attention:
+  # a timing probe (session 35's attn_v_registers_probe.patch, applied to a copy of the tree in
+  # /tmp/attn_probe) feeds V's decoded registers, as [64 tokens, 64 hd], straight to the PV
+  # wgmma as [64 hd, 64 tokens]: its results are wrong, its instruction mix is that of a cache
+  # whose V codes decode to V^T (no V SMEM stores, fences or wait between the halves; SASS:
+  # 465 -> 455 instructions a tile, STSM 9 -> 1), less the per-token scales such a cache would
+  # need. Against the default, the rollout-shaped live rows beside
+  rm -rf /tmp/attn_probe && mkdir -p /tmp/attn_probe && cp -r trace_jax /tmp/attn_probe/ && \
+    (cd /tmp/attn_probe && git apply $OLDPWD/benchmarks/results/session35_h200_2026-12-04/attn_v_registers_probe.patch \
+      || patch -p1 < $OLDPWD/benchmarks/results/session35_h200_2026-12-04/attn_v_registers_probe.patch) \
+    && grep -c "TIMING PROBE" /tmp/attn_probe/trace_jax/kernels/attention_mgpu.py
+  LIVE_KERNELS=stream LIVE=256x8192x1600,64x8192x1536,16x8192x2048 \
+    attention_ab "new v_registers_probe" 8 ${BENCH_TIMEOUT:-95}
 elif [ "$stage" = s35e ]; then
   # (session 35) the chunked engine's host copies on a landing thread: the 4-layer decode at the
   # 8k-capacity shape (s35a's flags: B 256, windows of 128), its timing line only (the profile
