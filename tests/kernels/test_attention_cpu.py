@@ -628,3 +628,15 @@ def test_layers_share_one_kernel(monkeypatch):
       sds((b, h, hd), jnp.bfloat16), kv, kv, kv, kv, sds((b, s), jnp.bool_),
       sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("call @__gpu$xla.gpu.triton") == 2  # one decode, one prefill kernel
+
+
+def test_head_dim_permutation_as_transpositions():
+  """q's physical head_dim order (`_to_physical`, a transposition XLA can fuse) is indexing by
+  `PHYS_TO_LOGICAL`, and the output's way back (`_to_logical`) inverts it."""
+  from trace_jax.kernels import attention_mgpu as AM
+  x = np.random.default_rng(0).standard_normal((2, 4, 3, 128)).astype(np.float32)
+  phys = np.asarray(AM._to_physical(jnp.asarray(x)))
+  np.testing.assert_array_equal(phys, x[..., AM.PHYS_TO_LOGICAL])
+  # _to_logical takes the kernel's [B, 4, 2, 64 physical, g] layout
+  kernel_out = jnp.asarray(phys).reshape(2, 4, 3, 2, 64).transpose(0, 1, 3, 4, 2)
+  np.testing.assert_array_equal(np.asarray(AM._to_logical(kernel_out)), x.reshape(2, 12, 128))
