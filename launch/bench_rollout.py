@@ -385,7 +385,8 @@ def main(argv):
                          floor_step_ms="ms at the given bandwidth",
                          floor_over_measured="fraction of the bytes-moved floor reached "
                                              "by the decode step (whole rollout - one-token "
-                                             "rollout)",
+                                             "rollout; a slower one-token call makes it "
+                                             "larger: session 35)",
                          rollout_floor_over_measured="the floor's steps over the whole timed "
                                                      "rollout (prefill included)",
                          sync_s="s, first weight sync (compile included)",
@@ -416,7 +417,8 @@ def main(argv):
         save()
         print(f"[{time.perf_counter() - t0:7.1f} s] " + json.dumps(
             {k: row.get(k) for k in ("policy", "path", "batch", "tokens_per_s",
-                                     "decode_step_ms", "floor_over_measured", "error")}),
+                                     "decode_step_ms", "floor_over_measured",
+                                     "rollout_floor_over_measured", "error")}),
             flush=True)
     if FLAGS.hf_peer and b != "capacity":
       try:
@@ -426,7 +428,7 @@ def main(argv):
         pass
   out = save()
   print(f"{'policy':10s} {'path':9s} {'B':>4s} {'tok/s':>10s} {'step ms':>9s} "
-        f"{'floor ms':>9s} {'of floor':>8s} {'peak GB':>8s}")
+        f"{'floor ms':>9s} {'of floor':>8s} {'rollout':>8s} {'peak GB':>8s}")
   for r in rows:
     if "error" in r:
       print(f"{r['policy']:10s} {r.get('path', ''):9s} {str(r['batch']):>4s} error: "
@@ -438,6 +440,7 @@ def main(argv):
           f"{r.get('decode_step_ms', float('nan')):9.2f} "
           f"{r.get('floor_step_ms', float('nan')):9.3f} "
           f"{r.get('floor_over_measured', float('nan')):8.2f} "
+          f"{r.get('rollout_floor_over_measured', float('nan')):8.2f} "
           f"{(peak or float('nan')) / 1e9:8.1f}")
   for a in out["path_agreement"]:
     print(f"kernels vs xla {a['policy']} B={a['batch']}: same tokens {a['same_token_frac']:.3f}, "
