@@ -829,6 +829,7 @@ def _host_guidance(guidance, pre_records, n: int) -> None:
 # calling thread (each window's copies started at its launch), or "thread", on a landing thread
 # of its own (copies started there; the window dropped after the last one is never copied).
 # Inline measured on the H200 (session 35); thread only at 4 layers, where it was no faster.
+# With several processes the landing is inline whatever this says.
 GUIDANCE_LANDING = choice_setting("TRACE_JAX_GUIDANCE_LANDING", "inline", ("inline", "thread"))
 
 
@@ -1117,7 +1118,9 @@ class RolloutEngine:
     # is launched (session 13: prefill plus one step 16 s of wall time, kernels ~1.5 s).
     p = int(tokens.shape[1])
     windows, count = [], -(-steps // chunk)
-    thread = GUIDANCE_LANDING == "thread"
+    # (several processes land inline: a landing thread's gathers of records spread over
+    # processes are collectives, which must keep their order against the windows' launches)
+    thread = GUIDANCE_LANDING == "thread" and jax.process_count() == 1
 
     def launch(carry):  # a window, and its end flags read before the next launch donates carry
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
