@@ -107,7 +107,8 @@ attention_side_rows() {
   # d5e988d; deferred PV products (defer, splits_defer) were removed after s23a (slower): a40d25d
   # (session 34) decoded V through SMEM one head_dim half at a time: 32 KB less, a 4th stage
   [ $1 = v_halves3 ] && envs="TRACE_JAX_ATTN_V_SMEM=halves TRACE_JAX_ATTN_STAGES=3"
-  # (session 34, prepared) the code words in swizzled SMEM tiles: no staggered loads
+  # (session 34) the code words in swizzled SMEM tiles: no staggered loads; 3-6% slower and
+  # removed in session 35: this side needs bf68a96 (or code_smem_swizzled.patch)
   [ $1 = code_swizzled ] && envs=TRACE_JAX_ATTN_CODE_SMEM=swizzled
   [ $1 = v_halves4 ] && envs="TRACE_JAX_ATTN_V_SMEM=halves TRACE_JAX_ATTN_STAGES=4"
   [ $1 = auto_barriers ] && envs=TRACE_JAX_ATTN_AUTO_BARRIERS=on

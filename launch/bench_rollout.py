@@ -176,6 +176,11 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
         timelines.setdefault(f"new_tokens_{max_new}", []).append(engine.last_timeline.as_dict())
     return ts, out
 
+  def log_timelines(max_new):
+    for t in timelines.get(f"new_tokens_{max_new}", []):
+      _log("host seconds by part: " + json.dumps(t["seconds"]) + "; within the landing: "
+           + json.dumps(t["landing_seconds"]))
+
   _log("compiling")
   # max_new is an argument of the compiled program: one token compiles and warms up the same
   # program as a whole rollout does, without paying for one (a 48-layer row's budget)
@@ -187,15 +192,11 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   ones = timed(1, FLAGS.one_token_repeats)[0]
   t_one = min(ones)
   _log(f"prefill + one step {', '.join(f'{t:.2f}' for t in ones)} s")
-  for t in timelines.get("new_tokens_1", []):
-    _log("host seconds by part: " + json.dumps(t["seconds"]) + "; within the landing: "
-         + json.dumps(t["landing_seconds"]))
+  log_timelines(1)
   fulls, out = timed(gen_tokens, FLAGS.repeats)
   t_full = _median(fulls)
   _log(f"median {t_full:.2f} s")
-  for t in timelines.get(f"new_tokens_{gen_tokens}", []):
-    _log("host seconds by part: " + json.dumps(t["seconds"]) + "; within the landing: "
-         + json.dumps(t["landing_seconds"]))
+  log_timelines(gen_tokens)
   gen = int(np.sum(np.asarray(out.completion_mask)))
   guidance_per_token = out.guidance_bytes_per_token()
   completion = np.asarray(out.completion)

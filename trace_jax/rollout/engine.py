@@ -717,7 +717,6 @@ _copy_pool = None
 def _pool():
   global _copy_pool
   if _copy_pool is None:
-    import concurrent.futures
     _copy_pool = concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1),
                                                        thread_name_prefix="guidance_copy")
   return _copy_pool
