@@ -2,15 +2,20 @@
 chunked rollout engine moves its TRACE guidance to host memory window by window (at the
 8k-capacity shape, 48 layers: 5.6 GB of prompt records, then 2.8 GB a window, in ~1,000 arrays
 each), and session 35 saw `copy_to_host_async` block its caller for about as long as a copy
-took. Rows (each on fresh arrays, values checked on arrival):
+took; on the H200 every way ran at 1.0-1.6 GB/s (session 36). Rows (each on fresh arrays,
+values checked on arrival):
 
-- `asarray`: `np.asarray` of each array in turn;
+- `host_touch`: no device: one thread filling new host memory (its pages committed as it
+  goes), the rate a copy into fresh host memory cannot beat;
+- `asarray`, `asarray_again`: `np.asarray` of each array in turn (again: after the first
+  round's host arrays are freed); `one_array`: the same bytes as one array;
 - `async_then_asarray`: `copy_to_host_async` on every array (start_s: how long those calls
   took), then `np.asarray` of each (wait_s);
 - `pending_async`: the same on arrays a still-running program is producing (`busy_s` of device
   work launched just before): start_s near busy_s means the start waits for the producer;
-- `pinned_host`: `jax.device_put` to the device's pinned host memory (where it has one), then
-  `np.asarray` of each;
+- `pinned_host`, `pinned_host_again`: `jax.device_put` to the device's pinned host memory
+  (where it has one), then `np.asarray` of each, then a copy into host memory committed
+  beforehand (`place_s`); `pinned_pending`: the put on arrays a running program is producing;
 - `thread_gil`: `async_then_asarray` on another thread while this one counts loop iterations:
   `main_rate` is their rate against the rate alone (1: the copies hold no GIL).
 
@@ -88,11 +93,25 @@ def run(total_gb: float, arrays: int, busy_s: float) -> list:
     print(f"{name:20s} {gb:6.2f} GB in {seconds:7.3f} s = {gb / seconds:6.2f} GB/s "
           f"{json.dumps(extra)} values {'ok' if ok else 'WRONG'}", flush=True)
 
-  xs = _arrays(arrays, per, 1)
   t = time.perf_counter()
-  host = [np.asarray(x) for x in xs]
-  row("asarray", time.perf_counter() - t, _check(host, per, 1))
-  del xs, host
+  touched = np.empty(per * arrays, np.uint8)
+  touched.fill(1)  # one thread committing fresh pages: what a copy into new host memory pays
+  row("host_touch", time.perf_counter() - t, bool(touched[-1] == 1))
+  del touched
+
+  for name, salt in (("asarray", 1), ("asarray_again", 11)):  # (again: freed memory reused?)
+    xs = _arrays(arrays, per, salt)
+    t = time.perf_counter()
+    host = [np.asarray(x) for x in xs]
+    row(name, time.perf_counter() - t, _check(host, per, salt))
+    del xs, host
+
+  one = jnp.concatenate(_arrays(arrays, per, 12))  # (made in pieces: int32 element indices)
+  jax.block_until_ready(one)
+  t = time.perf_counter()
+  host = np.asarray(one)
+  row("one_array", time.perf_counter() - t, _check(host.reshape(arrays, per), per, 12))
+  del one, host
 
   def async_then_asarray(xs):
     t = time.perf_counter()
@@ -118,20 +137,37 @@ def run(total_gb: float, arrays: int, busy_s: float) -> list:
   start, wait, host = async_then_asarray(xs)
   row("pending_async", launched + start + wait, _check(host, per, 3), busy_s=busy_s,
       launch_s=launched, start_s=start, wait_s=wait)
-  del xs, host, y
+  del xs, host
 
   dev = jax.devices()[0]
   kinds = {m.kind for m in dev.addressable_memories()}
   if "pinned_host" in kinds:
-    xs = _arrays(arrays, per, 4)
     sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    t = time.perf_counter()
-    pinned = jax.block_until_ready(jax.device_put(xs, sharding))
-    put = time.perf_counter() - t
-    host = [np.asarray(x) for x in pinned]
-    row("pinned_host", time.perf_counter() - t, _check(host, per, 4), device_put_s=put,
-        asarray_s=time.perf_counter() - t - put)
-    del xs, pinned, host
+    # (again: does the second round reuse the first's pinned memory?) then into host memory
+    # committed beforehand, as the engine's final arrays are
+    final = np.empty(per * arrays, np.uint8)
+    final.fill(0)
+    for name, salt in (("pinned_host", 4), ("pinned_host_again", 14)):
+      xs = _arrays(arrays, per, salt)
+      t = time.perf_counter()
+      pinned = jax.block_until_ready(jax.device_put(xs, sharding))
+      put = time.perf_counter() - t
+      host = [np.asarray(x) for x in pinned]
+      view = time.perf_counter() - t - put
+      for a, h in enumerate(host):
+        final[a * per:(a + 1) * per] = h
+      row(name, time.perf_counter() - t, _check(host, per, salt), device_put_s=put,
+          asarray_s=view, place_s=time.perf_counter() - t - put - view)
+      del xs, pinned, host
+    y = spin()
+    t0 = time.perf_counter()
+    xs = [make(y, jnp.int32(a)) for a in range(arrays)]
+    pinned = jax.device_put(xs, sharding)
+    launched = time.perf_counter() - t0  # near busy_s: the put waits for the producer
+    jax.block_until_ready(pinned)
+    row("pinned_pending", time.perf_counter() - t0,
+        _check([np.asarray(x) for x in pinned], per, 3), busy_s=busy_s, launch_s=launched)
+    del xs, pinned, y, final
   else:
     print(f"pinned_host: not a memory of {dev} ({sorted(kinds)})", flush=True)
 

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -507,6 +507,29 @@ elif [ "$stage" = s30a ]; then
   for m in 64 128 256 512; do tok+=",moe_gateup_E128_K2048_N1536_M${m}_tokamax"; done
   expert_rows "64 128 256 512 2208" "auto auto_nosk" \
     ${tok#,},moe_down_E128_K768_N2048_M256_tokamax ${BK_TIMEOUT:-330} 40
+elif [ "$stage" = s36d ]; then
+  # (session 36) guidance to host memory through pinned host memory: bench_host_copy's rows
+  # (fresh host memory again, one array, pinned twice, pinned on pending arrays), then the
+  # 48-layer 8k-capacity rollout (default: async copies) followed in the same process by a
+  # one-token and a whole rollout copied pinned, then async again (`--guidance_copies`), each
+  # with the times its records and end flags reached host memory (`marks`)
+  # (s36e: the rollout only. s36d's first run: its extra rollouts were refused for host memory,
+  # the runtime keeping the pinned memory: the planner now counts it)
+  [ "${SKIP_HC:-0}" = 1 ] || timeout -k 5 ${HC_TIMEOUT:-150} python3 benchmarks/bench_host_copy.py \
+    --total_gb 5.6 --arrays 1000 --busy_s 2 --out $OUT/bench_host_copy.json 2>&1 \
+    | grep -v "^I1\|^W1" | tail -12
+  CAP_ARGS="--guidance_copies=pinned,async" cap8k_2048 ${CAP_TIMEOUT:-420}
+  python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+  print('total s', r.get('total_s'), 'one', r.get('prefill_plus_first_step_each_ms'))
+  for k, ts in (r.get('chunk_timelines') or {}).items():
+    for t in ts: print(k, json.dumps(t['marks']))
+  for c in r.get('guidance_copy_rollouts') or []:
+    print(c['copy'], 'one', round(c['one_token_s'], 3), 'whole', round(c['whole_s'], 3))
+    for w in ('one_token', 'whole'):
+      print(' ', w, json.dumps(c[w + '_timeline']))" $OUT/bench_rollout_cap8k_48l.json
+elif [ "$stage" = s36e ]; then
+  SKIP_HC=1 bash $0 s36d_inner
 elif [ "$stage" = s36a ]; then
   # (prepared in session 35, not run: the device time was spent) the chunked engine's landing
   # on a landing thread (TRACE_JAX_GUIDANCE_LANDING=thread) against the calling thread (the

@@ -54,6 +54,10 @@ flags.DEFINE_bool("command_buffers", True, "Compile the rollout programs with XL
                   "default capture.")
 flags.DEFINE_integer("decode_chunk", 0, "Decode windows (guidance moved to host memory per "
                      "window, RolloutEngine(decode_chunk=)); 0: one program.")
+flags.DEFINE_list("guidance_copies", [], "After the timed rollouts, a one-token and a whole "
+                  "rollout with the chunked engine's guidance copied to host memory each of "
+                  "these ways in turn (async, pinned: `engine.GUIDANCE_COPY`): an A/B in one "
+                  "process.")
 flags.DEFINE_boolean("resync", True, "Time a re-sync of new master values (needs the master, "
                      "the old and the new rollout copy at once: 48 BF16 layers do not fit).")
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
@@ -201,9 +205,40 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   guidance_per_token = out.guidance_bytes_per_token()
   completion = np.asarray(out.completion)
   del out
+  default_copy, by_copy = engine.guidance_copy, []
+  for copy in FLAGS.guidance_copies:
+    engine.guidance_copy = copy
+    row = {"copy": copy}
+    by_copy.append(row)
+    try:  # (an error is this A/B's, not the row's: the timed figures above stand)
+      for what, max_new in (("one_token", 1), ("whole", gen_tokens)):
+        t, out = generate(max_new, 2)
+        del out
+        row[f"{what}_s"] = t
+        row[f"{what}_timeline"] = (None if engine.last_timeline is None
+                                   else engine.last_timeline.as_dict())
+    except Exception as e:  # noqa: BLE001
+      row["error"] = f"{type(e).__name__}: {e}"
+    _log(f"guidance copied {copy}: " + json.dumps(
+        {k: v for k, v in row.items() if not k.endswith("timeline")}))
+  engine.guidance_copy = default_copy
   step_s = (t_full - t_one) / max(gen_tokens - 1, 1)
   ctx = FLAGS.prompt_len + gen_tokens // 2
   floor_b = _bytes_floor(config, policy, by_kind, batch, ctx)
+  # The chunked engine's pace window by window: the spacing of its windows' records reaching
+  # host memory over the window's steps, which is the device's step once the device is the
+  # bound (session 36: 13.9 -> 18.1 ms a step over the 48-layer rollout as contexts grew), each
+  # beside the floor at that window's mean context; the first window's interval includes the
+  # prefill and is left out. Unlike decode_step_ms, no one-token call is subtracted.
+  window_step_ms = window_floor_ms = []
+  if timelines.get(f"new_tokens_{gen_tokens}"):
+    from trace_jax.rollout.engine import window_arrivals
+    arrived = window_arrivals(timelines[f"new_tokens_{gen_tokens}"][-1]["marks"])
+    chunk = FLAGS.decode_chunk
+    window_step_ms = [1e3 * (b - a) / chunk for a, b in zip(arrived, arrived[1:])]
+    window_floor_ms = [1e3 * _bytes_floor(config, policy, by_kind, batch,
+                                          FLAGS.prompt_len + int((i + 1.5) * chunk))
+                       / FLAGS.bandwidth for i in range(len(window_step_ms))]
   if tokens_dir:
     np.save(os.path.join(tokens_dir, f"{policy_name}_{path}_{batch}.npy"), completion)
   peak = None
@@ -232,7 +267,11 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
       "rollout_floor_over_measured": (floor_b / FLAGS.bandwidth) * gen_tokens / t_full,
       "peak_device_bytes": peak, "planned_capacity": planned,
       "capacity_limits": limits, "host_reserve_gib": FLAGS.host_reserve_gib if planned else None,
-      "chunk_timelines": timelines,
+      "window_step_ms": window_step_ms, "window_floor_ms": window_floor_ms,
+      "floor_over_window_steps": (sum(window_floor_ms) / sum(window_step_ms)
+                                  if window_step_ms else None),
+      "chunk_timelines": timelines, "guidance_copy": default_copy,
+      "guidance_copy_rollouts": by_copy,
   }
 
 

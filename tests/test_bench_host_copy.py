@@ -14,7 +14,8 @@ def test_bench_host_copy_rows_arrive_with_their_values(tmp_path):
   out = bench_host_copy.main(["--total_gb", "0.004", "--arrays", "6", "--busy_s", "0.05",
                               "--out", str(tmp_path / "hc.json")])
   rows = {r["name"]: r for r in out["rows"]}
-  assert {"asarray", "async_then_asarray", "pending_async", "thread_gil"} <= set(rows)
+  assert {"host_touch", "asarray", "asarray_again", "one_array", "async_then_asarray",
+          "pending_async", "thread_gil"} <= set(rows)
   assert all(r["values_ok"] and r["gb"] > 0 and r["seconds"] > 0 for r in rows.values())
   # (main_rate is timing: at this size the copies can end before the loop runs once)
   assert rows["pending_async"]["busy_s"] == 0.05 and rows["thread_gil"]["main_rate"] >= 0

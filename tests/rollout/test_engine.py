@@ -274,24 +274,36 @@ def test_sync_shares_unchanged_master_arrays():
 
 def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypatch):
   """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
-  host memory per window, landed inline or on a landing thread (`GUIDANCE_LANDING`). Same
-  tokens, logprobs, routes and guidance bits as the one-program engine, also when every row
-  stops early (a window left out) and with GRPO samples."""
+  host memory per window (copied async, or through pinned host memory: `GUIDANCE_COPY`),
+  landed inline or on a landing thread (`GUIDANCE_LANDING`). Same tokens, logprobs, routes and
+  guidance bits as the one-program engine, also when every row stops early (a window left out)
+  and with GRPO samples."""
   from trace_jax.rollout import engine as engine_module
   one = _engine("paper")
   chunked = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
                           decode_chunk=4)
   chunked.sync(_params())
   s = SamplingParams(temperature=1.0)
-  for kw, windows, landing in ((dict(n=2), 2, "inline"), (dict(n=2), 2, "thread"),
-                               (dict(n=2, max_new_tokens=[3, 2]), 1, "inline"),
-                               (dict(n=2, max_new_tokens=[3, 2]), 1, "thread")):
+  assert chunked.guidance_copy == "async"  # (the default)
+  monkeypatch.setattr(engine_module, "_PINNED", engine_module._PinnedPool())
+  pinned_before = False
+  for kw, windows, landing, copy in (
+      (dict(n=2), 2, "inline", "async"), (dict(n=2), 2, "thread", "async"),
+      (dict(n=2, max_new_tokens=[3, 2]), 1, "inline", "pinned"),
+      (dict(n=2, max_new_tokens=[3, 2]), 1, "thread", "async"),
+      (dict(n=2), 2, "thread", "pinned"), (dict(n=2), 2, "inline", "pinned")):
     a = one.generate(PROMPTS, sampling=s, seed=3, **kw)
     monkeypatch.setattr(engine_module, "GUIDANCE_LANDING", landing)
+    chunked.guidance_copy = copy
     t0 = time.perf_counter()
     b = chunked.generate(PROMPTS, sampling=s, seed=3, **kw)
     wall = time.perf_counter() - t0
     timeline = chunked.last_timeline.as_dict()  # where the host spent the call, by part
+    # pinned host memory the guidance took, all released once placed, the most kept for
+    # planning (where pinned, as on the CPU backend)
+    assert engine_module._PINNED.held == 0
+    assert (engine_module._PINNED.peak > 0) == (copy == "pinned" or pinned_before)
+    pinned_before = engine_module._PINNED.peak > 0
     assert timeline["windows"] == windows
     assert {"prefill_launch", "host_arrays", "window_dispatch", "window_wait", "landing",
             "assemble"} <= set(timeline["seconds"])
@@ -299,6 +311,13 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
         "prompt_records_wait", "page_commit_wait", "prompt_copy", "window_records_wait",
         "window_place"}
     assert 0 < timeline["total_s"] <= wall
+    # when records and end flags reached host memory, in order, within the call
+    marks = timeline["marks"]
+    names = [m[0] for m in marks]
+    assert names[-1] == "landed" and "prompt records" in names
+    assert [f"window {i} records" for i in range(windows)] == [n for n in names if "records" in n
+                                                               and "prompt" not in n]
+    assert [m[1] for m in marks] == sorted(m[1] for m in marks) and 0 < marks[-1][1] <= wall
     leaves_b = jax.tree_util.tree_leaves(b.guidance)
     assert leaves_b and all(isinstance(x, np.ndarray) for x in leaves_b)
     assert b.guidance_bytes() == a.guidance_bytes() > 0
@@ -308,6 +327,15 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
                            a.guidance, b.guidance)
     for f in ("tokens", "token_mask", "positions", "completion_mask", "logprobs", "routes"):
       np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
+  # The pinned memory the runtime keeps counts as host memory the next call's copies can use.
+  # (as on a GPU: host memory a budget of its own, read when planning)
+  monkeypatch.setattr(chunked, "_on_cpu", lambda: False)
+  monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: 64 * 2**20)
+  engine_module._PINNED.peak = 0
+  host_limit = chunked.capacity_limits(48)[1]
+  engine_module._PINNED.peak = 64 * 2**20
+  assert 0 < 2 * host_limit <= chunked.capacity_limits(48)[1] <= 2 * host_limit + 1
+  monkeypatch.undo()
   # A landing's error reaches the caller, from the landing thread too.
   def broken(*args):
     raise RuntimeError("landing failed")

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import mmap
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -767,7 +768,16 @@ class ChunkTimeline:
   seconds: dict = dataclasses.field(default_factory=dict)
   landing_seconds: dict = dataclasses.field(default_factory=dict)
   windows: int = 0
+  # [what, seconds since the call began] as records and end flags reach host memory: their
+  # spacing is the device's pace once it, not the host, is the bound
+  marks: list = dataclasses.field(default_factory=list)
   _last: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
+  _start: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
+  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  def mark(self, what: str) -> None:
+    with self._lock:  # (landing thread and caller: appended in time order)
+      self.marks.append([what, round(time.perf_counter() - self._start, 4)])
 
   def lap(self, part: str) -> None:
     now = time.perf_counter()
@@ -786,7 +796,14 @@ class ChunkTimeline:
   def as_dict(self) -> dict:
     return {"seconds": {k: round(v, 4) for k, v in self.seconds.items()},
             "landing_seconds": {k: round(v, 4) for k, v in self.landing_seconds.items()},
-            "total_s": round(sum(self.seconds.values()), 4), "windows": self.windows}
+            "total_s": round(sum(self.seconds.values()), 4), "windows": self.windows,
+            "marks": list(self.marks)}
+
+
+def window_arrivals(marks: list) -> list:
+  """Seconds (since the call began) at which each window's records reached host memory, from
+  a `ChunkTimeline`'s marks."""
+  return [t for what, t in marks if what.startswith("window ") and what.endswith(" records")]
 
 
 def _host_guidance_arrays(pre_records, n: int, steps: int) -> tuple[dict, list]:
@@ -857,12 +874,59 @@ def _to_host(tree):
   return jax.tree_util.tree_map(parallel.to_host, tree)
 
 
-def _start_host_copies(tree) -> None:
+# How guidance records reach host memory: "async", each array's `copy_to_host_async`, then
+# `np.asarray` (into new host memory, whose pages are committed as the copy lands: on the H200
+# 1.2-1.6 GB/s, session 36), or "pinned", a `device_put` to the device's pinned host memory,
+# read there in place (`np.asarray` of such an array is a view), then placed in the final
+# arrays by host threads. Where a device has no pinned host memory, "async". On the H200 (48
+# layers, 8k capacity, 255 x 2,048 tokens, one process, async / pinned / async): whole
+# rollouts 35.41 / 35.51 / 35.43 s, the device the bound; prefill plus one step 5.8 -> 5.0 s.
+# Pinned stays opt-in: the runtime keeps the pinned memory (~8 GB there) for the process's life.
+GUIDANCE_COPY = choice_setting("TRACE_JAX_GUIDANCE_COPY", "async", ("async", "pinned"))
+
+
+def _start_host_copies(tree, mode: str = "async"):
   """Start the device-to-host copies of a tree's arrays (those this process holds whole; arrays
-  spread over processes are gathered when they land, `_to_host`)."""
-  for x in jax.tree_util.tree_leaves(tree):
-    if isinstance(x, jax.Array) and x.is_fully_addressable:
-      x.copy_to_host_async()
+  spread over processes are gathered when they land, `_to_host`), the `GUIDANCE_COPY` way.
+  Returns the tree to land: the same arrays, or with "pinned" their pinned host copies."""
+  def start(x):
+    if not (isinstance(x, jax.Array) and x.is_fully_addressable):
+      return x
+    if mode == "pinned" and _has_pinned_host(x.sharding):
+      return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    x.copy_to_host_async()
+    return x
+  return jax.tree_util.tree_map(start, tree)
+
+
+def _has_pinned_host(sharding) -> bool:
+  return all("pinned_host" in {m.kind for m in d.addressable_memories()}
+             for d in sharding.device_set)
+
+
+def _pinned_bytes(tree) -> int:
+  """Bytes of a tree's arrays held in pinned host memory."""
+  return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree)
+             if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host")
+
+
+class _PinnedPool:
+  """Guidance bytes a process holds in pinned host memory (`GUIDANCE_COPY` "pinned"), now and
+  at most. The runtime keeps pinned memory it has handed out for later copies (on the H200 a
+  first 5.6 GB of copies into it ran at ~1 GB/s, pinning pages, a second at ~47 GB/s; session
+  36): capacity planning counts the peak as host memory the next rollout's copies can use."""
+
+  def __init__(self):
+    self.held = self.peak = 0
+    self._lock = threading.Lock()  # (the landing thread releases)
+
+  def add(self, n: int) -> None:
+    with self._lock:
+      self.held += n
+      self.peak = max(self.peak, self.held)
+
+
+_PINNED = _PinnedPool()
 
 
 def _place_window(guidance, window_records, start: int, ran: int) -> None:
@@ -951,6 +1015,7 @@ class RolloutEngine:
       raise ValueError(f"decode_chunk must be >= 0 (0: one program), got {decode_chunk}")
     self.decode_chunk = int(decode_chunk)
     self.last_timeline: ChunkTimeline | None = None  # the chunked engine's last generate
+    self.guidance_copy = GUIDANCE_COPY  # how its records reach host memory (`GUIDANCE_COPY`)
     # prefill_tokens: prompt tokens per prefill pass; a larger batch is prefilled in passes of
     # that many tokens' prompts (`_prefill_passes`), which bounds the forward's transients where
     # the capacity planner counts the decode's memory. 64k prompt tokens: the prompt-2048 B=64
@@ -1052,7 +1117,9 @@ class RolloutEngine:
     shared = self.host_bytes is None and self._on_cpu()
     host = None
     if not shared:
-      host = self.host_bytes if self.host_bytes is not None else host_memory_bytes()
+      # (pinned memory the runtime keeps from earlier copies is free for this call's)
+      host = (self.host_bytes if self.host_bytes is not None
+              else host_memory_bytes() + _PINNED.peak)
       host = max(host - host_reserve, 0)
     return planning(p, context_len, self.decode_chunk, self._prefill_pass(p), host_bytes=host,
                     host_is_device=shared)
@@ -1121,30 +1188,44 @@ class RolloutEngine:
     # processes are collectives, which must keep their order against the windows' launches)
     thread = GUIDANCE_LANDING == "thread" and jax.process_count() == 1
 
+    copy = self.guidance_copy
+
+    def started(records):  # copies started, their pinned bytes counted until placed
+      records = _start_host_copies(records, copy)
+      _PINNED.add(_pinned_bytes(records))
+      return records
+
     def launch(carry):  # a window, and its end flags read before the next launch donates carry
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
-      flags = _window_flags(carry["done"], carry["s"])
-      _start_host_copies(flags if thread else (bufs["records"], flags))
+      # (the flags' copy first: it then need not wait behind the records')
+      flags = _start_host_copies(_window_flags(carry["done"], carry["s"]))
+      if not thread:
+        bufs = dict(bufs, records=started(bufs["records"]))
       clock.lap("window_dispatch")
       return carry, bufs, flags
 
     def land_prompt(pre_records):
       with clock.timed("prompt_records_wait"):
-        _start_host_copies(pre_records)
+        pre_records = started(pre_records)
+        pinned = _pinned_bytes(pre_records)
         pre_records = _to_host(pre_records)
+      clock.mark("prompt records")
       with clock.timed("page_commit_wait"):
         _wait_blocks(commits)
       with clock.timed("prompt_copy"):
         _host_guidance(guidance, pre_records, n)
+      _PINNED.add(-pinned)
 
     def land(i, bufs, flags):  # window i's records into the final arrays, then dropped
       with clock.timed("window_records_wait"):
-        if thread:
-          _start_host_copies(bufs["records"])
-        records = _to_host(bufs["records"])
+        records = started(bufs["records"]) if thread else bufs["records"]
+        pinned = _pinned_bytes(records)
+        records = _to_host(records)
         ran = int(_to_host(flags[1])) - i * chunk  # the steps it ran (it stops when all are done)
+      clock.mark(f"window {i} records")
       with clock.timed("window_place"):
         _place_window(guidance, records, p + i * chunk, ran)
+      _PINNED.add(-pinned)
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
     # Window i + 1 is launched before the host learns whether window i finished every row, so
@@ -1174,14 +1255,18 @@ class RolloutEngine:
         landed.append(submit(land, i, bufs, flags))
         clock.lap("landing")
         done = bool(_to_host(flags[0]))
+        clock.mark(f"window {i} flags")
         clock.lap("window_wait")
         if done or nxt is None:
           break
         carry, bufs, flags = nxt
+      if nxt is not None and not thread:  # launched after the last window: never landed
+        _PINNED.add(-_pinned_bytes(nxt[1]["records"]))
       del bufs, nxt, carry
       for f in landed:
         f.result()
       clock.lap("landing")
+      clock.mark("landed")
     finally:
       lander.shutdown(wait=True)
     out = _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
