@@ -191,11 +191,7 @@ def main(argv=None):
   ap.add_argument("--out", default="bench_host_copy.json")
   a = ap.parse_args(argv)
   rows = run(a.total_gb, a.arrays, a.busy_s)
-  out = bench_util.result_header("bench_host_copy", **vars(a), rows=rows)
-  with open(a.out, "w") as f:
-    json.dump(out, f, indent=1)
-  print("wrote", a.out)
-  return out
+  return bench_util.write_result(a.out, "bench_host_copy", **vars(a), rows=rows)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,16 @@ def result_header(benchmark: str, **extra) -> dict:
               command=" ".join([os.path.basename(sys.executable)] + sys.argv), **extra)
 
 
+def write_result(path: str, benchmark: str, **fields) -> dict:
+  """`result_header(benchmark, **fields)` written to `path` as JSON; returns it."""
+  import json
+  out = result_header(benchmark, **fields)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  print("wrote", path)
+  return out
+
+
 READ_CEILING_TBPS = 4.27  # measured XLA bf16 GEMV read stream on the H200 (BENCHMARKS.md)
 L2_BYTES = 60e6  # H200 L2: timed inputs rotate through copies larger than this
 

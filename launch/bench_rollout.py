@@ -467,8 +467,9 @@ def main(argv):
       except ImportError:
         pass
   out = save()
+  # (windows: the chunked engine's pace from its windows, `window_step_ms`, against its floor)
   print(f"{'policy':10s} {'path':9s} {'B':>4s} {'tok/s':>10s} {'step ms':>9s} "
-        f"{'floor ms':>9s} {'of floor':>8s} {'rollout':>8s} {'peak GB':>8s}")
+        f"{'floor ms':>9s} {'of floor':>8s} {'rollout':>8s} {'windows':>8s} {'peak GB':>8s}")
   for r in rows:
     if "error" in r:
       print(f"{r['policy']:10s} {r.get('path', ''):9s} {str(r['batch']):>4s} error: "
@@ -481,6 +482,7 @@ def main(argv):
           f"{r.get('floor_step_ms', float('nan')):9.3f} "
           f"{r.get('floor_over_measured', float('nan')):8.2f} "
           f"{r.get('rollout_floor_over_measured', float('nan')):8.2f} "
+          f"{r.get('floor_over_window_steps') or float('nan'):8.3f} "
           f"{(peak or float('nan')) / 1e9:8.1f}")
   for a in out["path_agreement"]:
     print(f"kernels vs xla {a['policy']} B={a['batch']}: same tokens {a['same_token_frac']:.3f}, "

@@ -1039,6 +1039,10 @@ class RolloutEngine:
     if command_buffers is None:
       command_buffers = self._platform() == "gpu" and mesh is None
     self.command_buffers = bool(command_buffers)
+    # The chunked engine's prefill program with them too. Without, on the H200 (12 layers, B
+    # 128, prompt 512): the same rollout bit for bit, its launch as short (~0.01 s) and the call
+    # no faster (benchmarks/probe_dispatch.py, session 36)
+    self.prefill_command_buffers = self.command_buffers
     self.params = None
     self._computed = None  # per master leaf: the rollout weight made from it, None if shared
 
@@ -1138,9 +1142,9 @@ class RolloutEngine:
     """The padded prompt length of a batch whose longest prompt has `prompt_tokens` tokens."""
     return -(-prompt_tokens // self.prompt_bucket) * self.prompt_bucket
 
-  def _jit(self, fn, **kw):
-    options = GPU_COMMAND_BUFFERS if self.command_buffers else None
-    return jax.jit(fn, compiler_options=options, **kw)
+  def _jit(self, fn, command_buffers: bool | None = None, **kw):
+    on = self.command_buffers if command_buffers is None else command_buffers
+    return jax.jit(fn, compiler_options=GPU_COMMAND_BUFFERS if on else None, **kw)
 
   def _program(self, key):
     # Shared across engines: a new engine with the same config reuses compiled programs.
@@ -1154,17 +1158,21 @@ class RolloutEngine:
     return _PROGRAMS[full]
 
   def _chunk_programs(self, key):
-    full = ("chunked", self.decode_chunk, self.config, self.ctx, self.record_routes,
-            self.mesh, self.command_buffers) + key
-    if full not in _PROGRAMS:
-      p, n, steps, sampling, pass_rows = key[0], key[2], key[3], key[4], key[6]
+    base = ("chunked", self.decode_chunk, self.config, self.ctx, self.record_routes,
+            self.mesh) + key
+    pre_key = base + ("prefill", self.prefill_command_buffers)
+    dec_key = base + ("decode", self.command_buffers)
+    p, n, steps, sampling, pass_rows = key[0], key[2], key[3], key[4], key[6]
+    if pre_key not in _PROGRAMS:
       pre = functools.partial(prefill_program, config=self.config, ctx=self.ctx, n=n,
                               steps=steps, kv_format=self.policy.kv_format, pass_rows=pass_rows)
+      _PROGRAMS[pre_key] = self._jit(pre, command_buffers=self.prefill_command_buffers)
+    if dec_key not in _PROGRAMS:
       dec = functools.partial(_decode, config=self.config, ctx=self.ctx, p=p, steps=steps,
                               length=self.decode_chunk, sampling=sampling,
                               record_routes=self.record_routes)
-      _PROGRAMS[full] = (self._jit(pre), self._jit(dec, donate_argnums=(1,)))
-    return _PROGRAMS[full]
+      _PROGRAMS[dec_key] = self._jit(dec, donate_argnums=(1,))
+    return _PROGRAMS[pre_key], _PROGRAMS[dec_key]
 
   def _generate_chunked(self, key, tokens, mask, seq_keys, max_new, stop) -> Rollout:
     """Prefill, then windows of `decode_chunk` steps until every row is done; each window's
