@@ -305,6 +305,9 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
     assert (engine_module._PINNED.peak > 0) == (copy == "pinned" or pinned_before)
     pinned_before = engine_module._PINNED.peak > 0
     assert timeline["windows"] == windows
+    # no window launched past the rows' largest limit (no stop tokens here: every row runs to
+    # its limit, so none is launched after the last)
+    assert timeline["launches"] == windows
     assert {"prefill_launch", "host_arrays", "window_dispatch", "window_wait", "landing",
             "assemble"} <= set(timeline["seconds"])
     assert set(timeline["landing_seconds"]) == {  # within the landing, by part

@@ -768,6 +768,7 @@ class ChunkTimeline:
   seconds: dict = dataclasses.field(default_factory=dict)
   landing_seconds: dict = dataclasses.field(default_factory=dict)
   windows: int = 0
+  launches: int = 0  # windows launched (one more than landed where every row stopped early)
   # [what, seconds since the call began] as records and end flags reach host memory: their
   # spacing is the device's pace once it, not the host, is the bound
   marks: list = dataclasses.field(default_factory=list)
@@ -797,6 +798,7 @@ class ChunkTimeline:
     return {"seconds": {k: round(v, 4) for k, v in self.seconds.items()},
             "landing_seconds": {k: round(v, 4) for k, v in self.landing_seconds.items()},
             "total_s": round(sum(self.seconds.values()), 4), "windows": self.windows,
+            "launches": self.launches,
             "marks": list(self.marks)}
 
 
@@ -1174,10 +1176,12 @@ class RolloutEngine:
       _PROGRAMS[dec_key] = self._jit(dec, donate_argnums=(1,))
     return _PROGRAMS[pre_key], _PROGRAMS[dec_key]
 
-  def _generate_chunked(self, key, tokens, mask, seq_keys, max_new, stop) -> Rollout:
+  def _generate_chunked(self, key, tokens, mask, seq_keys, max_new, stop,
+                        most: int | None = None) -> Rollout:
     """Prefill, then windows of `decode_chunk` steps until every row is done; each window's
-    records are copied to host memory while the next window decodes. Host seconds of each
-    part: `last_timeline` (`ChunkTimeline`)."""
+    records are copied to host memory while the next window decodes. most: the largest of the
+    rows' token limits (the engine's `max_new_tokens` if None): no window past it is launched.
+    Host seconds of each part: `last_timeline` (`ChunkTimeline`)."""
     n, steps, chunk = key[2], key[3], self.decode_chunk
     pre_fn, window_fn = self._chunk_programs(key)
     clock = ChunkTimeline()
@@ -1192,6 +1196,10 @@ class RolloutEngine:
     # is launched (session 13: prefill plus one step 16 s of wall time, kernels ~1.5 s).
     p = int(tokens.shape[1])
     windows, count = [], -(-steps // chunk)
+    # Windows past the rows' largest limit would run no step: none is launched, nor its records
+    # copied (a window's, 2.8 GB at the 8k-capacity shape, 48 layers, for a caller who asked
+    # 2,048 of 7,680 tokens). Rows that stop earlier still cost the window after the last.
+    to_run = -(-min(steps, most or steps) // chunk)
     # (several processes land inline: a landing thread's gathers of records spread over
     # processes are collectives, which must keep their order against the windows' launches)
     thread = GUIDANCE_LANDING == "thread" and jax.process_count() == 1
@@ -1205,6 +1213,7 @@ class RolloutEngine:
 
     def launch(carry):  # a window, and its end flags read before the next launch donates carry
       carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
+      clock.launches += 1
       # (the flags' copy first: it then need not wait behind the records')
       flags = _start_host_copies(_window_flags(carry["done"], carry["s"]))
       if not thread:
@@ -1255,11 +1264,11 @@ class RolloutEngine:
       landed = [submit(land_prompt, pre_records)]
       del pre_records
       clock.lap("landing")
-      for i in range(count):
+      for i in range(to_run):
         if i:
           landed[-1].result()  # window i - 1 has landed (one landing thread: in order)
           clock.lap("landing")
-        nxt = launch(carry) if i + 1 < count else None
+        nxt = launch(carry) if i + 1 < to_run else None
         landed.append(submit(land, i, bufs, flags))
         clock.lap("landing")
         done = bool(_to_host(flags[0]))
@@ -1373,7 +1382,7 @@ class RolloutEngine:
             jnp.asarray(np.repeat(per_prompt, n)))
     def run(*args):
       if self._chunked():
-        return self._generate_chunked(key, *args)
+        return self._generate_chunked(key, *args, most=int(per_prompt.max()))
       return self._program(key)(self.params, *args)
 
     if self.mesh is None:
