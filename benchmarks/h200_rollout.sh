@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -535,6 +535,18 @@ elif [ "$stage" = s36g ]; then
   timeout -k 5 ${PD_TIMEOUT:-160} python3 benchmarks/probe_dispatch.py --layers 12 --batch 255 \
     --prompt_len 512 --new_tokens 7680 --generate_tokens 64 --decode_chunk 256 --repeats 2 \
     --out $OUT/probe_dispatch_12l_cap8k.json 2>&1 | grep -v "^I1\|^W1" | tail -8
+elif [ "$stage" = s37b ]; then
+  # (prepared in session 36, not run) the 48-layer 8k-capacity rollout after session 36's
+  # changes (no window launched past the rows' largest limit: the 9th window of a 2,048-token
+  # call and the one-token calls' 2nd are gone), its window pace (`window_step_ms`) and marks
+  cap8k_2048 ${CAP_TIMEOUT:-400}
+  python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+  print('total s', r.get('total_s'), 'one', r.get('prefill_plus_first_step_each_ms'),
+        'windows share', r.get('floor_over_window_steps'), 'step ms', r.get('window_step_ms'))
+  for k, ts in (r.get('chunk_timelines') or {}).items():
+    for t in ts: print(k, t['launches'], json.dumps(t['seconds']), json.dumps(t['marks']))" \
+    $OUT/bench_rollout_cap8k_48l.json
 elif [ "$stage" = s37a ]; then
   # (prepared in session 36, not run) s36f at the 8k-capacity shape: 48 layers, B 255, the
   # cache for 7,680 new tokens, 64 generated in one window; where the prefill launch's 0.46 s
