@@ -227,7 +227,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   floor_b = _bytes_floor(config, policy, by_kind, batch, ctx)
   # The chunked engine's pace window by window: the spacing of its windows' records reaching
   # host memory over the window's steps, which is the device's step once the device is the
-  # bound (session 36: 13.9 -> 18.1 ms a step over the 48-layer rollout as contexts grew), each
+  # bound (session 36: 13.6 -> 18.3 ms a step over the 48-layer rollout as contexts grew), each
   # beside the floor at that window's mean context; the first window's interval includes the
   # prefill and is left out. Unlike decode_step_ms, no one-token call is subtracted.
   window_step_ms = window_floor_ms = []
