@@ -429,6 +429,11 @@ def main(argv):
                                              "larger: session 35)",
                          rollout_floor_over_measured="the floor's steps over the whole timed "
                                                      "rollout (prefill included)",
+                         window_step_ms="ms a step of each decode window after the first, "
+                                        "from its records' arrivals (the device's pace)",
+                         floor_over_window_steps="the windows' floors over their steps: the "
+                                                 "step's share without the one-token call "
+                                                 "(session 36)",
                          sync_s="s, first weight sync (compile included)",
                          first_call_s="s, compile + prefill + one decode step",
                          resync_s="s, a later sync of new master values (compiled)"))
