@@ -564,7 +564,7 @@ elif [ "$stage" = s36f ]; then
 elif [ "$stage" = s36e ]; then
   SKIP_HC=1 bash $0 s36d_inner
 elif [ "$stage" = s36a ]; then
-  # (prepared in session 35, not run: the device time was spent) the chunked engine's landing
+  # (prepared in session 35, run in session 36 as call 2) the chunked engine's landing
   # on a landing thread (TRACE_JAX_GUIDANCE_LANDING=thread) against the calling thread (the
   # default, s35c's rollout: 35.5 s): the 48-layer 8k-capacity rollout, each side in its own
   # process, their host seconds by part printed. The first side's programs go to a persistent
@@ -582,7 +582,8 @@ for r in json.load(open(sys.argv[1]))['results']:
     mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$side.json
   done
 elif [ "$stage" = s36c ]; then
-  # (prepared in session 35, not run) how the guidance's copies to host memory go on the H200
+  # (prepared in session 35, run in session 36 as call 1) how the guidance's copies to host
+  # memory go on the H200
   # (bench_host_copy: 5.6 GB in 1,000 arrays, the prompt's at the 8k-capacity shape): plain,
   # started async, on arrays still being made, via pinned host memory, and on another thread
   # (does this thread keep running?); then s36b
@@ -590,7 +591,8 @@ elif [ "$stage" = s36c ]; then
     --arrays 1000 --busy_s 2 --out $OUT/bench_host_copy.json 2>&1 | grep -v "^I1\|^W1" | tail -8
   bash $0 s36b_inner
 elif [ "$stage" = s36b ]; then
-  # (prepared in session 35, not run) what V^T as registers would give the decode attention:
+  # (prepared in session 35, run in session 36 within call 1) what V^T as registers would give
+  # the decode attention:
   # a timing probe (session 35's attn_v_registers_probe.patch, applied to a copy of the tree in
   # /tmp/attn_probe) feeds V's decoded registers, as [64 tokens, 64 hd], straight to the PV
   # wgmma as [64 hd, 64 tokens]: its results are wrong, its instruction mix is that of a cache
