@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -535,6 +535,48 @@ elif [ "$stage" = s36g ]; then
   timeout -k 5 ${PD_TIMEOUT:-160} python3 benchmarks/probe_dispatch.py --layers 12 --batch 255 \
     --prompt_len 512 --new_tokens 7680 --generate_tokens 64 --decode_chunk 256 --repeats 2 \
     --out $OUT/probe_dispatch_12l_cap8k.json 2>&1 | grep -v "^I1\|^W1" | tail -8
+elif [ "$stage" = s37c ]; then
+  # (session 37) the expert down input as one kernel (SwiGLU of the gate/up kernel's chunk rows,
+  # the site's row quantization and the down kernel's operand: `kernels/swiglu_quant.py`): its
+  # GPU tests (against its reference and XLA's own SwiGLU, bit for bit), then the 4-layer decode
+  # step at the 8k-capacity shape (B 256, windows of 128) kernel by kernel, without it and with
+  # it, each side in its own process
+  gpu_tests tests/kernels/test_swiglu_quant.py "gpu" swiglu ${STEST_TIMEOUT:-100}
+  for side in xla kernel; do
+    TRACE_JAX_SWIGLU_QUANT=$side cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
+      --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_swiglu_$side.json \
+      | grep "guidance_on\|decode loop\|moe/\|Error" | cut -c1-160 | sed "s/^/[$side] /"
+  done
+elif [ "$stage" = s37d ]; then
+  # (session 37) the expert down input's kernel with vector loads (plain ranges in its gathers'
+  # block and element axes): its GPU tests, then bench_swiglu_quant (tile x warps against the
+  # XLA ops it replaces, every bit checked) at the B 256 and B 64 decode shapes
+  gpu_tests tests/kernels/test_swiglu_quant.py "gpu" swiglu ${STEST_TIMEOUT:-100}
+  timeout -k 5 ${BS_TIMEOUT:-200} python3 benchmarks/bench_swiglu_quant.py --iters 20 \
+    --out $OUT/bench_swiglu_quant.json 2>&1 | grep -v "^I1\|^W1" | tail -30
+elif [ "$stage" = s37e ]; then
+  # (session 37) both expert-input kernels: the expert input's quantization writing the gate/up
+  # kernel's operand (`row_quant.quantize_rows_to_operand`) and the down input's SwiGLU kernel
+  # (now with rcp.rn): their GPU tests, bench_swiglu_quant, then the 4-layer decode step at the
+  # 8k-capacity shape kernel by kernel without both (xla) and with both (kernel)
+  gpu_tests "tests/kernels/test_swiglu_quant.py tests/kernels/test_row_quant.py" "gpu" \
+    expert_inputs ${STEST_TIMEOUT:-120}
+  timeout -k 5 ${BS_TIMEOUT:-120} python3 benchmarks/bench_swiglu_quant.py --iters 20 \
+    --tiles 1024,2048,4096 --warps 4,8 --out $OUT/bench_swiglu_quant.json 2>&1 \
+    | grep -v "^I1\|^W1" | grep "us " | tail -16
+  for side in xla kernel; do
+    TRACE_JAX_SWIGLU_QUANT=$side TRACE_JAX_ROW_QUANT_OPERAND=$side cap_shape_profile 4 256 \
+      paper ${PROF_TIMEOUT:-170} --no_command_buffers \
+      --out $OUT/profile_cap_4l_b256_nocb_inputs_$side.json \
+      | grep "guidance_on\|decode loop\|moe/\|Error" | cut -c1-160 | sed "s/^/[$side] /"
+  done
+elif [ "$stage" = s37f ]; then
+  # (session 37) the expert input kernels inside the model on the GPU (a one-layer model, bit
+  # for bit against the XLA ops they replace) and the operand kernel's small case, then s37b:
+  # the 48-layer 8k-capacity rollout with both kernels on (the default)
+  gpu_tests "tests/kernels/test_glue_in_model.py tests/kernels/test_row_quant.py" \
+    "expert_input or three_tokens" in_model ${MTEST_TIMEOUT:-100}
+  bash $0 s37b_inner
 elif [ "$stage" = s37b ]; then
   # (prepared in session 36, not run) the 48-layer 8k-capacity rollout after session 36's
   # changes (no window launched past the rows' largest limit: the 9th window of a 2,048-token

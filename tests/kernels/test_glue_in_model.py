@@ -61,3 +61,55 @@ def test_model_with_kernels_is_bitwise_the_xla_path(monkeypatch, names):
   assert all(calls.values()), calls  # each kernel took part
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_expert_input_kernels_in_model_on_gpu(monkeypatch):
+  """The expert input kernels on the GPU (`quantize_rows_to_operand`: the experts' input laid
+  out as the gate/up kernel's operand; `swiglu_quantize_rows`: the down input from the gate/up
+  kernel's rows): a one-layer model with FP4 kernel-layout experts (hidden 256, 16 experts of
+  256, top-8; 40 sequences: 320 (token, slot) rows a decode step, past the grouped stream-K
+  sizes) gives the same logits, cache and records, bit for bit, with them and with the XLA
+  ops they replace, over a prompt and decode steps."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU backend")
+  from trace_jax.kernels import dispatch  # noqa: PLC0415
+  from trace_jax.rollout import engine  # noqa: PLC0415
+  cfg = M.tiny(num_layers=1, vocab_size=256, hidden_size=256, num_heads=4, num_kv_heads=2,
+               head_dim=64, num_experts=16, num_experts_per_tok=8, moe_ffn_size=256,
+               dtype="bfloat16")
+  policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
+  params = engine._kernel_layout(M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy))
+  ctx = M.QuantContext(policy, "rollout", record_guidance=True)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (40, 6)), jnp.int32)
+
+  def run():
+    step = jax.jit(lambda p, t, c, i: M.apply(p, t, cfg, ctx, cache=c, cache_index=i))
+    out = step(params, tokens[:, :3], M.init_cache(cfg, 40, 8, policy.kv_format), 0)
+    outs = [(out.logits, out.records)]
+    for s in range(3, tokens.shape[1]):
+      out = step(params, tokens[:, s:s + 1], out.cache, s)
+      outs.append((out.logits, out.records))
+    return outs, out.cache
+
+  used = {"quantize_rows_to_operand": 0, "swiglu_quantize_rows": 0}
+
+  def counted(name):
+    fn = getattr(kernels, name)
+
+    def wrapper(*args):
+      out = fn(*args)
+      used[name] += out is not None
+      return out
+    return wrapper
+
+  for name in used:
+    monkeypatch.setattr(kernels, name, counted(name))
+  got = run()
+  assert all(used.values()), used  # each kernel took part (prompt and decode programs)
+  monkeypatch.setattr(dispatch, "_SWIGLU_QUANT", "xla")
+  monkeypatch.setattr(dispatch, "_ROW_QUANT_OPERAND", "xla")
+  jax.clear_caches()
+  want = run()
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

@@ -94,3 +94,74 @@ def test_kernel_on_gpu_equals_reference(shape):
   want = jax.jit(lambda a: tq.quantize_with_value(a, "nvfp4", second_level="row",
                                                   validate=False))(x)
   _same(got, want)
+
+
+def _operand_case(n, copies, seed):
+  """dest: a random permutation of range(n * copies) as [n, copies] (a routing's inverse)."""
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.permutation(n * copies).reshape(n, copies), jnp.int32)
+
+
+def _same_operand(got, want):
+  _same((got[0], got[1].data), (want[0], want[1].data))
+  assert got[1].m == want[1].m
+
+
+@pytest.mark.parametrize("shape,k_pad,n_rows,tile", [((2, 5, 128), 128, 96, 512),
+                                                     ((7, 192), 256, 64, 256)],
+                         ids=["bf16_3d_pad_rows", "k192_kpad256_few_tokens"])
+def test_operand_equals_reference(shape, k_pad, n_rows, tile):
+  """The value written as an operand's rows (each row to its 8 destinations, zero rows past
+  them, zero columns past K): the kernel in interpret mode against its reference, and the
+  reference against the layout rule itself (numpy)."""
+  x = rows_case(shape, jnp.bfloat16, 5)
+  n = int(np.prod(shape[:-1]))
+  dest = _operand_case(n, 8, 6)
+  got = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand(
+      a, "nvfp4", d, n_rows=n_rows, k_pad=k_pad, interpret=True, tile_elems=tile))(x, dest)
+  want = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand_ref(
+      a, "nvfp4", d, n_rows=n_rows, k_pad=k_pad))(x, dest)
+  _same_operand(got, want)
+  _same((want[0], tq.quantize_with_value(x, "nvfp4", second_level="row", validate=False)[1]),
+        tq.quantize_with_value(x, "nvfp4", second_level="row", validate=False))
+  from trace_jax.kernels import layout  # noqa: PLC0415
+  value = np.asarray(tq.dequantize(want[0], jnp.bfloat16), np.float32).reshape(n, -1)
+  phys = np.asarray(layout.permute_k(jnp.asarray(np.pad(value, ((0, 0), (0, k_pad - shape[-1]))),
+                                                 jnp.bfloat16)), np.float32)
+  op = np.asarray(want[1].data, np.float32)
+  d = np.asarray(dest)
+  for j in range(8):
+    np.testing.assert_array_equal(op[d[:, j]], phys)
+  assert not op[n * 8:].any()
+  with pytest.raises(ValueError, match="destinations"):
+    row_quant.quantize_rows_to_operand(x, "nvfp4", dest[:-1], n_rows=n_rows, k_pad=k_pad,
+                                       interpret=True)
+
+
+def test_operand_lowers_for_cuda(monkeypatch):
+  """The Triton lowering accepts the operand kernel at the 30B-A3B experts' input (B 256 tokens,
+  K 2048, 8 destinations each, 2,080 operand rows), for an H200."""
+  pytest.importorskip("jax_cuda13_plugin")
+  from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: PLC0415
+  h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+  args = (jax.ShapeDtypeStruct((256, 1, 2048), jnp.bfloat16),
+          jax.ShapeDtypeStruct((256, 8), jnp.int32))
+  text = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand(
+      a, "nvfp4", d, n_rows=2080, k_pad=2048)).trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert "row_quant_operand_nvfp4" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,n_rows", [(256, 2080), (3, 48)], ids=["b256", "three_tokens"])
+def test_operand_kernel_on_gpu_equals_reference(n, n_rows):
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU backend")
+  x = rows_case((n, 1, 2048), jnp.bfloat16, 7)
+  dest = _operand_case(n, 8, 8)
+  got = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand(
+      a, "nvfp4", d, n_rows=n_rows, k_pad=2048))(x, dest)
+  want = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand_ref(
+      a, "nvfp4", d, n_rows=n_rows, k_pad=2048))(x, dest)
+  _same_operand(got, want)

@@ -54,9 +54,11 @@ top-k: a batch-1 decode step) `route` orders nothing: every row is a chunk of it
 caller's order, its expert the row's id, so the tables are the ids and two constants
 (`row_chunks`).
 
-Pallas kernels for the rollout's glue on the GPU (`append_kv`, `quantize_rows`; opt out with
-`TRACE_JAX_KV_APPEND=xla`, `TRACE_JAX_ROW_QUANT=xla`): None off the GPU and for operands they do
-not take; the caller then runs its XLA path, which gives the same bits.
+Pallas kernels for the rollout's glue on the GPU (`append_kv`, `quantize_rows`,
+`quantize_rows_to_operand`, `swiglu_quantize_rows`; opt out with `TRACE_JAX_KV_APPEND=xla`,
+`TRACE_JAX_ROW_QUANT=xla`, `TRACE_JAX_ROW_QUANT_OPERAND=xla`, `TRACE_JAX_SWIGLU_QUANT=xla`):
+None off the GPU and for operands they do not take; the caller then runs its XLA path, which
+gives the same bits.
 """
 
 from __future__ import annotations
@@ -72,20 +74,24 @@ from trace_jax import quant as tq
 # fp4_mgpu imports no Pallas at module level (its kernels import Mosaic when they trace)
 from trace_jax.kernels import attention_ref, fp4_mgpu, reference
 from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
-from trace_jax.kernels.layout import PackedWeight, decode_parts, prepare_weight
+from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_parts,
+                                      prepare_weight)
 from trace_jax.kernels.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["append_kv", "count_by_group", "decode_attention", "float32_dot", "grouped_backend",
            "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
-           "prepare_weight", "quantize_rows", "route", "sort_by_group"]
+           "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route", "sort_by_group",
+           "swiglu_quantize_rows"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
 _ATTENTION_MOSAIC = _ATTENTION == "mosaic"
 _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
+_SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
+_ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
 _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
 # FP4 KV caches the Mosaic decode attention kernel reads hold bit-placed code words ("kv_words":
@@ -319,7 +325,7 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
 
 def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None = None,
                    bm: int | None = None, config=None, rows=None, out_rows=None,
-                   tables=None) -> jax.Array:
+                   tables=None, keep_chunks: bool = False) -> jax.Array | ChunkRows:
   """Grouped (ragged) matmul of expert-sorted rows `x [M, K]` with `w [E, K, N]`.
 
   rows `[M]` ints: the sorted rows are `x[rows]` (x then holds e.g. one row per token, each
@@ -327,10 +333,20 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   Both are plain gathers on the reference and XLA paths; the kernel path folds them into the
   gathers that lay out its operand and read its output. tables: the FP4 kernel's chunk tables
   from `route` (None: built from group_sizes); `row_chunks` tables come with rows in the
-  caller's order, which paths other than the grouped kernels sort here first."""
+  caller's order, which paths other than the grouped kernels sort here first.
+  keep_chunks: the FP4 kernel path may return its rows ungathered (`ChunkRows`, for
+  `swiglu_quantize_rows`); x may be `OperandRows` made for this call's FP4 kernel."""
+  if isinstance(x, OperandRows):
+    if not (isinstance(w, PackedWeight) and w.experts and use_kernel is not False):
+      raise ValueError("an operand laid out for the FP4 grouped kernel, for a weight it does "
+                       f"not take ({type(w).__name__})")
+    return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=out_dtype or jnp.bfloat16,
+                                   bm=bm, config=config, out_rows=out_rows, tables=tables,
+                                   keep_chunks=keep_chunks)
   if _kernel_ok(x, w, use_kernel) and w.experts:
     return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype), bm=bm,
-                                   config=config, rows=rows, out_rows=out_rows, tables=tables)
+                                   config=config, rows=rows, out_rows=out_rows, tables=tables,
+                                   keep_chunks=keep_chunks)
   lhs_rows = x if rows is None else rows  # what the kernel's row count and checks see
   if _bf16_kernel_weight(w, lhs_rows.shape[0]) and _xla_gpu_ok(x, w, use_kernel):
     from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
@@ -551,6 +567,56 @@ def quantize_rows(x, fmt):
 def _quantize_rows(x, *, fmt):
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
   return row_quant.quantize_rows(x, fmt)
+
+
+def quantize_rows_to_operand(x, fmt, inverse, copies: int, w, tables=None):
+  """An activation site quantized for a grouped matmul with `w` whose sorted row p is x's row
+  order[p] // copies (a MoE layer's expert input: x one row a token, `inverse` [N * copies] the
+  sorted position of each (token, slot) pair): `(q, OperandRows)`, q as `quantize_rows` gives
+  it and the dequantized value laid out for `grouped_matmul(..., w, tables=tables)` with no row
+  gather, from the Pallas kernel of `row_quant.py`; or None where the caller's path applies (as
+  `quantize_rows`, w not an FP4 expert weight, `TRACE_JAX_ROW_QUANT_OPERAND=xla`)."""
+  if (_ROW_QUANT != "kernel" or _ROW_QUANT_OPERAND != "kernel" or not on_gpu()
+      or not isinstance(w, PackedWeight) or not w.experts):
+    return None
+  from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
+  k = x.shape[-1]
+  if row_quant.kernel_supported(x, fmt) or k > w.k_pad:
+    return None
+  n = x.size // k
+  n_rows, k_pad = fp4_mgpu.operand_shape(n * copies, w, tables)
+  return _quantize_rows_to_operand(x, inverse.reshape(n, copies), fmt=fmt, n_rows=n_rows,
+                                   k_pad=k_pad)
+
+
+@_lowered_once("fmt", "n_rows", "k_pad")
+def _quantize_rows_to_operand(x, dest, *, fmt, n_rows, k_pad):
+  from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
+  return row_quant.quantize_rows_to_operand(x, fmt, dest, n_rows=n_rows, k_pad=k_pad)
+
+
+def swiglu_quantize_rows(gu, f: int, fmt, w_down, tables=None):
+  """The expert down-projection input site in the rollout, `(q, OperandRows)`, from the gate/up
+  grouped call's rows left in its kernel's chunks (`ChunkRows`, `keep_chunks`): the SwiGLU, the
+  site's NVFP4 row quantization (q as `quant.quantize_with_value(h, fmt, second_level="row")`
+  gives it) and the dequantized value laid out for `grouped_matmul(..., w_down, tables=tables)`,
+  from the Pallas kernel of `swiglu_quant.py`; or None where the caller's XLA path applies: off
+  the GPU, gu an array, formats, weights and shapes the kernel does not take, and with
+  `TRACE_JAX_SWIGLU_QUANT=xla`."""
+  if (_SWIGLU_QUANT != "kernel" or not on_gpu() or not isinstance(gu, ChunkRows)
+      or not isinstance(w_down, PackedWeight) or not w_down.experts):
+    return None
+  from trace_jax.kernels import swiglu_quant  # noqa: PLC0415 - Pallas imports stay lazy
+  if swiglu_quant.kernel_supported(gu, f, fmt, w_down.k_pad):
+    return None
+  n_rows, k_pad = fp4_mgpu.operand_shape(gu.slot.shape[0], w_down, tables)
+  return _swiglu_quantize_rows(gu, f=f, fmt=fmt, n_rows=n_rows, k_pad=k_pad)
+
+
+@_lowered_once("f", "fmt", "n_rows", "k_pad")
+def _swiglu_quantize_rows(gu, *, f, fmt, n_rows, k_pad):
+  from trace_jax.kernels import swiglu_quant  # noqa: PLC0415 - Pallas imports stay lazy
+  return swiglu_quant.swiglu_quantize_rows(gu, f, fmt, n_rows=n_rows, k_pad=k_pad)
 
 
 def kv_packing(kv_heads: int, head_dim: int, kv_format) -> str:

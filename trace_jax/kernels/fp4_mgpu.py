@@ -1195,7 +1195,7 @@ def grouped_stream_k(m: int, bm: int, row_chunks: bool, config: dict) -> bool:
 
 
 def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *, out_dtype,
-                           config: dict, kernel_fn, rows, out_rows, tables):
+                           config: dict, kernel_fn, rows, out_rows, tables, keep_chunks=False):
   """`grouped_matmul` under the stream-K schedule: tables with the reserved-chunk count, the
   operand as there, the kernel over min(NUM_SMS, tiles) CTAs, `gather_stream_k`."""
   if by_rows(tables):
@@ -1213,12 +1213,13 @@ def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *,
   cfg.update(config)
   if cfg["stages"] < 1:
     raise ValueError(f"the grouped stream-K kernel with {bm}-row chunks does not fit SMEM")
-  n_rows = -(-(m + bm) // 8) * 8  # TMA: rows % 8
-  xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)
+  xc = _operand(x, rows, m, bm, pw)
   out, part = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=out_dtype, total=total, **cfg)
   if cfg["merge"] == "kernel":
+    if keep_chunks and out_rows is None:
+      return _chunk_rows(out, slot, pw.n)
     return gather_rows(out[None], slot, out_rows, pw.n, out_dtype)
   return gather_stream_k(out, part, slot, out_rows, total, pw.n, k_steps=k_steps,
                          out_dtype=out_dtype)
@@ -1257,17 +1258,46 @@ def chunk_owners(group_sizes: jax.Array, ends: jax.Array, ch_first: jax.Array, c
   return *lax.optimization_barrier((jnp.max(ce_t, axis=1), jnp.max(row0_t, axis=1))), off
 
 
-def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
+def operand_rows(m: int, bm: int) -> int:
+  """Rows of a grouped call's activation operand for m rows in chunks of bm: chunks read bm rows
+  from their first row on, so pad that the last stays in bounds; TMA: rows % 8."""
+  return -(-(m + bm) // 8) * 8
+
+
+def operand_shape(m: int, pw: L.PackedWeight, tables=None) -> tuple[int, int]:
+  """(rows, columns) of the operand `grouped_matmul(x, pw, ..., tables=tables)` lays out for m
+  rows (no bm or config given): what a producer writing `L.OperandRows` for it makes."""
+  bm = tables[0] if by_rows(tables) else grouped_bm(m, pw.codes.shape[0])
+  return operand_rows(m, bm), pw.k_pad
+
+
+def _operand(x, rows, m: int, bm: int, pw: L.PackedWeight) -> jax.Array:
+  """The kernel's activation operand: `permute_k_rows` of x, or x's own data where it arrives
+  laid out (`L.OperandRows`, checked against this call's shape)."""
+  n_rows = operand_rows(m, bm)
+  if isinstance(x, L.OperandRows):
+    if rows is not None or x.data.shape != (n_rows, pw.k_pad):
+      raise ValueError(f"an operand laid out as {list(x.data.shape)} for a grouped call that "
+                       f"takes [{n_rows}, {pw.k_pad}] (m {m}, bm {bm})"
+                       + ("" if rows is None else " and no row gather"))
+    return x.data
+  return L.permute_k_rows(x, rows, n_rows, pw.k_pad)
+
+
+def grouped_matmul(x: jax.Array | L.OperandRows, pw: L.PackedWeight, group_sizes: jax.Array, *,
                    out_dtype=jnp.bfloat16, bm: int | None = None, config=None,
                    kernel_fn=None, rows: jax.Array | None = None,
-                   out_rows: jax.Array | None = None, tables=None):
+                   out_rows: jax.Array | None = None, tables=None, keep_chunks: bool = False):
   """Ragged x [M, K] (bf16, rows sorted by expert) @ expert PackedWeight [E, K, N]; rows past
   sum(group_sizes) give zeros. kernel_fn: as in `matmul`. rows [M]: the sorted rows are
   `x[rows]` (fused into the one gather that lays out the kernel's operand); out_rows: return
   `result[out_rows]` (fused into the output gather). tables: (bm, chunk_expert, chunk_row,
   slot) made for these rows (`dispatch.route`), used when bm is this call's; row-chunk tables
-  (`dispatch.row_chunks`: a 5th element; rows in any order) always, with their bm."""
-  m = x.shape[0] if rows is None else rows.shape[0]
+  (`dispatch.row_chunks`: a 5th element; rows in any order) always, with their bm.
+  x may arrive laid out (`L.OperandRows`, of `operand_shape`). keep_chunks: return the
+  kernel's rows ungathered (`L.ChunkRows`) where they are the result's (one K split, no
+  out_rows, no stream-K parts to add)."""
+  m = x.m if isinstance(x, L.OperandRows) else x.shape[0] if rows is None else rows.shape[0]
   e = pw.codes.shape[0]
   if m == 0:
     return jnp.zeros((0, pw.n), out_dtype)
@@ -1282,7 +1312,7 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
   if stream_k:
     return _grouped_stream_k_call(x, pw, group_sizes, m, bm, k_steps, out_dtype=out_dtype,
                                   config=config, kernel_fn=kernel_fn, rows=rows,
-                                  out_rows=out_rows, tables=tables)
+                                  out_rows=out_rows, tables=tables, keep_chunks=keep_chunks)
   n_inner, splits = grouped_parallelism(min(m, e), pw.n_pad // 256, k_steps,
                                         config.pop("n_inner", None), config.pop("splits", None))
   cfg = dict(default_config(bm, pw.kb, out_dtype, k_steps=k_steps, n_ctas=0, split=False,
@@ -1292,10 +1322,16 @@ def grouped_matmul(x: jax.Array, pw: L.PackedWeight, group_sizes: jax.Array, *,
     ce, row0, slot = tables[1:4]
   else:
     ce, row0, slot = chunk_tables(group_sizes, m, bm)
-  # chunks read bm rows from their first row on: pad so the last chunk stays in bounds
-  n_rows = -(-(m + bm) // 8) * 8  # TMA: rows % 8
-  xc = L.permute_k_rows(x, rows, n_rows, pw.k_pad)
+  xc = _operand(x, rows, m, bm, pw)
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=part_dtype, **cfg)
+  if keep_chunks and out_rows is None and out.shape[0] == 1:
+    return _chunk_rows(out[0], slot, pw.n)
   return gather_rows(out, slot, out_rows, pw.n, out_dtype)
+
+
+def _chunk_rows(out, slot, n: int) -> L.ChunkRows:
+  """A grouped call's result as its kernel's chunk rows `out [C, bm, N_pad]`, ungathered."""
+  c, bm, n_pad = out.shape
+  return L.ChunkRows(out.reshape(c * bm, n_pad), slot, n)

@@ -121,6 +121,34 @@ def permute_k_rows(x: jax.Array, rows: jax.Array | None, n_rows: int, k_pad: int
 
 # --------------------------------------------------------------------------- the pytree
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkRows:
+  """A grouped matmul's result left in its kernel's chunk rows: result row i is
+  `rows[slot[i], :n]`, zeros where `slot[i]` is out of range (`fp4_mgpu.gather_rows`).
+
+  rows: [C * bm, N_pad] (one K split), slot: int32 [M]; n: the result's columns (static)."""
+
+  rows: jax.Array
+  slot: jax.Array
+  n: int = dataclasses.field(metadata=dict(static=True))
+
+  def gather(self) -> jax.Array:
+    """The result `[M, n]` (one XLA gather)."""
+    return jnp.take(self.rows[:, :self.n], self.slot, axis=0, mode="fill", fill_value=0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OperandRows:
+  """Activation rows already in an FP4 matmul kernel's operand layout (`permute_k_rows`):
+  data [n_rows, k_pad] bf16, of which the first m rows are the operand's (static)."""
+
+  data: jax.Array
+  m: int = dataclasses.field(metadata=dict(static=True))
+
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
   """An FP4 weight in the kernel's layout (registered pytree; metadata static).

@@ -86,9 +86,40 @@ def kernel_supported(x, fmt) -> str | None:
   return None
 
 
+def decoded_value(blk):
+  """Inside a kernel body: the dequantized value of a row encoding `blk` (float32 [R, NB, 16]),
+  `E2M1(code) * (s * g)` as `decode_blocks` forms it."""
+  q = jax.lax.bitcast_convert_type(e2m1.as_e4m3_bits(blk.codes, False),
+                                   jnp.float8_e4m3fn).astype(jnp.float32)
+  q = q * jnp.float32(e2m1.E4M3_OF_E2M1_SCALE)  # E2M1(code), exact
+  return q * F.nvfp4_divisor(blk.scales, blk.g)[..., None]
+
+
+def operand_order(value):
+  """Inside a kernel body: rows of blocks `[R, NB, 16]` (NB a multiple of 4) in an FP4 matmul
+  kernel's operand order (`layout.permute_k`), as `[R, NB / 4, 64]`: block 4c + q, element
+  2ci + v to physical 64c + 8ci + 2q + v."""
+  r, nb, _ = value.shape
+  return jnp.swapaxes(value.reshape(r, nb // 4, 4, 8, 2), 2, 3).reshape(r, nb // 4, 64)
+
+
+def store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok):
+  """Inside a kernel body: a row encoding's codes, block scales and row scales stored at the
+  programs' rows (`at`: their blocks of a ref), masked by `ok` [R, NB] and `row_ok` [R]."""
+  plt = _triton()
+  plt.store(at(codes_ref), packed, mask=ok[:, :, None])
+  plt.store(at(scales_ref), blk.scales, mask=ok)
+  plt.store(g_ref.at[pl.ds(r0, rows)], blk.g, mask=row_ok[:, None])
+
+
+def _triton():
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - masked loads/stores
+  return plt
+
+
 def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int, nb: int,
             rows: int, nb_pad: int):
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - masked loads/stores
+  plt = _triton()
   r0 = pl.program_id(0) * rows
   row_ok = (r0 + jnp.arange(rows)) < n
   blk_ok = jnp.arange(nb_pad) < nb
@@ -96,14 +127,35 @@ def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int,
   at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
   x = plt.load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
   blk, packed = encode_tile(x, fmt, recip)  # codes [R, NB, 16], scales [R, NB]
-  q = jax.lax.bitcast_convert_type(e2m1.as_e4m3_bits(blk.codes, False),
-                                   jnp.float8_e4m3fn).astype(jnp.float32)
-  q = q * jnp.float32(e2m1.E4M3_OF_E2M1_SCALE)  # E2M1(code), exact
-  value = q * F.nvfp4_divisor(blk.scales, blk.g)[..., None]
-  plt.store(at(codes_ref), packed, mask=ok[:, :, None])
-  plt.store(at(scales_ref), blk.scales, mask=ok)
-  plt.store(g_ref.at[pl.ds(r0, rows)], blk.g, mask=row_ok[:, None])
-  plt.store(at(val_ref), value.astype(val_ref.dtype), mask=ok[:, :, None])
+  store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok)
+  plt.store(at(val_ref), decoded_value(blk).astype(val_ref.dtype), mask=ok[:, :, None])
+
+
+def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, fmt, recip,
+                    n: int, nb: int, rows: int, nb_pad: int, copies: int, n_rows: int):
+  """`_kernel` with the value written as an operand's rows: row i to rows dest[i, :]; the
+  operand's rows past n * copies get zeros, `rows` of them a program."""
+  plt = _triton()
+  r0 = pl.program_id(0) * rows
+  r = r0 + jnp.arange(rows)
+  row_ok = r < n
+  blk_ok = jnp.arange(nb_pad) < nb
+  ok = row_ok[:, None] & blk_ok[None, :]
+  at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
+  x = plt.load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
+  blk, packed = encode_tile(x, fmt, recip)
+  store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok)
+  value = operand_order(decoded_value(blk).astype(op_ref.dtype))  # [R, C, 64]
+  c = jnp.arange(nb_pad // 4)
+  cols = (c[None, :, None], jnp.arange(64)[None, None, :])
+  c_ok = (c < op_ref.shape[1])[None, :, None]
+  for j in range(copies):
+    # masked rows aim past the operand (interpret mode drops those updates)
+    d = plt.load(dest_ref.at[pl.ds(r0, rows), jnp.int32(j)], mask=row_ok, other=n_rows)
+    plt.store(op_ref.at[(d[:, None, None],) + cols], value, mask=row_ok[:, None, None] & c_ok)
+  pad = n * copies + r
+  plt.store(op_ref.at[(pad[:, None, None],) + cols], jnp.zeros_like(value),
+            mask=(pad < n_rows)[:, None, None] & c_ok)
 
 
 def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int = TILE_ELEMS,
@@ -147,3 +199,69 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
                fmt, len(lead), tuple(x.shape))
   return q, value.reshape(x.shape)
 
+
+
+def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int, k_pad: int,
+                             interpret: bool = False, tile_elems: int = TILE_ELEMS,
+                             num_warps: int = NUM_WARPS):
+  """`(q, operand)`: q as `quantize_rows` gives it, and `layout.OperandRows` of the dequantized
+  value laid out for an FP4 matmul kernel (`layout.permute_k_rows`), x's row i (its leading
+  axes flattened) at the operand's rows dest[i, :], rows past N * copies zeros. dest: int
+  [N, copies] holding each of range(N * copies) once (a MoE layer's `inverse`, reshaped: the
+  sorted position of each (token, slot) pair); n_rows >= N * copies, k_pad a multiple of 64,
+  >= K. One kernel where `quantize_rows` and the operand's gather are two."""
+  from trace_jax.kernels import layout  # noqa: PLC0415 - layout imports quant, not kernels
+  fmt = F.get_format(fmt)
+  why = kernel_supported(x, fmt)
+  if why:
+    raise ValueError(f"row quantization kernel: {why}")
+  *lead, k = x.shape
+  n = 1
+  for d in lead:
+    n *= d
+  copies = dest.shape[-1]
+  if dest.shape != (n, copies) or n_rows < n * copies or k_pad % 64 or k_pad < k:
+    raise ValueError(f"an operand of [{n_rows}, {k_pad}] from {n} rows of {k} to destinations "
+                     f"{list(dest.shape)}")
+  nb = k // fmt.block
+  nb_pad = _pow2_at_least(max(nb, k_pad // fmt.block), 4)
+  rows = max(1, tile_elems // (nb_pad * fmt.block))
+  out_shape = [jax.ShapeDtypeStruct((n, nb, fmt.block // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((n, nb), jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct((n, 1), jnp.float32),
+               jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16)]
+  whole = lambda s: pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))  # noqa: E731
+  compiler_params = None
+  if not interpret:
+    compiler_params = _triton().CompilerParams(num_warps=num_warps, num_stages=1)
+  xb = x.reshape(n, nb, fmt.block)
+  dest = dest.astype(jnp.int32)
+  programs = max(-(-n // rows), -(-(n_rows - n * copies) // rows))
+  codes, scales, g, op = pl.pallas_call(
+      functools.partial(_operand_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
+                        copies=copies, n_rows=n_rows, recip=reciprocal(interpret)),
+      grid=(programs,),
+      in_specs=[whole(xb), whole(dest)],
+      out_specs=[whole(s) for s in out_shape],
+      out_shape=out_shape,
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="row_quant_operand_nvfp4",
+  )(xb, dest)
+  q = Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, nb), g.reshape(*lead, 1),
+               fmt, len(lead), tuple(x.shape))
+  return q, layout.OperandRows(op.reshape(n_rows, k_pad), n * copies)
+
+
+def quantize_rows_to_operand_ref(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
+                                 k_pad: int):
+  """`quantize_rows_to_operand` in XLA ops: the site's quantization, the value's rows gathered
+  into destination order (`order // copies`, order the inverse of dest) and laid out."""
+  from trace_jax.kernels import layout  # noqa: PLC0415
+  q, value = Q.quantize_with_value(x, fmt, second_level="row", validate=False)
+  n, copies = dest.shape
+  flat = dest.reshape(-1).astype(jnp.int32)
+  order = jnp.zeros_like(flat).at[flat].set(jnp.arange(n * copies, dtype=jnp.int32))
+  rows = value.reshape(n, -1)[order // copies]
+  rows = jnp.pad(rows, ((0, n_rows - n * copies), (0, 0)))  # padding rows: zeros
+  return q, layout.OperandRows(layout.permute_k_rows(rows, None, n_rows, k_pad), n * copies)

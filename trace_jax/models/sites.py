@@ -104,15 +104,22 @@ def activation_site(x: jax.Array, site: str, guided_layer: bool, ctx: QuantConte
     fused = kernels.quantize_rows(x, fmt)
     q, value = fused if fused is not None else tq.quantize_with_value(
         x, fmt, second_level="row", validate=False)
-    if ctx.record_guidance and guided_layer and fmt.is_fp4:
-      records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact)
-    if ctx.record_codes:
-      records[codes_key(site)] = q
+    record_quantized(q, site, guided_layer, ctx, records)
     return value
   if ctx.record_codes:
     records[codes_key(site)] = tq.quantize(jax.lax.stop_gradient(x), fmt, second_level="row",
                                            validate=False)
   return tq.fake_quant(x, fmt, second_level="row", validate=False)
+
+
+def record_quantized(q: tq.QArray, site: str, guided_layer: bool, ctx: QuantContext,
+                     records: dict) -> None:
+  """A rollout site's records from its quantized activation q: its guidance (guided layers,
+  FP4 formats, `ctx.record_guidance`) and its codes (`ctx.record_codes`)."""
+  if ctx.record_guidance and guided_layer and q.fmt.is_fp4:
+    records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact)
+  if ctx.record_codes:
+    records[codes_key(site)] = q
 
 
 def quantize_params(params, policy: tq.QuantPolicy):

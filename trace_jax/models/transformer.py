@@ -27,7 +27,8 @@ from trace_jax import kernels
 from trace_jax import quant as tq
 from trace_jax.models import kv_cache as kvc
 from trace_jax.models.config import ModelConfig
-from trace_jax.models.sites import QuantContext, activation_site, apply_weight, codes_key
+from trace_jax.models.sites import (QuantContext, activation_site, apply_weight, codes_key,
+                                    record_quantized)
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -252,26 +253,31 @@ class MoE(nn.Module):
     aux_loss = e * jnp.sum(frac * mean_prob)
     z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * m) / denom
 
-    # Expert input site: quantized once per token (row-local), before dispatch.
-    x_in = activation_site(x, "experts/in", self.guided, ctx, guidance, records).reshape(n, d)
     w_gu, w_dn = Experts(c, ctx, name="experts")()
-
     ep_mesh = None
     if c.expert_parallel != "off" and not isinstance(w_gu, kernels.PackedWeight):
       from trace_jax.parallel import expert as ep  # noqa: PLC0415 - parallel is a later layer
       ep_mesh = ep.context_mesh()
     if ep_mesh is not None:
+      # Expert input site: quantized once per token (row-local), before dispatch.
+      x_in = activation_site(x, "experts/in", self.guided, ctx, guidance, records).reshape(n, d)
       y, dropped = self._expert_parallel(ep, ep_mesh, x_in, idx, w_gu, w_dn, (b, t, k), guidance,
                                          records)
     else:
       # (token, slot) pairs sorted by expert, rows per expert (and the FP4 kernel's chunk
       # tables where one kernel builds them all)
       order, inverse, group_sizes, tables = kernels.route(idx.reshape(-1), e, w_gu)
+      x_in = _experts_input_site(x, inverse, k, w_gu, tables, self.guided, ctx, guidance,
+                                 records)
       # sorted row i is token order[i] // k; the kernel path folds these gathers into its own
-      gu = kernels.grouped_matmul(x_in.astype(dt), w_gu, group_sizes, out_dtype=dt,
-                                  rows=order // k, tables=tables)
-      h = nn.silu(gu[:, :f]) * gu[:, f:]
-      h = _sorted_site(h, order, inverse, (b, t, k), self.guided, ctx, guidance, records)
+      # (an operand laid out by the site's kernel needs none)
+      rows = None
+      if not isinstance(x_in, kernels.OperandRows):
+        x_in, rows = x_in.astype(dt), order // k
+      gu = kernels.grouped_matmul(x_in, w_gu, group_sizes, out_dtype=dt, rows=rows,
+                                  tables=tables, keep_chunks=True)
+      h = _down_input_site(gu, f, w_dn, tables, order, inverse, (b, t, k), self.guided, ctx,
+                           guidance, records)
       y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt, out_rows=inverse,
                                  tables=tables).reshape(n, k, d)
       dropped = jnp.int32(0)
@@ -325,17 +331,48 @@ class Experts(nn.Module):
             apply_weight(w_dn, _path(self, "down_proj"), self.ctx, dt))
 
 
-def _sorted_site(h, order, inverse, canon_lead, guided, ctx, guidance, records):
-  """The expert down-projection input site. Rows are computed in expert-sorted order, but
-  guidance and codes are exchanged in the canonical `[B, T, k, F]` order (token, slot), which
-  does not depend on how the batch happened to be dispatched."""
+def _experts_input_site(x, inverse, k, w_gu, tables, guided, ctx, guidance, records):
+  """The routed experts' input site: x `[B, T, D]` quantized once per token (row-local), before
+  dispatch, as rows `[B * T, D]`. In the rollout on the GPU one kernel
+  quantizes it and lays the value out as the gate/up kernel's operand, each token's row at its
+  k pairs' sorted rows (`kernels.quantize_rows_to_operand`, `OperandRows`)."""
+  site = "experts/in"
+  fmt = ctx.activation_format(site)
+  fused = None
+  if (guidance is None or guidance.get(site) is None) and ctx.mode == "rollout" and fmt:
+    fused = kernels.quantize_rows_to_operand(x, fmt, inverse, k, w_gu, tables)
+  if fused is None:
+    return activation_site(x, site, guided, ctx, guidance, records).reshape(-1, x.shape[-1])
+  q, operand = fused
+  record_quantized(q, site, guided, ctx, records)
+  return operand
+
+
+def _down_input_site(gu, f, w_dn, tables, order, inverse, canon_lead, guided, ctx, guidance,
+                     records):
+  """The expert down-projection input site, h = silu(gate) * up of the gate/up rows gu. Rows
+  are computed in expert-sorted order, but guidance and codes are exchanged in the canonical
+  `[B, T, k, F]` order (token, slot), which does not depend on how the batch happened to be
+  dispatched. In the rollout on the GPU one kernel makes h, its codes and the down kernel's
+  operand from gu left in the gate/up kernel's chunks (`kernels.swiglu_quantize_rows`)."""
   site = "experts/down_in"
   g = None if guidance is None else guidance.get(site)
-  local_guid = None
-  if g is not None:
-    local_guid = {site: tq.take_rows(tq.reshape_rows(g, (h.shape[0],)), order)}
+  fmt = ctx.activation_format(site)
+  fused = None
+  if g is None and ctx.mode == "rollout" and fmt is not None:
+    fused = kernels.swiglu_quantize_rows(gu, f, fmt, w_dn, tables)
   local_rec: dict = {}
-  out = activation_site(h, site, guided, ctx, local_guid, local_rec)
+  if fused is not None:
+    q, out = fused
+    record_quantized(q, site, guided, ctx, local_rec)
+  else:
+    if isinstance(gu, kernels.ChunkRows):
+      gu = gu.gather()
+    h = nn.silu(gu[:, :f]) * gu[:, f:]
+    local_guid = None
+    if g is not None:
+      local_guid = {site: tq.take_rows(tq.reshape_rows(g, (h.shape[0],)), order)}
+    out = activation_site(h, site, guided, ctx, local_guid, local_rec)
   for key, rec in local_rec.items():
     records[key] = tq.reshape_rows(tq.take_rows(rec, inverse), canon_lead)
   return out

@@ -1,0 +1,175 @@
+"""The expert down-projection's input in the rollout as one Pallas kernel: the SwiGLU of the
+gate/up kernel's rows, read where that kernel left them (its chunk rows, through the slot
+table), the site's NVFP4 row quantization, and the dequantized value written straight into the
+down kernel's operand (`layout.permute_k_rows`: K pair-permuted, rows padded with zeros).
+
+Owns the kernel, its support check, its reference and the SwiGLU's rounding on the GPU. The
+result is defined by `swiglu_quantize_rows_ref`, the XLA ops the model runs without it: a row
+gather (`fp4_mgpu.gather_rows`), `nn.silu(g) * u`, `quant.quantize_with_value(second_level=
+"row")` and `layout.permute_k_rows`. In a B=256 decode step those are four kernels a layer
+(the gather's bounds, the product, row quantization, the operand gather; ~27 us a layer on the
+H200, session 35's profile); this is one.
+
+The SwiGLU rounds as XLA:GPU computes `nn.silu(g) * u` in bf16 (its optimized HLO: `exp(-g)`
+and `+ 1` in bf16, `1 / d` in float32 rounded to bf16, then two bf16 products): each of those
+ops rounded to bf16 here too, the exponential by libdevice's `__nv_expf` (the Triton
+lowering's) and the reciprocal by the PTX `rcp.rn.f32`. In interpret mode the body runs
+`nn.silu(g) * u` itself, the reference's own ops.
+
+Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
+`row_quant`, whose encoding it shares).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels import layout as L
+from trace_jax.kernels.attention_pallas import _pow2_at_least
+from trace_jax.kernels.row_quant import (decoded_value, encode_tile, operand_order, reciprocal,
+                                         store_fields)
+from trace_jax.kernels.settings import int_setting
+from trace_jax.quant import formats as F
+from trace_jax.quant import qarray as Q
+
+# Elements of h a program takes (whole rows, at least one; a row of F 768 is held as 1,024) and
+# its warps (`TRACE_JAX_SWIGLU_TILE`, `TRACE_JAX_SWIGLU_WARPS` for A/B runs)
+TILE_ELEMS = int_setting("TRACE_JAX_SWIGLU_TILE", 2048, minimum=16)
+NUM_WARPS = int_setting("TRACE_JAX_SWIGLU_WARPS", 4, minimum=1)
+MAX_ROW_ELEMS = 4096  # the longest h row (F) a program holds
+
+
+def swiglu(g, u, *, to_bf16=None, recip=None):
+  """`nn.silu(g) * u` for bf16 g and u, rounded as XLA:GPU rounds it (module docstring): exp(-g),
+  + 1, the reciprocal, g * s and * u, each rounded to bf16, in float32 arithmetic. to_bf16: the
+  rounding (`lax.reduce_precision`, which XLA never elides as excess precision; a kernel body
+  casts); recip: 1 / d (a kernel body: the PTX division)."""
+  rnd = to_bf16 or (lambda x: jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7))
+  recip = recip or (lambda d: 1.0 / d)
+  g = g.astype(jnp.float32)
+  e = rnd(jnp.exp(-g))
+  s = rnd(recip(rnd(e + 1.0)))
+  return (rnd(g * s) * u.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _rcp(d):
+  """`1 / d` correctly rounded, by the PTX reciprocal (`rcp.rn.f32`: fewer instructions than
+  the division `row_quant` uses, the same value; elementwise, float32)."""
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
+  return plt.elementwise_inline_asm(
+      "rcp.rn.f32 $0, $1;", args=[d], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])[0]
+
+
+def _swiglu_in_kernel(g, u, interpret: bool):
+  """`swiglu` in a kernel body: compiled, casts round and the PTX reciprocal divides."""
+  if interpret:
+    return swiglu(g, u)
+  return swiglu(g, u, to_bf16=lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
+                recip=_rcp)
+
+
+def kernel_supported(gu: L.ChunkRows, f: int, fmt, k_pad: int) -> str | None:
+  """None if the kernel takes the down input of h = silu(gate) * up, `f` columns each, from
+  `gu` (gate columns [0, f), up [f, 2f)) in `fmt` for an operand of `k_pad` columns."""
+  fmt = F.get_format(fmt)
+  if fmt.name != "nvfp4":
+    return f"format {fmt.name}, the kernel writes nvfp4"
+  if f % 64 or not 0 < f <= MAX_ROW_ELEMS:
+    return f"rows of {f} elements: the kernel takes multiples of 64 up to {MAX_ROW_ELEMS}"
+  if (gu.rows.dtype != jnp.bfloat16 or gu.rows.shape[1] < 2 * f or gu.rows.shape[1] % 16
+      or gu.n != 2 * f):
+    return f"gate/up rows {gu.rows.dtype}{list(gu.rows.shape)} for n = {gu.n} of 2 x {f}"
+  if k_pad % 64 or k_pad < f or k_pad > _pow2_at_least(f // 16, 1) * 16:
+    return f"an operand of {k_pad} columns for {f}"
+  return None
+
+
+def _kernel(slot_ref, gu_ref, codes_ref, scales_ref, g_ref, op_ref, *, fmt, recip, interpret,
+            m: int, src: int, nb: int, nb_pad: int, chunks: int, rows: int, n_rows: int):
+  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - masked loads/stores
+  r0 = pl.program_id(0) * rows
+  r = r0 + jnp.arange(rows)
+  row_ok = r < m
+  slot = plt.load(slot_ref.at[pl.ds(r0, rows)], mask=row_ok, other=0)
+  slot = jnp.where(slot < 0, slot + src, slot)  # as `jnp.take`: negative slots count back
+  src_ok = row_ok & (slot >= 0) & (slot < src)  # a slot out of range reads as zeros
+  slot = jnp.where(src_ok, slot, 0)
+  blk = jnp.arange(nb_pad)
+  blk_ok = blk < nb
+  ok = (src_ok[:, None] & blk_ok[None, :])[:, :, None]
+  # gathers as integer indices in every axis (what interpret mode's discharge takes, clamping
+  # the masked blocks past the row); plain ranges in the block and element axes, so that
+  # Triton sees contiguous, aligned rows and loads them in vectors
+  at = (slot[:, None, None], blk[None, :, None], jnp.arange(16)[None, None, :])
+  gate = plt.load(gu_ref.at[at], mask=ok, other=0)
+  up = plt.load(gu_ref.at[at[0], at[1] + nb, at[2]], mask=ok, other=0)
+  h = _swiglu_in_kernel(gate, up, interpret)  # [R, NB_pad, 16] bf16; zeros past the row
+  blk, packed = encode_tile(h.astype(jnp.float32), fmt, recip)
+  at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
+  store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows,
+               row_ok[:, None] & blk_ok[None, :], row_ok)
+  # rows m.. of the operand's padding get zeros (value is zero there: nothing was loaded)
+  value = operand_order(decoded_value(blk).astype(op_ref.dtype))
+  op_ok = ((r < n_rows)[:, None] & (jnp.arange(nb_pad // 4) < chunks)[None, :])[:, :, None]
+  plt.store(op_ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad // 4)], value, mask=op_ok)
+
+
+def swiglu_quantize_rows(gu: L.ChunkRows, f: int, fmt, *, n_rows: int, k_pad: int,
+                         interpret: bool = False, tile_elems: int = TILE_ELEMS,
+                         num_warps: int = NUM_WARPS):
+  """`(q, operand)`: h = silu(gate) * up of gu's rows (`[M, f]`), q its `QArray` (blocked along
+  the last axis, one row scale a row) and operand `L.OperandRows` of its dequantized value, as
+  `swiglu_quantize_rows_ref` gives them; n_rows (>= M) and k_pad (>= f, multiple of 64) the
+  operand's rows and columns."""
+  fmt = F.get_format(fmt)
+  why = kernel_supported(gu, f, fmt, k_pad)
+  if why:
+    raise ValueError(f"SwiGLU row quantization kernel: {why}")
+  m = gu.slot.shape[0]
+  if n_rows < m:
+    raise ValueError(f"an operand of {n_rows} rows for {m}")
+  src, n_pad = gu.rows.shape
+  nb = f // fmt.block
+  nb_pad = _pow2_at_least(nb, 4)
+  rows = max(1, tile_elems // (nb_pad * fmt.block))
+  gu_b = gu.rows.reshape(src, n_pad // fmt.block, fmt.block)  # columns past 2f: never read
+  out_shape = [jax.ShapeDtypeStruct((m, nb, fmt.block // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((m, nb), jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct((m, 1), jnp.float32),
+               jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16)]
+  whole = lambda s: pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))  # noqa: E731
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
+    compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+  slot = gu.slot.astype(jnp.int32)
+  codes, scales, g, op = pl.pallas_call(
+      functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret), interpret=interpret,
+                        m=m, src=src, nb=nb, nb_pad=nb_pad, chunks=k_pad // 64, rows=rows,
+                        n_rows=n_rows),
+      grid=(-(-n_rows // rows),),
+      in_specs=[whole(slot), whole(gu_b)],
+      out_specs=[whole(s) for s in out_shape],
+      out_shape=out_shape,
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="swiglu_row_quant_nvfp4",
+  )(slot, gu_b)
+  q = Q.QArray(codes.reshape(m, f // 2), scales, g, fmt, 1, (m, f))
+  return q, L.OperandRows(op.reshape(n_rows, k_pad), m)
+
+
+def swiglu_quantize_rows_ref(gu: L.ChunkRows, f: int, fmt, *, n_rows: int, k_pad: int):
+  """The kernel's definition in XLA ops: the rows, `swiglu` (`nn.silu(g) * u` as XLA:GPU
+  rounds it), the site's row quantization and the operand layout, its padding rows zeros."""
+  x = gu.gather()
+  h = swiglu(x[:, :f], x[:, f:])
+  q, value = Q.quantize_with_value(h, fmt, second_level="row", validate=False)
+  m = gu.slot.shape[0]
+  value = jnp.pad(value, ((0, n_rows - m), (0, 0)))  # padding rows: zeros
+  return q, L.OperandRows(L.permute_k_rows(value, None, n_rows, k_pad), m)
