@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -577,6 +577,43 @@ elif [ "$stage" = s37f ]; then
   gpu_tests "tests/kernels/test_glue_in_model.py tests/kernels/test_row_quant.py" \
     "expert_input or three_tokens" in_model ${MTEST_TIMEOUT:-100}
   bash $0 s37b_inner
+elif [ "$stage" = s37g ]; then
+  # (session 37) Nsight Compute on the two expert input kernels (Triton) at B 256: what bounds
+  # them (9.0 and 5.0 us a layer in the decode step, ~3 us of bytes each); s23b's exports and
+  # ncu_summary reading
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for case in ${NCU_CASES:-swiglu2048 rowop256}; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 ${NCU_TIMEOUT:-100} $NCU \
+      --clock-control none --kernel-name regex:"swiglu|row_quant" --launch-skip 1 \
+      --launch-count 1 --set full --import-source no -f -o $OUT/ncu_$case \
+      python3 benchmarks/ncu_kernels.py $case > $OUT/ncu_$case.log 2>&1
+    echo "$case ncu rc=$?"
+    grep -v "^I1\|^W1" $OUT/ncu_$case.log | grep "relerr\|==ERR\|rror" | head -4
+    [ -f $OUT/ncu_$case.ncu-rep ] || continue
+    for page in details raw; do
+      $NCU -i $OUT/ncu_$case.ncu-rep --page $page --csv > $OUT/ncu_${case}_$page.csv 2>&1
+    done
+    $NCU -i $OUT/ncu_$case.ncu-rep --page source --csv --print-source sass \
+      > $OUT/ncu_${case}_sass.csv 2>&1
+    python3 benchmarks/ncu_summary.py $OUT/ncu_${case}_raw.csv $OUT/ncu_${case}_sass.csv \
+      --json $OUT/ncu_${case}_summary.json 2>&1 | head -40
+    grep -i "Duration\|Memory Throughput\|Compute (SM) Throughput\|Registers Per\|Achieved Occ\|Executed Ipc A" \
+      $OUT/ncu_${case}_details.csv | cut -c1-200 | head -12
+    rm -f $OUT/ncu_$case.ncu-rep
+  done
+elif [ "$stage" = s37h ]; then
+  # (session 37) the operand kernel with its destinations loaded first and 8 warps (s37g: 7.1
+  # us, latency-bound, 11% occupancy): its GPU tests, then ncu at 8 warps (the new default) and
+  # at 4 (TRACE_JAX_OPERAND_WARPS), each report's files renamed by its warps (as run in session
+  # 37 the rename matched the first side's renamed files again: its files read rowop256_w4_w8)
+  gpu_tests tests/kernels/test_row_quant.py "operand" operand ${OTEST_TIMEOUT:-80}
+  for w in 8 4; do
+    TRACE_JAX_OPERAND_WARPS=$w NCU_CASES=rowop256 bash $0 s37g_inner 2>&1 \
+      | grep -v "^\"" | sed "s/^/[w$w] /"
+    for f in $OUT/ncu_rowop256.* $OUT/ncu_rowop256_{details,raw,sass,summary}*; do
+      [ -f $f ] && mv $f ${f/rowop256/rowop256_w$w}
+    done
+  done
 elif [ "$stage" = s37b ]; then
   # (prepared in session 36, not run) the 48-layer 8k-capacity rollout after session 36's
   # changes (no window launched past the rows' largest limit: the 9th window of a 2,048-token

@@ -11,7 +11,9 @@ attn_b256_ctx1600 (the 8k-capacity rollout's own shape: 256 rows of an 8,192-slo
 row's first 1,536-1,663 slots visible, the context the rollout averages), gemv (the
 FP4 GEMV, 8192 x 28672, one row), grouped256 / grouped2208 (the FP4 grouped expert matmul, 128
 experts, K 2048, N 1536, 256 or 2,208 rows of top-8 routing: a decode batch of 32, the 8k-capacity
-rollout's 276), qproj1 (the FP4 2048 x 4096 product at one row). Each case
+rollout's 276), qproj1 (the FP4 2048 x 4096 product at one row), swiglu2048 and rowop256 (the
+Triton expert input kernels at B 256: `swiglu_quant`, `row_quant.quantize_rows_to_operand`;
+profile them with --kernel-name regex:swiglu|row_quant). Each case
 checks the kernel's result against its reference once (printed), so a profile is never of a
 kernel that computes something else.
 """
@@ -29,7 +31,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("case", choices=("attn_b64_32k", "attn_b16_8k", "attn_b256_ctx1600", "gemv",
-                                   "grouped256", "grouped2208", "qproj1"))
+                                   "grouped256", "grouped2208", "qproj1", "swiglu2048",
+                                   "rowop256"))
   ap.add_argument("--calls", type=int, default=3, help="kernel calls after the checked one")
   args = ap.parse_args()
 
@@ -43,7 +46,24 @@ def main():
   keys = iter(jax.random.split(jax.random.key(int(np.random.SeedSequence().entropy % 2**31)),
                                8))
 
-  if args.case.startswith("attn"):
+  if args.case == "swiglu2048":  # the expert down input's kernel at B 256 (Triton)
+    from bench_swiglu_quant import case  # noqa: PLC0415 - a sibling module
+    from trace_jax.kernels import swiglu_quant  # noqa: PLC0415
+    gu, n_rows = case(2048, 0)
+    kw = dict(f=768, fmt="nvfp4", n_rows=n_rows, k_pad=768)
+    fn = jax.jit(lambda g: swiglu_quant.swiglu_quantize_rows(g, **kw)[1].data)
+    ops = (gu,)
+    want = jax.jit(lambda g: swiglu_quant.swiglu_quantize_rows_ref(g, **kw)[1].data)(gu)
+  elif args.case == "rowop256":  # the experts' input quantized into the gate/up operand, B 256
+    from trace_jax.kernels import row_quant  # noqa: PLC0415
+    x = jax.random.normal(next(keys), (256, 1, 2048), jnp.bfloat16)
+    dest = jax.random.permutation(next(keys), 2048).reshape(256, 8).astype(jnp.int32)
+    kw = dict(n_rows=2080, k_pad=2048)
+    fn = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand(a, "nvfp4", d, **kw)[1].data)
+    ops = (x, dest)
+    want = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand_ref(
+        a, "nvfp4", d, **kw)[1].data)(x, dest)
+  elif args.case.startswith("attn"):
     b, s = {"attn_b64_32k": (64, 32768), "attn_b16_8k": (16, 8192),
             "attn_b256_ctx1600": (256, 8192)}[args.case]
     shape = (b, s, attention_mgpu.KV_HEADS, attention_mgpu.HEAD_DIM)

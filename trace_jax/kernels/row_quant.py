@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from trace_jax.kernels.attention_pallas import _pow2_at_least
+from trace_jax.kernels.settings import int_setting
 from trace_jax.quant import e2m1
 from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q
@@ -45,6 +46,9 @@ NUM_WARPS = 4
 # of two): the limit TILE_ELEMS set before session 32 made tiles smaller; the 30B-A3B o_proj's
 # input rows (32 heads x 128) are this long.
 MAX_ROW_ELEMS = 4096
+# Warps of `quantize_rows_to_operand`'s programs (one 2,048-element row each at the experts'
+# input: few programs, so more warps shorten each one's serial work; TRACE_JAX_OPERAND_WARPS)
+OPERAND_WARPS = int_setting("TRACE_JAX_OPERAND_WARPS", 8, minimum=1)
 
 
 def _ieee_reciprocal(d):
@@ -142,6 +146,11 @@ def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, fm
   blk_ok = jnp.arange(nb_pad) < nb
   ok = row_ok[:, None] & blk_ok[None, :]
   at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
+  # the destinations first: loaded after the encoding, their latency stood exposed (the
+  # kernel's main stall on the H200, session 37's ncu); masked rows aim past the operand
+  # (interpret mode drops those updates)
+  dests = [plt.load(dest_ref.at[pl.ds(r0, rows), jnp.int32(j)], mask=row_ok, other=n_rows)
+           for j in range(copies)]
   x = plt.load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
   blk, packed = encode_tile(x, fmt, recip)
   store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok)
@@ -149,9 +158,7 @@ def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, fm
   c = jnp.arange(nb_pad // 4)
   cols = (c[None, :, None], jnp.arange(64)[None, None, :])
   c_ok = (c < op_ref.shape[1])[None, :, None]
-  for j in range(copies):
-    # masked rows aim past the operand (interpret mode drops those updates)
-    d = plt.load(dest_ref.at[pl.ds(r0, rows), jnp.int32(j)], mask=row_ok, other=n_rows)
+  for d in dests:
     plt.store(op_ref.at[(d[:, None, None],) + cols], value, mask=row_ok[:, None, None] & c_ok)
   pad = n * copies + r
   plt.store(op_ref.at[(pad[:, None, None],) + cols], jnp.zeros_like(value),
@@ -203,13 +210,14 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
 
 def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int, k_pad: int,
                              interpret: bool = False, tile_elems: int = TILE_ELEMS,
-                             num_warps: int = NUM_WARPS):
+                             num_warps: int | None = None):
   """`(q, operand)`: q as `quantize_rows` gives it, and `layout.OperandRows` of the dequantized
   value laid out for an FP4 matmul kernel (`layout.permute_k_rows`), x's row i (its leading
   axes flattened) at the operand's rows dest[i, :], rows past N * copies zeros. dest: int
   [N, copies] holding each of range(N * copies) once (a MoE layer's `inverse`, reshaped: the
   sorted position of each (token, slot) pair); n_rows >= N * copies, k_pad a multiple of 64,
-  >= K. One kernel where `quantize_rows` and the operand's gather are two."""
+  >= K. One kernel where `quantize_rows` and the operand's gather are two. num_warps: None for
+  `OPERAND_WARPS`."""
   from trace_jax.kernels import layout  # noqa: PLC0415 - layout imports quant, not kernels
   fmt = F.get_format(fmt)
   why = kernel_supported(x, fmt)
@@ -233,7 +241,8 @@ def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
   whole = lambda s: pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))  # noqa: E731
   compiler_params = None
   if not interpret:
-    compiler_params = _triton().CompilerParams(num_warps=num_warps, num_stages=1)
+    compiler_params = _triton().CompilerParams(num_warps=num_warps or OPERAND_WARPS,
+                                               num_stages=1)
   xb = x.reshape(n, nb, fmt.block)
   dest = dest.astype(jnp.int32)
   programs = max(-(-n // rows), -(-(n_rows - n * copies) // rows))
