@@ -78,6 +78,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("inputs", nargs="+", help="label=bench_rollout.json")
   ap.add_argument("--out", default="windows.png")
+  ap.add_argument("--skip", default="", help="leave out series whose name holds this (e.g. "
+                                             "'copy pinned': the first pinned rollout's pages)")
   a = ap.parse_args()
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
@@ -86,6 +88,8 @@ def main():
   floor_drawn = False
   for label, d in bench_util.labelled_json(a.inputs):
     for name, ctx, steps, floors in series(d):
+      if a.skip and a.skip in name:
+        continue
       ax.plot(ctx, steps, "o-", label=f"{label} {name}")
       if not floor_drawn:
         ax.plot(ctx, floors, "k--", label="bytes floor")

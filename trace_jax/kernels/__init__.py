@@ -17,14 +17,16 @@ kernel of `attention_pallas.py` (`TRACE_JAX_PREFILL_ATTENTION=reference` opts ou
 `prefill_attention_ref`. `attention` is the model's attention formula itself.
 
 Rollout glue as Pallas kernels on the GPU by default (`TRACE_JAX_KV_APPEND=xla`,
-`TRACE_JAX_ROW_QUANT=xla`, `TRACE_JAX_SWIGLU_QUANT=xla` opt out; bit-exact against
-numpy-checked XLA paths in interpret mode and on the H200): `append_kv` writes a decode step's
-NVFP4 K/V rows into the cache (`kv_append.py`), `quantize_rows` quantizes an activation site
-(`row_quant.py`; `quantize_rows_to_operand` also lays the value out as the expert kernel's
-operand, each token's row at its pairs' sorted rows), `swiglu_quantize_rows` makes the expert down input (SwiGLU, its site's codes
-and the down kernel's operand) from the gate/up kernel's rows left ungathered (`ChunkRows`,
-`swiglu_quant.py`); each returns None where the XLA path applies. `sort_by_group` / `count_by_group` (or `route`, with the FP4 grouped kernel's
-chunk tables) build the MoE routing tables; `float32_dot` computes the router's logits
+`TRACE_JAX_ROW_QUANT=xla`, `TRACE_JAX_ROW_QUANT_OPERAND=xla`, `TRACE_JAX_SWIGLU_QUANT=xla` opt
+out; bit-exact against numpy-checked XLA paths in interpret mode and on the H200): `append_kv`
+writes a decode step's NVFP4 K/V rows into the cache (`kv_append.py`), `quantize_rows`
+quantizes an activation site (`row_quant.py`; `quantize_rows_to_operand` also lays the value
+out as the expert kernel's operand, each token's row at its pairs' sorted rows),
+`swiglu_quantize_rows` makes the expert down input (SwiGLU, its site's codes and the down
+kernel's operand) from the gate/up kernel's rows left ungathered (`ChunkRows`,
+`swiglu_quant.py`); each returns None where the XLA path applies. `sort_by_group` /
+`count_by_group` (or `route`, with the FP4 grouped kernel's chunk tables) build the MoE routing
+tables; `float32_dot` computes the router's logits
 (a batch-1 row as a two-row product on the GPU, as the bf16 XLA path does).
 """
 
@@ -39,7 +41,8 @@ from trace_jax.kernels.dispatch import (append_kv, count_by_group, decode_attent
 from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
 
-__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "append_kv", "attention", "count_by_group", "decode_attention",
+__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "append_kv", "attention", "count_by_group",
+           "decode_attention",
            "decode_attention_ref", "decode_packed", "float32_dot", "fuse_projections",
            "grouped_backend",
            "grouped_matmul", "import_gpu_libraries", "kv_packing", "matmul",

@@ -6,9 +6,11 @@ down kernel's operand (`layout.permute_k_rows`: K pair-permuted, rows padded wit
 Owns the kernel, its support check, its reference and the SwiGLU's rounding on the GPU. The
 result is defined by `swiglu_quantize_rows_ref`, the XLA ops the model runs without it: a row
 gather (`fp4_mgpu.gather_rows`), `nn.silu(g) * u`, `quant.quantize_with_value(second_level=
-"row")` and `layout.permute_k_rows`. In a B=256 decode step those are four kernels a layer
-(the gather's bounds, the product, row quantization, the operand gather; ~27 us a layer on the
-H200, session 35's profile); this is one.
+"row")` and `layout.permute_k_rows`. In the 8k-capacity decode step (B 256) those are four
+kernels a layer, ~14 us of kernel time on the H200; this is one of 9.0 us (session 37,
+`benchmarks/results/session37_h200_2026-12-04`; 8.6 against 19.9 us a call alone). Nsight
+Compute has it bound by instructions (ALU 60%, DRAM 12.6% of peak): the encoding's integer
+work, the SwiGLU's roundings and the 16 idle blocks of 64 a row of F 768 holds.
 
 The SwiGLU rounds as XLA:GPU computes `nn.silu(g) * u` in bf16 (its optimized HLO: `exp(-g)`
 and `+ 1` in bf16, `1 / d` in float32 rounded to bf16, then two bf16 products): each of those
@@ -37,7 +39,8 @@ from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q
 
 # Elements of h a program takes (whole rows, at least one; a row of F 768 is held as 1,024) and
-# its warps (`TRACE_JAX_SWIGLU_TILE`, `TRACE_JAX_SWIGLU_WARPS` for A/B runs)
+# its warps (`TRACE_JAX_SWIGLU_TILE`, `TRACE_JAX_SWIGLU_WARPS` for A/B runs). H200, B 256, us a
+# call: 2,048 x 4 warps 8.61, x 8 8.77; 1,024 x 4 9.82; 4,096 x 8 9.04 (session 37)
 TILE_ELEMS = int_setting("TRACE_JAX_SWIGLU_TILE", 2048, minimum=16)
 NUM_WARPS = int_setting("TRACE_JAX_SWIGLU_WARPS", 4, minimum=1)
 MAX_ROW_ELEMS = 4096  # the longest h row (F) a program holds
