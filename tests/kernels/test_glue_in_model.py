@@ -6,6 +6,8 @@ paths, over a prompt and decode steps."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,20 @@ from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.kernels import kv_append, row_quant
+
+def prompt_and_steps(params, cfg, ctx, batch):
+  """Logits and records of a 3-token prompt and 3 decode steps over random tokens, and the
+  cache after them."""
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, 6)),
+                       jnp.int32)
+  step = jax.jit(lambda p, t, c, i: M.apply(p, t, cfg, ctx, cache=c, cache_index=i))
+  out = step(params, tokens[:, :3], M.init_cache(cfg, batch, 8, ctx.policy.kv_format), 0)
+  outs = [(out.logits, out.records)]
+  for s in range(3, tokens.shape[1]):  # then decode steps
+    out = step(params, tokens[:, s:s + 1], out.cache, s)
+    outs.append((out.logits, out.records))
+  return outs, out.cache
+
 
 PATCHES = {
     "append_kv": lambda kc, vc, k, v, i: kv_append.append(kc, vc, k, v, i, interpret=True),
@@ -35,17 +51,7 @@ def test_model_with_kernels_is_bitwise_the_xla_path(monkeypatch, names):
   policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
   params = M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy)
   ctx = M.QuantContext(policy, "rollout", record_guidance=True)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
-
-  def run():
-    step = jax.jit(lambda p, t, c, i: M.apply(p, t, cfg, ctx, cache=c, cache_index=i))
-    out = step(params, tokens[:, :3], M.init_cache(cfg, 2, 8, policy.kv_format), 0)
-    outs = [(out.logits, out.records)]
-    for s in range(3, tokens.shape[1]):  # then decode steps
-      out = step(params, tokens[:, s:s + 1], out.cache, s)
-      outs.append((out.logits, out.records))
-    return outs, out.cache
-
+  run = functools.partial(prompt_and_steps, params, cfg, ctx, 2)
   want = run()
   calls = {name: 0 for name in names}
 
@@ -81,17 +87,7 @@ def test_expert_input_kernels_in_model_on_gpu(monkeypatch):
   policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
   params = engine._kernel_layout(M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy))
   ctx = M.QuantContext(policy, "rollout", record_guidance=True)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (40, 6)), jnp.int32)
-
-  def run():
-    step = jax.jit(lambda p, t, c, i: M.apply(p, t, cfg, ctx, cache=c, cache_index=i))
-    out = step(params, tokens[:, :3], M.init_cache(cfg, 40, 8, policy.kv_format), 0)
-    outs = [(out.logits, out.records)]
-    for s in range(3, tokens.shape[1]):
-      out = step(params, tokens[:, s:s + 1], out.cache, s)
-      outs.append((out.logits, out.records))
-    return outs, out.cache
-
+  run = functools.partial(prompt_and_steps, params, cfg, ctx, 40)
   used = {"quantize_rows_to_operand": 0, "swiglu_quantize_rows": 0}
 
   def counted(name):

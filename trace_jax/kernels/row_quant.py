@@ -28,6 +28,7 @@ default in `dispatch` (`TRACE_JAX_ROW_QUANT=xla` opts out).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,24 @@ def _triton():
   return plt
 
 
+def field_shapes(n: int, nb: int, fmt, *more) -> list:
+  """The outputs of a row-quantizing kernel: codes (two a byte), block scales and row scales of
+  n rows of nb blocks, then `more`."""
+  return [jax.ShapeDtypeStruct((n, nb, fmt.block // 2), jnp.uint8),
+          jax.ShapeDtypeStruct((n, nb), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((n, 1), jnp.float32), *more]
+
+
+def whole(s):
+  """The BlockSpec of a whole array (the kernels index their refs themselves)."""
+  return pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))
+
+
+def launch_params(interpret: bool, num_warps: int):
+  """The Triton launch of a kernel body: its warps, one stage; None in interpret mode."""
+  return None if interpret else _triton().CompilerParams(num_warps=num_warps, num_stages=1)
+
+
 def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int, nb: int,
             rows: int, nb_pad: int):
   plt = _triton()
@@ -180,22 +199,12 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
   if why:
     raise ValueError(f"row quantization kernel: {why}")
   *lead, k = x.shape
-  n = 1
-  for d in lead:
-    n *= d
+  n = math.prod(lead)
   nb = k // fmt.block
   nb_pad = _pow2_at_least(nb, 1)
   rows = max(1, tile_elems // (nb_pad * fmt.block))
   xb = x.reshape(n, nb, fmt.block)
-  out_shape = [jax.ShapeDtypeStruct((n, nb, fmt.block // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((n, nb), jnp.float8_e4m3fn),
-               jax.ShapeDtypeStruct((n, 1), jnp.float32),
-               jax.ShapeDtypeStruct((n, nb, fmt.block), x.dtype)]
-  whole = lambda s: pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))  # noqa: E731
-  compiler_params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
-    compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+  out_shape = field_shapes(n, nb, fmt, jax.ShapeDtypeStruct((n, nb, fmt.block), x.dtype))
   codes, scales, g, value = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
                         recip=reciprocal(interpret)),
@@ -203,7 +212,7 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
       in_specs=[whole(xb)],
       out_specs=[whole(s) for s in out_shape],
       out_shape=out_shape,
-      compiler_params=compiler_params,
+      compiler_params=launch_params(interpret, num_warps),
       interpret=interpret,
       name="row_quant_nvfp4",
   )(xb)
@@ -229,9 +238,7 @@ def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
   if why:
     raise ValueError(f"row quantization kernel: {why}")
   *lead, k = x.shape
-  n = 1
-  for d in lead:
-    n *= d
+  n = math.prod(lead)
   copies = dest.shape[-1]
   if dest.shape != (n, copies) or n_rows < n * copies or k_pad % 64 or k_pad < k:
     raise ValueError(f"an operand of [{n_rows}, {k_pad}] from {n} rows of {k} to destinations "
@@ -239,15 +246,8 @@ def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
   nb = k // fmt.block
   nb_pad = _pow2_at_least(max(nb, k_pad // fmt.block), 4)
   rows = max(1, tile_elems // (nb_pad * fmt.block))
-  out_shape = [jax.ShapeDtypeStruct((n, nb, fmt.block // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((n, nb), jnp.float8_e4m3fn),
-               jax.ShapeDtypeStruct((n, 1), jnp.float32),
-               jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16)]
-  whole = lambda s: pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))  # noqa: E731
-  compiler_params = None
-  if not interpret:
-    compiler_params = _triton().CompilerParams(num_warps=num_warps or OPERAND_WARPS,
-                                               num_stages=1)
+  out_shape = field_shapes(n, nb, fmt,
+                           jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16))
   xb = x.reshape(n, nb, fmt.block)
   dest = dest.astype(jnp.int32)
   programs = max(-(-n // rows), -(-(n_rows - n * copies) // rows))
@@ -258,7 +258,7 @@ def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
       in_specs=[whole(xb), whole(dest)],
       out_specs=[whole(s) for s in out_shape],
       out_shape=out_shape,
-      compiler_params=compiler_params,
+      compiler_params=launch_params(interpret, num_warps or OPERAND_WARPS),
       interpret=interpret,
       name="row_quant_operand_nvfp4",
   )(xb, dest)

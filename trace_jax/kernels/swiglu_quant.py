@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 
 from trace_jax.kernels import layout as L
 from trace_jax.kernels.attention_pallas import _pow2_at_least
+from trace_jax.kernels import row_quant as RQ
 from trace_jax.kernels.row_quant import (decoded_value, encode_tile, operand_order, reciprocal,
                                          store_fields)
 from trace_jax.kernels.settings import int_setting
@@ -141,25 +142,18 @@ def swiglu_quantize_rows(gu: L.ChunkRows, f: int, fmt, *, n_rows: int, k_pad: in
   nb_pad = _pow2_at_least(nb, 4)
   rows = max(1, tile_elems // (nb_pad * fmt.block))
   gu_b = gu.rows.reshape(src, n_pad // fmt.block, fmt.block)  # columns past 2f: never read
-  out_shape = [jax.ShapeDtypeStruct((m, nb, fmt.block // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((m, nb), jnp.float8_e4m3fn),
-               jax.ShapeDtypeStruct((m, 1), jnp.float32),
-               jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16)]
-  whole = lambda s: pl.BlockSpec(s.shape, lambda i: (0,) * len(s.shape))  # noqa: E731
-  compiler_params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
-    compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+  out_shape = RQ.field_shapes(m, nb, fmt,
+                              jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16))
   slot = gu.slot.astype(jnp.int32)
   codes, scales, g, op = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret), interpret=interpret,
                         m=m, src=src, nb=nb, nb_pad=nb_pad, chunks=k_pad // 64, rows=rows,
                         n_rows=n_rows),
       grid=(-(-n_rows // rows),),
-      in_specs=[whole(slot), whole(gu_b)],
-      out_specs=[whole(s) for s in out_shape],
+      in_specs=[RQ.whole(slot), RQ.whole(gu_b)],
+      out_specs=[RQ.whole(s) for s in out_shape],
       out_shape=out_shape,
-      compiler_params=compiler_params,
+      compiler_params=RQ.launch_params(interpret, num_warps),
       interpret=interpret,
       name="swiglu_row_quant_nvfp4",
   )(slot, gu_b)
