@@ -617,10 +617,11 @@ elif [ "$stage" = s37h ]; then
 elif [ "$stage" = s37i ]; then
   # (session 37) the 48-layer 8k-capacity rollout without the expert input kernels (xla) and
   # with them (kernel), each side in its own process on one machine (two runs with them on two
-  # machines read window shares 0.467 and 0.457): totals, window shares and paces
+  # machines read window shares 0.467 and 0.457): totals, window shares and paces. As run in
+  # session 37 (call 8) both sides were cut at 215 s: a side needs >= 260 s
   for side in xla kernel; do
     TRACE_JAX_SWIGLU_QUANT=$side TRACE_JAX_ROW_QUANT_OPERAND=$side \
-      cap8k_2048 ${SIDE_TIMEOUT:-215} | tail -1 | sed "s/^/[$side] /"
+      cap8k_2048 ${SIDE_TIMEOUT:-270} | tail -1 | sed "s/^/[$side] /"
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))['results']:
   print('total s', r.get('total_s'), 'windows share', r.get('floor_over_window_steps'),
@@ -629,9 +630,10 @@ for r in json.load(open(sys.argv[1]))['results']:
     mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$side.json
   done
 elif [ "$stage" = s37b ]; then
-  # (prepared in session 36, not run) the 48-layer 8k-capacity rollout after session 36's
-  # changes (no window launched past the rows' largest limit: the 9th window of a 2,048-token
-  # call and the one-token calls' 2nd are gone), its window pace (`window_step_ms`) and marks
+  # (prepared in session 36, run in session 37 as calls 4 and 7) the 48-layer 8k-capacity
+  # rollout after session 36's changes (no window launched past the rows' largest limit: the
+  # 9th window of a 2,048-token call and the one-token calls' 2nd are gone), its window pace
+  # (`window_step_ms`) and marks
   cap8k_2048 ${CAP_TIMEOUT:-400}
   python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))['results']:
@@ -641,9 +643,9 @@ for r in json.load(open(sys.argv[1]))['results']:
     for t in ts: print(k, t['launches'], json.dumps(t['seconds']), json.dumps(t['marks']))" \
     $OUT/bench_rollout_cap8k_48l.json
 elif [ "$stage" = s37a ]; then
-  # (prepared in session 36, not run) s36f at the 8k-capacity shape: 48 layers, B 255, the
-  # cache for 7,680 new tokens, 64 generated in one window; where the prefill launch's 0.46 s
-  # goes (s36f at 12 layers, B 128: 0.01 s with or without command buffers)
+  # (prepared in session 36, not run in 36 or 37) s36f at the 8k-capacity shape: 48 layers,
+  # B 255, the cache for 7,680 new tokens, 64 generated in one window; where the prefill
+  # launch's 0.46 s goes (s36f at 12 layers, B 128: 0.01 s with or without command buffers)
   timeout -k 5 ${PD_TIMEOUT:-540} python3 benchmarks/probe_dispatch.py --layers 48 --batch 255 \
     --prompt_len 512 --new_tokens 7680 --generate_tokens 64 --decode_chunk 256 --repeats 2 \
     --out $OUT/probe_dispatch_cap8k.json 2>&1 | grep -v "^I1\|^W1" | tail -8
