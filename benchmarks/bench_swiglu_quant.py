@@ -12,7 +12,8 @@ rows at B 256 and B 64 (30B-A3B: F 768, 128 experts, chunks of 32 rows, slots fr
 `fp4_mgpu.chunk_tables` over random group sizes). Rows: `xla` (the reference: gather,
 `swiglu`, `quantize_with_value`, `permute_k_rows`), `xla_model` (the model's own XLA ops,
 `nn.silu(g) * u` in place of `swiglu`: timed and checked the same way) and the kernel at
-`tile_elems` x `num_warps`; every row's outputs (codes, scales, row scales, operand) against
+`tile_elems` x `num_warps`, its rows in one tile and split (`_split`: F 768 as three tiles of
+16 blocks, no idle lanes); every row's outputs (codes, scales, row scales, operand) against
 the reference's, every bit, on fresh inputs in the same run, timed with CUPTI
 (`profiler.measure`, all kernels of the call, median).
 """
@@ -71,6 +72,8 @@ def main():
   ap.add_argument("--out", default="bench_swiglu_quant.json")
   ap.add_argument("--tiles", default="1024,2048,4096,8192", help="tile_elems values")
   ap.add_argument("--warps", default="2,4,8", help="num_warps values")
+  ap.add_argument("--splits", default="off,on",
+                  help="rows in one tile (off) and in tiles with no idle blocks (on)")
   ap.add_argument("--sites", default=",".join(SHAPES))
   ap.add_argument("--iters", type=int, default=20)
   args = ap.parse_args()
@@ -110,10 +113,12 @@ def main():
 
     want = fields(ref(gu))
     variants = {"xla": ref, "xla_model": jax.jit(model_ops)}
-    for t in (int(v) for v in args.tiles.split(",")):
-      for w in (int(v) for v in args.warps.split(",")):
-        variants[f"t{t}_w{w}"] = jax.jit(functools.partial(
-            swiglu_quant.swiglu_quantize_rows, tile_elems=t, num_warps=w, **kw))
+    for split in args.splits.split(","):
+      for t in (int(v) for v in args.tiles.split(",")):
+        for w in (int(v) for v in args.warps.split(",")):
+          variants[f"t{t}_w{w}" + ("_split" if split == "on" else "")] = jax.jit(
+              functools.partial(swiglu_quant.swiglu_quantize_rows, tile_elems=t, num_warps=w,
+                                split=split == "on", **kw))
     for var, fn in variants.items():
       row = bench_util.checked_timing(dict(site=site, rows=SHAPES[site], variant=var), fn, (gu,),
                                       want, fields, "bits_equal_ref", args.iters)

@@ -43,15 +43,19 @@ def _same(got, want):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
-@pytest.mark.parametrize("f,k_pad,n_rows,tile", [(128, 128, 48, 2048), (192, 256, 40, 256)],
-                         ids=["f128", "f192_kpad256_row_a_program"])
-def test_equals_reference(f, k_pad, n_rows, tile):
-  """F = 128, and F = 192 (12 blocks, padded to 16 in the kernel) into a 256-column operand
-  (zero columns past F), 37 rows padded to n_rows with zero rows."""
+@pytest.mark.parametrize("f,k_pad,n_rows,tile,split",
+                         [(128, 128, 48, 2048, False), (192, 256, 40, 256, False),
+                          (192, 192, 40, 1024, True), (768, 768, 40, 2048, True)],
+                         ids=["f128", "f192_kpad256_row_a_program", "f192_split_3x4",
+                              "f768_split_3x16"])
+def test_equals_reference(f, k_pad, n_rows, tile, split):
+  """F = 128; F = 192 (12 blocks, padded to 16 in the kernel) into a 256-column operand (zero
+  columns past F); rows split in tiles with no idle blocks (F 192: 3 of 4 blocks, F 768: 3 of
+  16), their row scales over all tiles; 37 rows padded to n_rows with zero rows."""
   gu = chunk_rows_case(64, 2 * f + 128, f, 37, f)
   run = functools.partial(swiglu_quant.swiglu_quantize_rows, f=f, fmt="nvfp4", n_rows=n_rows,
                           k_pad=k_pad)
-  got = jax.jit(lambda g: run(g, interpret=True, tile_elems=tile))(gu)
+  got = jax.jit(lambda g: run(g, interpret=True, tile_elems=tile, split=split))(gu)
   want = jax.jit(lambda g: swiglu_quant.swiglu_quantize_rows_ref(
       g, f, "nvfp4", n_rows=n_rows, k_pad=k_pad))(gu)
   _same(got, want)
@@ -136,30 +140,33 @@ def test_grouped_calls_chain_through_the_kernel():
 
 def test_lowers_for_cuda(monkeypatch):
   """The Triton lowering accepts the kernel at the 30B-A3B expert shape (F 768, 2,048 rows from
-  220 chunks of 32), for an H200."""
+  220 chunks of 32), rows in one tile and split in three, for an H200."""
   pytest.importorskip("jax_cuda13_plugin")
   from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: PLC0415
   h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
   monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
   args = (jax.ShapeDtypeStruct((7040, 1536), jnp.bfloat16),
           jax.ShapeDtypeStruct((2048,), jnp.int32))
-  text = jax.jit(lambda r, s: swiglu_quant.swiglu_quantize_rows(
-      layout.ChunkRows(r, s, 1536), 768, "nvfp4", n_rows=2080, k_pad=768)).trace(
-          *args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "swiglu_row_quant_nvfp4" in text
+  for split in (False, True):
+    text = jax.jit(lambda r, s: swiglu_quant.swiglu_quantize_rows(  # noqa: B023
+        layout.ChunkRows(r, s, 1536), 768, "nvfp4", n_rows=2080, k_pad=768, split=split)).trace(
+            *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "swiglu_row_quant_nvfp4" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("src,m", [(7040, 2048), (64, 8)], ids=["b256_decode", "one_token"])
-def test_kernel_on_gpu_equals_reference_and_xla(src, m):
-  """The compiled kernel against its reference, and its SwiGLU against XLA:GPU's own
-  `nn.silu(g) * u` (the model's path without the kernel), bit for bit."""
+@pytest.mark.parametrize("src,m,split", [(7040, 2048, False), (64, 8, False), (7040, 2048, True)],
+                         ids=["b256_decode", "one_token", "b256_split"])
+def test_kernel_on_gpu_equals_reference_and_xla(src, m, split):
+  """The compiled kernel (rows in one tile, and split in three) against its reference, and its
+  SwiGLU against XLA:GPU's own `nn.silu(g) * u` (the model's path without the kernel), bit for
+  bit."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
   gu = chunk_rows_case(src, 1536, 768, m, 2)
   n_rows = fp4_mgpu.operand_rows(m, 32)
   got = jax.jit(lambda g: swiglu_quant.swiglu_quantize_rows(
-      g, 768, "nvfp4", n_rows=n_rows, k_pad=768))(gu)
+      g, 768, "nvfp4", n_rows=n_rows, k_pad=768, split=split))(gu)
   want = jax.jit(lambda g: swiglu_quant.swiglu_quantize_rows_ref(
       g, 768, "nvfp4", n_rows=n_rows, k_pad=768))(gu)
   _same(got, want)

@@ -71,13 +71,14 @@ def reciprocal(interpret: bool):
   return F.reciprocal if interpret else _ieee_reciprocal
 
 
-def encode_tile(xb, fmt, recip):
+def encode_tile(xb, fmt, recip, g_amax=None):
   """Inside a kernel body: the row encoding of blocks `xb [R, NB, 16]` (float32; one second-level
   scale per row) -> (the `Blocked` encoding, codes packed two per byte `[R, NB, 8]` uint8, the
   even element in the low nibble as `e2m1.pack_nibbles` has it). The packing is a sum over the
-  pair axis: the Triton lowering slices no register arrays."""
+  pair axis: the Triton lowering slices no register arrays. g_amax `[R, 1]`: the rows'
+  maxima where xb holds a part of them (`encode_blocks`)."""
   r, nb, block = xb.shape
-  blk = Q.encode_blocks(xb, fmt, (1, 2), recip=recip)
+  blk = Q.encode_blocks(xb, fmt, (1, 2), recip=recip, g_amax=g_amax)
   weight = 1 + 15 * jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 2), 3)
   pairs = (blk.codes.astype(jnp.int32) & 15).reshape(r, nb, block // 2, 2)
   return blk, jnp.sum(pairs * weight, axis=-1).astype(jnp.uint8)

@@ -35,7 +35,7 @@ from trace_jax.kernels.attention_pallas import _pow2_at_least
 from trace_jax.kernels import row_quant as RQ
 from trace_jax.kernels.row_quant import (decoded_value, encode_tile, operand_order, reciprocal,
                                          store_fields)
-from trace_jax.kernels.settings import int_setting
+from trace_jax.kernels.settings import choice_setting, int_setting
 from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q
 
@@ -45,6 +45,11 @@ from trace_jax.quant import qarray as Q
 TILE_ELEMS = int_setting("TRACE_JAX_SWIGLU_TILE", 2048, minimum=16)
 NUM_WARPS = int_setting("TRACE_JAX_SWIGLU_WARPS", 4, minimum=1)
 MAX_ROW_ELEMS = 4096  # the longest h row (F) a program holds
+# "on": rows in tiles of the largest power of two of blocks that divides them (F 768: three
+# tiles of 16 blocks), no idle lanes; "off": one tile of the blocks rounded up to a power of
+# two (64 for 48: a quarter of the lanes idle in a kernel that Nsight Compute has bound by
+# instructions, session 37). Not measured on the GPU yet: `TRACE_JAX_SWIGLU_SPLIT`.
+SPLIT_ROWS = choice_setting("TRACE_JAX_SWIGLU_SPLIT", "off", ("off", "on"))
 
 
 def swiglu(g, u, *, to_bf16=None, recip=None):
@@ -94,7 +99,10 @@ def kernel_supported(gu: L.ChunkRows, f: int, fmt, k_pad: int) -> str | None:
 
 
 def _kernel(slot_ref, gu_ref, codes_ref, scales_ref, g_ref, op_ref, *, fmt, recip, interpret,
-            m: int, src: int, nb: int, nb_pad: int, chunks: int, rows: int, n_rows: int):
+            m: int, src: int, nb: int, sub: int, parts: int, chunks: int, rows: int,
+            n_rows: int):
+  """Rows of h in `parts` tiles of `sub` blocks (powers of two; one tile of nb rounded up, or
+  tiles that hold nb exactly, no idle blocks), their row maxima taken over all tiles."""
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - masked loads/stores
   r0 = pl.program_id(0) * rows
   r = r0 + jnp.arange(rows)
@@ -103,33 +111,53 @@ def _kernel(slot_ref, gu_ref, codes_ref, scales_ref, g_ref, op_ref, *, fmt, reci
   slot = jnp.where(slot < 0, slot + src, slot)  # as `jnp.take`: negative slots count back
   src_ok = row_ok & (slot >= 0) & (slot < src)  # a slot out of range reads as zeros
   slot = jnp.where(src_ok, slot, 0)
-  blk = jnp.arange(nb_pad)
-  blk_ok = blk < nb
-  ok = (src_ok[:, None] & blk_ok[None, :])[:, :, None]
-  # gathers as integer indices in every axis (what interpret mode's discharge takes, clamping
-  # the masked blocks past the row); plain ranges in the block and element axes, so that
-  # Triton sees contiguous, aligned rows and loads them in vectors
-  at = (slot[:, None, None], blk[None, :, None], jnp.arange(16)[None, None, :])
-  gate = plt.load(gu_ref.at[at], mask=ok, other=0)
-  up = plt.load(gu_ref.at[at[0], at[1] + nb, at[2]], mask=ok, other=0)
-  h = _swiglu_in_kernel(gate, up, interpret)  # [R, NB_pad, 16] bf16; zeros past the row
-  blk, packed = encode_tile(h.astype(jnp.float32), fmt, recip)
-  at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
-  store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows,
-               row_ok[:, None] & blk_ok[None, :], row_ok)
-  # rows m.. of the operand's padding get zeros (value is zero there: nothing was loaded)
-  value = operand_order(decoded_value(blk).astype(op_ref.dtype))
-  op_ok = ((r < n_rows)[:, None] & (jnp.arange(nb_pad // 4) < chunks)[None, :])[:, :, None]
-  plt.store(op_ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad // 4)], value, mask=op_ok)
+  tiles = []
+  for t in range(parts):
+    blk = t * sub + jnp.arange(sub)
+    blk_ok = blk < nb
+    ok = (src_ok[:, None] & blk_ok[None, :])[:, :, None]
+    # gathers as integer indices in every axis (what interpret mode's discharge takes,
+    # clamping the masked blocks past the row); plain ranges in the block and element axes,
+    # so that Triton sees contiguous, aligned rows and loads them in vectors
+    at = (slot[:, None, None], blk[None, :, None], jnp.arange(16)[None, None, :])
+    gate = plt.load(gu_ref.at[at], mask=ok, other=0)
+    up = plt.load(gu_ref.at[at[0], at[1] + nb, at[2]], mask=ok, other=0)
+    # [R, sub, 16]; zeros past the row
+    tiles.append((t, blk_ok, _swiglu_in_kernel(gate, up, interpret).astype(jnp.float32)))
+  g_amax = None
+  if parts > 1:
+    g_amax = functools.reduce(jnp.maximum, [jnp.max(Q.block_amax(h), axis=1)
+                                            for _, _, h in tiles])[:, None]
+  for t, blk_ok, h in tiles:
+    blk, packed = encode_tile(h, fmt, recip, g_amax)
+    at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(t * sub, sub)]  # noqa: E731,B023
+    store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows,
+                 row_ok[:, None] & blk_ok[None, :], row_ok)
+    # rows m.. of the operand's padding get zeros (value is zero there: nothing was loaded)
+    value = operand_order(decoded_value(blk).astype(op_ref.dtype))
+    c = t * sub // 4 + jnp.arange(sub // 4)
+    op_ok = ((r < n_rows)[:, None] & (c < chunks)[None, :])[:, :, None]
+    plt.store(op_ref.at[pl.ds(r0, rows), pl.ds(t * sub // 4, sub // 4)], value, mask=op_ok)
+
+
+def _tiles(nb: int, k_pad: int, split: bool) -> tuple[int, int]:
+  """(sub, parts): one tile of nb (or the operand's k_pad / 16) blocks rounded up to a power of
+  two; split: tiles of the largest power of two dividing nb, where they cover the operand."""
+  if split and k_pad == nb * 16:
+    sub = nb & -nb
+    if sub >= 4:
+      return sub, nb // sub
+  return _pow2_at_least(max(nb, k_pad // 16), 4), 1
 
 
 def swiglu_quantize_rows(gu: L.ChunkRows, f: int, fmt, *, n_rows: int, k_pad: int,
                          interpret: bool = False, tile_elems: int = TILE_ELEMS,
-                         num_warps: int = NUM_WARPS):
+                         num_warps: int = NUM_WARPS, split: bool | None = None):
   """`(q, operand)`: h = silu(gate) * up of gu's rows (`[M, f]`), q its `QArray` (blocked along
   the last axis, one row scale a row) and operand `L.OperandRows` of its dequantized value, as
   `swiglu_quantize_rows_ref` gives them; n_rows (>= M) and k_pad (>= f, multiple of 64) the
-  operand's rows and columns."""
+  operand's rows and columns. split: a row in tiles with no idle blocks (F 768: three of 16
+  blocks, where one tile holds 64 for 48; None: `SPLIT_ROWS`)."""
   fmt = F.get_format(fmt)
   why = kernel_supported(gu, f, fmt, k_pad)
   if why:
@@ -139,16 +167,16 @@ def swiglu_quantize_rows(gu: L.ChunkRows, f: int, fmt, *, n_rows: int, k_pad: in
     raise ValueError(f"an operand of {n_rows} rows for {m}")
   src, n_pad = gu.rows.shape
   nb = f // fmt.block
-  nb_pad = _pow2_at_least(nb, 4)
-  rows = max(1, tile_elems // (nb_pad * fmt.block))
+  sub, parts = _tiles(nb, k_pad, SPLIT_ROWS == "on" if split is None else split)
+  rows = 1 << (max(1, tile_elems // (sub * parts * fmt.block)).bit_length() - 1)
   gu_b = gu.rows.reshape(src, n_pad // fmt.block, fmt.block)  # columns past 2f: never read
   out_shape = RQ.field_shapes(m, nb, fmt,
                               jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16))
   slot = gu.slot.astype(jnp.int32)
   codes, scales, g, op = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret), interpret=interpret,
-                        m=m, src=src, nb=nb, nb_pad=nb_pad, chunks=k_pad // 64, rows=rows,
-                        n_rows=n_rows),
+                        m=m, src=src, nb=nb, sub=sub, parts=parts, chunks=k_pad // 64,
+                        rows=rows, n_rows=n_rows),
       grid=(-(-n_rows // rows),),
       in_specs=[RQ.whole(slot), RQ.whole(gu_b)],
       out_specs=[RQ.whole(s) for s in out_shape],

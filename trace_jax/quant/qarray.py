@@ -130,18 +130,27 @@ def _encode_elements(z: jax.Array, fmt: F.Format, key: jax.Array | None) -> jax.
   return jnp.clip(z, -F.E4M3_MAX, F.E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
+def block_amax(xb: jax.Array) -> jax.Array:
+  """Each block's maximum magnitude, +inf where it holds a non-finite element (float32)."""
+  xb = xb.astype(jnp.float32)
+  return jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), jnp.float32(jnp.inf)), axis=-1)
+
+
 def encode_blocks(xb: jax.Array, fmt: F.Format, g_reduce_axes: tuple[int, ...],
-                  key: jax.Array | None = None, recip=F.reciprocal) -> Blocked:
+                  key: jax.Array | None = None, recip=F.reciprocal,
+                  g_amax: jax.Array | None = None) -> Blocked:
   """Choose scales and encode elements for blocked `xb` (lead..., nb, block). recip: the
   correctly rounded float32 `1 / d` (`formats.reciprocal`; a Pallas kernel passes the
-  hardware's IEEE division, which its compiler's `/` need not be)."""
+  hardware's IEEE division, which its compiler's `/` need not be). g_amax: the maximum the
+  second-level scale takes, given where xb is a part of what it covers (a kernel holding a row
+  in parts): `block_amax` of all of it reduced as g_reduce_axes would, keepdims."""
   xb = xb.astype(jnp.float32)
   # NaN must reach the scale, but XLA:CPU's vectorized max can drop NaN (seen on a [200, 300]
   # weight): non-finite elements enter the maximum as +inf, which every max keeps, and an
   # infinite block maximum becomes NaN. One reduction per block (a separate any(non-finite)
   # was one more GPU kernel at every quantization site of the decode step), and g reduces the
   # block maxima instead of the elements again.
-  amax_inf = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), jnp.float32(jnp.inf)), axis=-1)
+  amax_inf = block_amax(xb)
   nan_if_inf = lambda a: jnp.where(a == jnp.inf, jnp.float32(jnp.nan), a)  # noqa: E731
   amax_b = nan_if_inf(amax_inf)
   if fmt.scale == "e8m0":
@@ -151,7 +160,9 @@ def encode_blocks(xb: jax.Array, fmt: F.Format, g_reduce_axes: tuple[int, ...],
     return Blocked(_encode_elements(z, fmt, key), scales, None)
 
   # g_reduce_axes end with (nb, block): the same maximum over the block maxima
-  amax_g = nan_if_inf(jnp.max(amax_inf, axis=g_reduce_axes[:-1], keepdims=True))
+  if g_amax is None:
+    g_amax = jnp.max(amax_inf, axis=g_reduce_axes[:-1], keepdims=True)
+  amax_g = nan_if_inf(g_amax)
   g = F.nvfp4_second_level(amax_g, fmt)
   s6 = F.e4m3_block_scale(amax_b, g, 6.0, recip)
   codes6 = _encode_elements(scaled_blocks(xb, s6, g, fmt, recip), fmt, key)
