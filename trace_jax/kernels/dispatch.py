@@ -92,6 +92,7 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
+_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "xla", ("xla", "kernel"))
 _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
 # FP4 KV caches the Mosaic decode attention kernel reads hold bit-placed code words ("kv_words":
@@ -567,6 +568,26 @@ def quantize_rows(x, fmt):
 def _quantize_rows(x, *, fmt):
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
   return row_quant.quantize_rows(x, fmt)
+
+
+def topk_gates(logits, k: int, normalize: bool):
+  """A MoE router's (gate weights float32 [N, k], experts int32 [N, k]) from its float32 logits
+  by one Pallas kernel (`router_topk.py`: softmax, top-k, renormalized where `normalize`), or
+  None where the caller's XLA ops apply: off the GPU, shapes it does not take, and by default
+  (opt-in `TRACE_JAX_ROUTER_TOPK=kernel`: not measured on the GPU yet; its weights agree with
+  XLA's to rounding, its experts exactly)."""
+  if _ROUTER_TOPK != "kernel" or not on_gpu():
+    return None
+  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
+  if router_topk.kernel_supported(logits, k):
+    return None
+  return _topk_gates(logits, k=k, normalize=normalize)
+
+
+@_lowered_once("k", "normalize")
+def _topk_gates(logits, *, k, normalize):
+  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
+  return router_topk.topk_gates(logits, k, normalize=normalize)
 
 
 def quantize_rows_to_operand(x, fmt, inverse, copies: int, w, tables=None):

@@ -117,13 +117,14 @@ def operand_order(value):
 def store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok):
   """Inside a kernel body: a row encoding's codes, block scales and row scales stored at the
   programs' rows (`at`: their blocks of a ref), masked by `ok` [R, NB] and `row_ok` [R]."""
-  plt = _triton()
+  plt = triton_primitives()
   plt.store(at(codes_ref), packed, mask=ok[:, :, None])
   plt.store(at(scales_ref), blk.scales, mask=ok)
   plt.store(g_ref.at[pl.ds(r0, rows)], blk.g, mask=row_ok[:, None])
 
 
-def _triton():
+def triton_primitives():
+  """Pallas' Triton primitives (masked loads and stores), imported where a kernel traces."""
   from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - masked loads/stores
   return plt
 
@@ -143,12 +144,14 @@ def whole(s):
 
 def launch_params(interpret: bool, num_warps: int):
   """The Triton launch of a kernel body: its warps, one stage; None in interpret mode."""
-  return None if interpret else _triton().CompilerParams(num_warps=num_warps, num_stages=1)
+  if interpret:
+    return None
+  return triton_primitives().CompilerParams(num_warps=num_warps, num_stages=1)
 
 
 def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int, nb: int,
             rows: int, nb_pad: int):
-  plt = _triton()
+  plt = triton_primitives()
   r0 = pl.program_id(0) * rows
   row_ok = (r0 + jnp.arange(rows)) < n
   blk_ok = jnp.arange(nb_pad) < nb
@@ -164,7 +167,7 @@ def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, fm
                     n: int, nb: int, rows: int, nb_pad: int, copies: int, n_rows: int):
   """`_kernel` with the value written as an operand's rows: row i to rows dest[i, :]; the
   operand's rows past n * copies get zeros, `rows` of them a program."""
-  plt = _triton()
+  plt = triton_primitives()
   r0 = pl.program_id(0) * rows
   r = r0 + jnp.arange(rows)
   row_ok = r < n

@@ -233,7 +233,13 @@ class MoE(nn.Module):
     w_r = _param(self, "router/kernel", _INIT, (d, e))
     logits = kernels.float32_dot(xf, w_r)  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1)
-    if replay_routes is None:
+    gates = None
+    if replay_routes is None and ctx.mode == "rollout":
+      # (opt-in on the GPU: softmax, top-k and the renormalized weights in one kernel)
+      gates = kernels.topk_gates(logits, k, c.norm_topk_prob)
+    if gates is not None:
+      weights, idx = gates
+    elif replay_routes is None:
       # top_k's values are the gate weights (its derivative gathers the probabilities' at idx,
       # as a take_along_axis would; one gather kernel fewer per layer in a decode step)
       weights, idx = jax.lax.top_k(probs, k)
@@ -242,7 +248,7 @@ class MoE(nn.Module):
       # Gate weights are recomputed from this forward's router, so the router learns under
       # replay.
       weights = jnp.take_along_axis(probs, idx, axis=-1)
-    if c.norm_topk_prob:
+    if c.norm_topk_prob and gates is None:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
 
     # Auxiliaries over real tokens: Switch load balancing (E * sum_e f_e P_e) and router z-loss.

@@ -1,0 +1,97 @@
+"""A MoE router's gates as one Pallas kernel: from the router's float32 logits, the softmax over
+experts, the top-k experts of each token and their gate weights (renormalized over the k where
+the model says so).
+
+Owns the kernel, its support check, its wrapper and its reference. The reference is the model's
+own XLA ops (`topk_gates_ref`: `nn.softmax`, `lax.top_k`, the renormalization). The kernel
+gives the same experts, ties to the lower index as `lax.top_k` gives them. Its weights agree to
+rounding: its exponential and sums are Triton's, and the summation orders are not XLA's
+(tests state the tolerance). In the 8k-capacity decode step (B 256, 128 experts, top-8) XLA's
+ops are three kernels a layer (softmax, a sort-based top-k, the weights' convert; ~7.5 us a
+layer on the H200, session 37's profile); this is one.
+
+Opt-in (`TRACE_JAX_ROUTER_TOPK=kernel`, `dispatch.topk_gates`): not measured on the GPU yet.
+
+Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
+`row_quant`). The top-k is k rounds of a row maximum, each taking the lowest index that holds
+it and masking it out: the Triton lowering sorts no register arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels import row_quant as RQ
+from trace_jax.kernels.attention_pallas import _pow2_at_least
+
+ROWS = 16  # tokens a program takes
+NUM_WARPS = 4
+MAX_EXPERTS = 1024
+
+
+def kernel_supported(logits, k: int) -> str | None:
+  """None if the kernel takes `logits` `[N, E]` (float32, E up to MAX_EXPERTS) and top-k."""
+  if logits.ndim != 2 or logits.dtype != jnp.float32:
+    return f"logits {logits.dtype}{list(logits.shape)}: the kernel takes float32 [N, E]"
+  if not 0 < k <= logits.shape[1] <= MAX_EXPERTS:
+    return f"top-{k} of {logits.shape[1]} experts (the kernel takes up to {MAX_EXPERTS})"
+  return None
+
+
+def _kernel(x_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normalize: bool):
+  plt = RQ.triton_primitives()
+  r0 = pl.program_id(0) * ROWS
+  row_ok = (r0 + jnp.arange(ROWS)) < n
+  col = jnp.arange(e_pad)
+  ok = row_ok[:, None] & (col < e)[None, :]
+  x = plt.load(x_ref.at[pl.ds(r0, ROWS), pl.ds(0, e_pad)], mask=ok, other=-jnp.inf)
+  # nn.softmax's formula: exp(x - max) / sum
+  z = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
+  p = jnp.where(ok, z / jnp.sum(z, axis=1, keepdims=True), -1.0)  # padding: below every prob
+  vals, idxs = [], []
+  for _ in range(k):
+    v = jnp.max(p, axis=1)
+    i = jnp.min(jnp.where(p == v[:, None], col[None, :], e_pad), axis=1)  # ties: lowest index
+    vals.append(v)
+    idxs.append(i)
+    p = jnp.where(col[None, :] == i[:, None], -2.0, p)
+  if normalize:
+    total = functools.reduce(jnp.add, vals)
+    vals = [v / total for v in vals]
+  for j, (v, i) in enumerate(zip(vals, idxs)):
+    plt.store(w_ref.at[pl.ds(r0, ROWS), jnp.int32(j)], v, mask=row_ok)
+    plt.store(i_ref.at[pl.ds(r0, ROWS), jnp.int32(j)], i.astype(jnp.int32), mask=row_ok)
+
+
+def topk_gates(logits: jax.Array, k: int, *, normalize: bool, interpret: bool = False,
+               num_warps: int = NUM_WARPS):
+  """(weights float32 `[N, k]`, experts int32 `[N, k]`): each token's top-k experts by softmax
+  probability, highest first, and their probabilities (divided by their sum with normalize)."""
+  why = kernel_supported(logits, k)
+  if why:
+    raise ValueError(f"router top-k kernel: {why}")
+  n, e = logits.shape
+  e_pad = _pow2_at_least(e, 16)
+  out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
+  return pl.pallas_call(
+      functools.partial(_kernel, n=n, e=e, e_pad=e_pad, k=k, normalize=normalize),
+      grid=(-(-n // ROWS),),
+      in_specs=[RQ.whole(logits)],
+      out_specs=[RQ.whole(s) for s in out_shape],
+      out_shape=out_shape,
+      compiler_params=RQ.launch_params(interpret, num_warps),
+      interpret=interpret,
+      name="router_topk",
+  )(logits)
+
+
+def topk_gates_ref(logits: jax.Array, k: int, *, normalize: bool):
+  """The model's ops: `nn.softmax`, `lax.top_k` (its values the weights), renormalized."""
+  weights, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, idx
