@@ -26,10 +26,9 @@ out as the expert kernel's operand, each token's row at its pairs' sorted rows),
 kernel's operand) from the gate/up kernel's rows left ungathered (`ChunkRows`,
 `swiglu_quant.py`); opt-in, `topk_gates` makes a router's gates in one kernel
 (`router_topk.py`, `TRACE_JAX_ROUTER_TOPK=kernel`); each returns None where the XLA path
-applies. `sort_by_group` /
-`count_by_group` (or `route`, with the FP4 grouped kernel's chunk tables) build the MoE routing
-tables; `float32_dot` computes the router's logits
-(a batch-1 row as a two-row product on the GPU, as the bf16 XLA path does).
+applies. `sort_by_group` / `count_by_group` (or `route`, with the FP4 grouped kernel's chunk
+tables) build the MoE routing tables; `float32_dot` computes the router's logits (a batch-1 row
+as a two-row product on the GPU, as the bf16 XLA path does).
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref

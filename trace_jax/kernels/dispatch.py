@@ -83,7 +83,7 @@ from trace_jax.quant.qarray import decode_blocks, from_blocks
 __all__ = ["append_kv", "count_by_group", "decode_attention", "float32_dot", "grouped_backend",
            "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route", "sort_by_group",
-           "swiglu_quantize_rows"]
+           "swiglu_quantize_rows", "topk_gates"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
@@ -341,7 +341,7 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     if not (isinstance(w, PackedWeight) and w.experts and use_kernel is not False):
       raise ValueError("an operand laid out for the FP4 grouped kernel, for a weight it does "
                        f"not take ({type(w).__name__})")
-    return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=out_dtype or jnp.bfloat16,
+    return fp4_mgpu.grouped_matmul(x, w, group_sizes, out_dtype=_out_dtype(x, out_dtype),
                                    bm=bm, config=config, out_rows=out_rows, tables=tables,
                                    keep_chunks=keep_chunks)
   if _kernel_ok(x, w, use_kernel) and w.experts:

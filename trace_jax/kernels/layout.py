@@ -148,7 +148,6 @@ class OperandRows:
   m: int = dataclasses.field(metadata=dict(static=True))
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
   """An FP4 weight in the kernel's layout (registered pytree; metadata static).

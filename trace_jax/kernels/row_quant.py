@@ -149,39 +149,42 @@ def launch_params(interpret: bool, num_warps: int):
   return triton_primitives().CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, *, fmt, recip, n: int, nb: int,
-            rows: int, nb_pad: int):
-  plt = triton_primitives()
+def _encode_rows(x_ref, codes_ref, scales_ref, g_ref, *, fmt, recip, n: int, nb: int,
+                 rows: int, nb_pad: int):
+  """Inside a kernel body: the program's rows of x loaded, encoded and their codes, block
+  scales and row scales stored -> (the encoding, `at` (the rows' blocks of a ref), the
+  [R, NB] mask)."""
   r0 = pl.program_id(0) * rows
   row_ok = (r0 + jnp.arange(rows)) < n
-  blk_ok = jnp.arange(nb_pad) < nb
-  ok = row_ok[:, None] & blk_ok[None, :]
+  ok = row_ok[:, None] & (jnp.arange(nb_pad) < nb)[None, :]
   at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
-  x = plt.load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
+  x = triton_primitives().load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
   blk, packed = encode_tile(x, fmt, recip)  # codes [R, NB, 16], scales [R, NB]
   store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok)
-  plt.store(at(val_ref), decoded_value(blk).astype(val_ref.dtype), mask=ok[:, :, None])
+  return blk, at, ok
 
 
-def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, fmt, recip,
-                    n: int, nb: int, rows: int, nb_pad: int, copies: int, n_rows: int):
+def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, **kw):
+  blk, at, ok = _encode_rows(x_ref, codes_ref, scales_ref, g_ref, **kw)
+  triton_primitives().store(at(val_ref), decoded_value(blk).astype(val_ref.dtype),
+                            mask=ok[:, :, None])
+
+
+def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, copies: int,
+                    n_rows: int, **kw):
   """`_kernel` with the value written as an operand's rows: row i to rows dest[i, :]; the
   operand's rows past n * copies get zeros, `rows` of them a program."""
   plt = triton_primitives()
+  n, rows, nb_pad = kw["n"], kw["rows"], kw["nb_pad"]
   r0 = pl.program_id(0) * rows
   r = r0 + jnp.arange(rows)
   row_ok = r < n
-  blk_ok = jnp.arange(nb_pad) < nb
-  ok = row_ok[:, None] & blk_ok[None, :]
-  at = lambda ref: ref.at[pl.ds(r0, rows), pl.ds(0, nb_pad)]  # noqa: E731
   # the destinations first: loaded after the encoding, their latency stood exposed (the
   # kernel's main stall on the H200, session 37's ncu); masked rows aim past the operand
   # (interpret mode drops those updates)
   dests = [plt.load(dest_ref.at[pl.ds(r0, rows), jnp.int32(j)], mask=row_ok, other=n_rows)
            for j in range(copies)]
-  x = plt.load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
-  blk, packed = encode_tile(x, fmt, recip)
-  store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok)
+  blk = _encode_rows(x_ref, codes_ref, scales_ref, g_ref, **kw)[0]
   value = operand_order(decoded_value(blk).astype(op_ref.dtype))  # [R, C, 64]
   c = jnp.arange(nb_pad // 4)
   cols = (c[None, :, None], jnp.arange(64)[None, None, :])
@@ -223,7 +226,6 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
   q = Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, nb), g.reshape(*lead, 1),
                fmt, len(lead), tuple(x.shape))
   return q, value.reshape(x.shape)
-
 
 
 def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int, k_pad: int,
