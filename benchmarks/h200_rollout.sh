@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -661,6 +661,32 @@ elif [ "$stage" = s38b ]; then
       | grep "guidance_on\|decode loop\|moe/\|router\|routing\|Error" | cut -c1-160 \
       | sed "s/^/[topk $1, routing $2] /"
   done
+elif [ "$stage" = s38c ]; then
+  # (session 38) the E2M1 index by float32 arithmetic (`e2m1.magnitude_index_rtne`: one
+  # rounding addition and one integer rounding instead of 7 comparisons and adds; exhaustively
+  # equal on CPU): the index over every non-negative float32 by XLA:GPU and in a Triton body, the
+  # GPU numerics and quantizing kernels' tests; bench_row_quant and bench_swiglu_quant with the
+  # comparisons (midpoints) and the bits, each side its own process; the 4-layer decode step
+  # with the bits (s38a's "on" side, call 1, is the comparisons' side); then s38b's test and
+  # the 4-layer step with the router gates kernel (the bits on)
+  gpu_tests "tests/quant/test_e2m1.py tests/quant/test_gpu_numerics.py tests/kernels/test_row_quant.py tests/kernels/test_swiglu_quant.py tests/kernels/test_kv_append.py" \
+    "gpu" e2m1_bits ${ETEST_TIMEOUT:-170}
+  for side in midpoints bits; do
+    TRACE_JAX_E2M1_INDEX=$side timeout -k 5 ${BQ_TIMEOUT:-90} python3 benchmarks/bench_row_quant.py \
+      --tiles 2048 --warps 4 --iters 30 --out $OUT/bench_row_quant_$side.json 2>&1 \
+      | grep -v "^I1\|^W1" | grep "us \|rror" | tail -8 | sed "s/^/[$side] /"
+    TRACE_JAX_E2M1_INDEX=$side timeout -k 5 ${BS_TIMEOUT:-90} python3 \
+      benchmarks/bench_swiglu_quant.py --tiles 2048 --warps 4 --splits on --iters 30 \
+      --out $OUT/bench_swiglu_quant_$side.json 2>&1 | grep -v "^I1\|^W1" \
+      | grep "us \|rror" | tail -6 | sed "s/^/[$side] /"
+  done
+  cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} --no_command_buffers \
+    --out $OUT/profile_cap_4l_b256_nocb_e2m1_bits.json \
+    | grep "guidance_on\|decode loop\|row_quant\|swiglu\|kv_append\|Error" | cut -c1-160
+  gpu_tests tests/kernels/test_router_topk.py "gpu" router_topk ${RTEST_TIMEOUT:-80}
+  TRACE_JAX_ROUTER_TOPK=kernel cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
+    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_topk_kernel.json \
+    | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 | sed "s/^/[topk] /"
 elif [ "$stage" = s37b ]; then
   # (prepared in session 36, run in session 37 as calls 4 and 7) the 48-layer 8k-capacity
   # rollout after session 36's changes (no window launched past the rows' largest limit: the

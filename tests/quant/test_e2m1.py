@@ -81,6 +81,69 @@ def test_mantissa_bits_alternate_along_grid():
   np.testing.assert_array_equal(bits, [0, 1] * 8)
 
 
+def _np_index_by_midpoints(a: np.ndarray) -> np.ndarray:
+  """The RTNE grid index as numpy comparisons with the midpoints (ties up to even indices)."""
+  mids = (np.array(ref.GRID[:-1], np.float32) + np.array(ref.GRID[1:], np.float32)) / 2
+  idx = np.zeros(a.shape, np.uint8)
+  for i, mid in enumerate(mids):
+    idx += (a >= mid) if (i + 1) % 2 == 0 else (a > mid)
+  return idx
+
+
+def test_magnitude_index_by_bits_equals_the_midpoint_rule():
+  # every exponent and top 11 mantissa bits with low bits 0, 1, the ulps around the half and the
+  # top (ties and their neighbours), every pattern within 2,048 ulps of each midpoint and grid
+  # value, inf and NaNs
+  hi = np.arange(1 << 19, dtype=np.uint32)[:, None] << 12
+  lo = np.array([0, 1, 0x7FF, 0x800, 0x801, 0xFFF], np.uint32)
+  near = np.array(ref.GRID[1:] + [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+  near = near.view(np.uint32)[:, None] + np.arange(-2048, 2048, dtype=np.int64)
+  special = np.array([0x7F800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF], np.uint32)
+  u = np.concatenate([(hi | lo).ravel(), near.ravel().astype(np.uint32), special])
+  a = u.view(np.float32)
+  got = np.asarray(jax.jit(e2m1.magnitude_index_rtne)(a))
+  np.testing.assert_array_equal(got, _np_index_by_midpoints(a))
+  assert (got[-3:] == 0).all()  # NaN -> 0
+
+
+@pytest.mark.slow
+def test_magnitude_index_by_bits_every_float32():
+  # all 2**31 non-negative float32 bit patterns against the midpoint comparisons (~10 s)
+  as_f32 = lambda u: jax.lax.bitcast_convert_type(u, jnp.float32)  # noqa: E731
+  bits = jax.jit(lambda u: e2m1.magnitude_index_rtne(as_f32(u)))
+  mids = jax.jit(lambda u: e2m1.magnitude_index_by_midpoints(as_f32(u)))
+  n = 1 << 26
+  for start in range(0, 1 << 31, n):
+    u = jnp.arange(start, start + n, dtype=jnp.uint32)
+    assert int(jnp.sum(bits(u) != mids(u))) == 0, hex(start)
+
+
+@pytest.mark.gpu
+def test_magnitude_index_by_bits_every_float32_on_gpu():
+  # all non-negative float32 bit patterns, compiled by XLA:GPU and inside a Pallas (Triton)
+  # kernel body as the quantizing kernels trace it, against the midpoint comparisons (XLA)
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  from trace_jax.kernels import row_quant  # noqa: PLC0415
+  as_f32 = lambda u: jax.lax.bitcast_convert_type(u, jnp.float32)  # noqa: E731
+  n, block = 1 << 28, 1 << 14
+
+  def body(u_ref, o_ref):
+    o_ref[...] = e2m1.magnitude_index_rtne(as_f32(u_ref[...])).astype(jnp.int32)
+
+  in_kernel = jax.jit(lambda u: pl.pallas_call(
+      body, grid=(n // block,), in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+      out_shape=jax.ShapeDtypeStruct((n,), jnp.int32),
+      compiler_params=row_quant.launch_params(False, 4))(u))
+  xla = jax.jit(lambda u: e2m1.magnitude_index_rtne(as_f32(u)).astype(jnp.int32))
+  mids = jax.jit(lambda u: e2m1.magnitude_index_by_midpoints(as_f32(u)).astype(jnp.int32))
+  for start in range(0, 1 << 31, n):
+    u = jnp.arange(start, start + n, dtype=jnp.uint32)
+    want = mids(u)
+    assert int(jnp.sum(xla(u) != want)) == 0, ("xla", hex(start))
+    assert int(jnp.sum(in_kernel(u) != want)) == 0, ("kernel", hex(start))
+
+
 def test_stochastic_rounding_neighbours_and_unbiased():
   z = jnp.asarray(np.array([0.1, 0.3, 1.2, 2.25, -2.75, 4.5, 5.5, 6.0, 9.0, 0.0], np.float32))
   n = 20000

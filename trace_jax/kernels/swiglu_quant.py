@@ -48,8 +48,10 @@ MAX_ROW_ELEMS = 4096  # the longest h row (F) a program holds
 # "on": rows in tiles of the largest power of two of blocks that divides them (F 768: three
 # tiles of 16 blocks), no idle lanes; "off": one tile of the blocks rounded up to a power of
 # two (64 for 48: a quarter of the lanes idle in a kernel that Nsight Compute has bound by
-# instructions, session 37). Not measured on the GPU yet: `TRACE_JAX_SWIGLU_SPLIT`.
-SPLIT_ROWS = choice_setting("TRACE_JAX_SWIGLU_SPLIT", "off", ("off", "on"))
+# instructions, session 37). H200 (session 38), us a call, off -> on: B 256 8.64 -> 8.03, B 64
+# 4.77 -> 4.83 (4 warps); the 4-layer decode step's SwiGLU kernels 37.4 -> 35.7 us, its
+# prefill's 12.0 -> 10.6 ms; bit for bit the same. `TRACE_JAX_SWIGLU_SPLIT=off`: the other
+SPLIT_ROWS = choice_setting("TRACE_JAX_SWIGLU_SPLIT", "on", ("off", "on"))
 
 
 def swiglu(g, u, *, to_bf16=None, recip=None):
