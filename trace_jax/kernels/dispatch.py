@@ -92,7 +92,7 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
-_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "xla", ("xla", "kernel"))
+_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel"))
 _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
 # FP4 KV caches the Mosaic decode attention kernel reads hold bit-placed code words ("kv_words":
@@ -573,9 +573,10 @@ def _quantize_rows(x, *, fmt):
 def topk_gates(logits, k: int, normalize: bool):
   """A MoE router's (gate weights float32 [N, k], experts int32 [N, k]) from its float32 logits
   by one Pallas kernel (`router_topk.py`: softmax, top-k, renormalized where `normalize`), or
-  None where the caller's XLA ops apply: off the GPU, shapes it does not take, and by default
-  (opt-in `TRACE_JAX_ROUTER_TOPK=kernel`: not measured on the GPU yet; its weights agree with
-  XLA's to rounding, its experts exactly)."""
+  None where the caller's XLA ops apply: off the GPU, shapes it does not take, and with
+  `TRACE_JAX_ROUTER_TOPK=xla` (its weights agree with XLA's to rounding, its experts exactly;
+  H200, session 38: the 4-layer decode step at B 256 1.629 -> 1.603 ms of kernels, 151 -> 147
+  kernels)."""
   if _ROUTER_TOPK != "kernel" or not on_gpu():
     return None
   from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy

@@ -10,7 +10,10 @@ rounding: its exponential and sums are Triton's, and the summation orders are no
 ops are three kernels a layer (softmax, a sort-based top-k, the weights' convert; ~7.5 us a
 layer on the H200, session 37's profile); this is one.
 
-Opt-in (`TRACE_JAX_ROUTER_TOPK=kernel`, `dispatch.topk_gates`): not measured on the GPU yet.
+The GPU default (`dispatch.topk_gates`; `TRACE_JAX_ROUTER_TOPK=xla` opts out). On the H200
+(session 38) the 4-layer decode step's kernels at that shape took 1.603 ms with it against 1.629
+without, 147 kernels a step against 151; the experts equal XLA's, 3 of 2,048 weights differ by
+a few float32 ulps (2.8e-7 relative at most).
 
 Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
 `row_quant`). The top-k is k rounds of a row maximum, each taking the lowest index that holds
