@@ -24,8 +24,11 @@ time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
   Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group), and from 128 rows
   `mgpu_bm{rows a chunk}_wg{warpgroups}_kb{K tiles a step}_s{K splits}` (the same kernel with
   128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`).
+- `router_bf16`: the router's operands as bf16 (the rollout's), one bf16 product with float32
+  accumulation (`dispatch.bf16_operands_dot`: the products exact, as in float32).
 - `route_tail`: softmax, top-8 and the weights' normalization of router logits [R, 128], as the
-  model does them (for its kernel count).
+  model does them (for its kernel count); `route_topk{n}`: the same in one kernel
+  (`router_topk.py`) with n tokens a program.
 
 Each is checked against a float64 numpy product (max |got - ref| / max |ref|) and timed with
 CUPTI device time (`profiler.measure`, all kernels of the call, median over iterations), the
@@ -51,7 +54,7 @@ def plot(json_path: str) -> str:
   groups: dict = {}
   for r in timed:
     name, rows = r["name"].rsplit("_r", 1)
-    prod = "route_tail" if name == "route_tail" else name.split("_")[0]
+    prod = "route" if name.startswith("route_") else name.split("_")[0]
     tag = name[len(prod) + 1:] or prod
     groups.setdefault((prod, int(rows)), []).append((tag, r["us"]))
   order = sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0]))
@@ -127,7 +130,7 @@ def main():
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
 
-  from trace_jax.kernels import bf16_mgpu, dispatch
+  from trace_jax.kernels import bf16_mgpu, dispatch, router_topk
 
   t0 = time.time()
   res = bench_util.result_header(
@@ -171,9 +174,10 @@ def main():
 
   products = args.products.split(",")
   for r in [int(v) for v in args.rows.split(",")]:
-    # the router, float32
+    # the router, float32 (x and w bf16 values, as the rollout's activations and weights)
     xr = np.asarray(jnp.asarray(rng.standard_normal((r, 2048)), jnp.bfloat16), np.float32)
-    wr = (rng.standard_normal((2048, 128)) * 0.02).astype(np.float32)
+    wr = np.asarray(jnp.asarray(rng.standard_normal((2048, 128)) * 0.02, jnp.bfloat16),
+                    np.float32)
     ref = xr.astype(np.float64) @ wr.astype(np.float64)
     variants = {
         "dot": lambda x, w: jnp.dot(x, w, precision=hp),
@@ -198,6 +202,10 @@ def main():
         return y[:, :n] + y[:, n:2 * n] + y[:, 2 * n:]
 
       row(f"router_split3_r{r}", split3, jnp.asarray(xr), w3, ref, w3.size * 2)
+      # the operands as the rollout holds them (bf16), one bf16 product with float32
+      # accumulation (`dispatch.bf16_operands_dot`, TRACE_JAX_ROUTER_DOT=bf16)
+      row(f"router_bf16_r{r}", dispatch.bf16_operands_dot, jnp.asarray(xr, jnp.bfloat16),
+          jnp.asarray(wr, jnp.bfloat16), ref, wr.size * 2)
     if "route_tail" in products:
       # the tail of routing
       logits = jnp.asarray(ref, jnp.float32)
@@ -211,6 +219,13 @@ def main():
       top = np.sort(np.asarray(pr))[:, ::-1][:, :8]
       row(f"route_tail_r{r}", tail, logits, jnp.zeros((8,), jnp.float32),
           top / top.sum(-1, keepdims=True), 1024)
+      for rows_a_program in (2, 4, 8, 16, 32):  # the same in one kernel (`router_topk.py`)
+        def topk(x, w, rows_a_program=rows_a_program):
+          v, i = router_topk.topk_gates(x + w[0], 8, normalize=True, rows=rows_a_program)
+          return v + i.astype(jnp.float32) * 0
+
+        row(f"route_topk{rows_a_program}_r{r}", topk, logits, jnp.zeros((8,), jnp.float32),
+            top / top.sum(-1, keepdims=True), 1024)
     # dense bf16 projections
     for shape_tag, (k, n) in (("qkv", (2048, 5120)), ("o", (4096, 2048))):
       if shape_tag not in products:

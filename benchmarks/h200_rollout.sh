@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -674,6 +674,22 @@ elif [ "$stage" = s39a ]; then
       | grep "guidance_on\|decode loop\|moe/\|routing\|Error" | cut -c1-160 \
       | sed "s/^/[routing $side] /"
   done
+elif [ "$stage" = s39b ]; then
+  # (prepared in session 38) the router's product of bf16 operands as one bf16 product with
+  # float32 accumulation (TRACE_JAX_ROUTER_DOT=bf16; its float32 dot of converted operands was
+  # ~9.6 us a layer, split-K and its reduction, in session 38's 4-layer step) and the gates
+  # kernel's tokens a program (16 by default: 16 programs at B 256): their GPU tests,
+  # bench_small_dots' router and routing-tail rows at 256 and 2,048 rows, then the 4-layer
+  # decode step with the bf16 product (the float32 side: s39a's xla side or s38d's kernel side)
+  gpu_tests "tests/kernels/test_kernels_gpu.py tests/kernels/test_router_topk.py" \
+    "router_product or gpu_against" router_dot ${RTEST_TIMEOUT:-90}
+  timeout -k 5 ${SD_TIMEOUT:-150} python3 benchmarks/bench_small_dots.py --rows 256,2048 \
+    --products router,route_tail --out $OUT/bench_small_dots_router.json 2>&1 \
+    | grep -v "^I1\|^W1" | grep " us \|rror"
+  TRACE_JAX_ROUTER_DOT=bf16 cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
+    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_router_dot_bf16.json \
+    | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 \
+    | sed "s/^/[router dot bf16] /"
 elif [ "$stage" = s38d ]; then
   # (session 38) the 48-layer rollout after s38c's defaults (call 4) took 36.4 s against 35.0,
   # its one-token calls 8.3 s against 6.3-6.7: the 4-layer prefill program's kernels with the

@@ -149,6 +149,34 @@ def test_one_row_products_are_two_row_products_where_xla_gpu_needs_it(monkeypatc
   ).lower(xb, w).as_text()
 
 
+def test_router_product_of_bf16_operands(monkeypatch):
+  """`TRACE_JAX_ROUTER_DOT=bf16` on the GPU (faked here): bf16 router operands go through one
+  bf16 product with float32 accumulation (no float32 converts in the program), whose products
+  are exact, so it agrees with float64 numpy to float32 accumulation; float32 operands, and the
+  default setting, keep the float32 dot."""
+  k, n = 256, 128
+  x = jax.random.normal(jax.random.key(3), (5, k), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(4), (k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+
+  def fresh(x, w):  # a new function each time: the choice is made at trace time
+    return dispatch.float32_dot(x, w)
+
+  for setting, operands, bf16_dot in (("bf16", (x, w), True), ("float32", (x, w), False),
+                                      ("bf16", (x.astype(jnp.float32), w), False)):
+    monkeypatch.setattr(dispatch, "_ROUTER_DOT", setting)
+    text = jax.jit(functools.partial(fresh)).lower(*operands).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 1 and ("xbf16>, tensor" in dots[0]) == bf16_dot, (setting, dots)
+    got = jax.jit(functools.partial(fresh))(*operands)
+    assert got.dtype == jnp.float32
+    assert relerr(np.asarray(got, np.float64), want) < 1e-6
+  monkeypatch.setattr(dispatch, "_ROUTER_DOT", "bf16")  # one row: the zero second row too
+  text = jax.jit(functools.partial(fresh)).lower(x[:1], w).as_text()
+  assert "stablehlo.concatenate" in text and f"tensor<2x{k}xbf16>" in text
+
+
 # ------------------------------------------------------------------ layout
 
 @pytest.mark.parametrize("fmt,kb", KB.items())

@@ -114,6 +114,22 @@ def test_single_row_bf16_is_a_matrix_product():
   assert relerr(f(x, w), ref) < 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 256])
+def test_router_product_of_bf16_operands(rows):
+  """`dispatch.bf16_operands_dot` (TRACE_JAX_ROUTER_DOT=bf16) at the 30B-A3B router shape: one
+  bf16 product with float32 accumulation on the tensor cores, against float64 numpy and the
+  float32 dot (the products are exact either way; the accumulations differ)."""
+  from trace_jax.kernels import dispatch  # noqa: PLC0415
+  w = (jax.random.normal(jax.random.key(5), (2048, 128), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(rows), (rows, 2048), jnp.float32).astype(jnp.bfloat16)
+  ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  got = jax.jit(dispatch.bf16_operands_dot)(x, w)
+  assert got.dtype == jnp.float32
+  assert relerr(got, ref) < 1e-6
+  assert relerr(got, jax.jit(lambda x, w: jnp.dot(
+      x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))(x, w)) < 1e-6
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("bm,n_inner", [(None, 1), (16, 1), (64, 1), (16, 2), (None, 2)])
 def test_grouped_ragged(fmt, bm, n_inner):

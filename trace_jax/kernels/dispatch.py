@@ -93,6 +93,12 @@ _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
 _ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel"))
+# The router's float32 product of bf16 operands (the rollout's activations and weights):
+# "float32" (the default) converts them and runs XLA's float32 dot at HIGHEST precision (on the
+# H200 a split-K product and its reduction, ~9.6 us a layer of the 8k-capacity decode step,
+# session 38); "bf16" (opt-in, not yet timed) one bf16 product with float32 accumulation
+# (`bf16_operands_dot`)
+_ROUTER_DOT = _setting("TRACE_JAX_ROUTER_DOT", "float32", ("float32", "bf16"))
 _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
 # FP4 KV caches the Mosaic decode attention kernel reads hold bit-placed code words ("kv_words":
@@ -269,11 +275,25 @@ def _dense_bf16_call(x, w, *, out_dtype, bm, wgs, kb, splits):
 def float32_dot(x, w) -> jax.Array:
   """float32 `x [..., K] @ w [K, N]` at HIGHEST precision (XLA's default rounds float32 dot
   operands to TF32 on Hopper GPUs): the MoE router's logits. On the GPU a single row goes
-  through `_two_row_dot`; elsewhere, and for more rows, the plain dot."""
+  through `_two_row_dot`; elsewhere, and for more rows, the plain dot. With
+  `TRACE_JAX_ROUTER_DOT=bf16`, bf16 x and w on the GPU: `bf16_operands_dot`."""
+  if (_ROUTER_DOT == "bf16" and on_gpu() and x.dtype == jnp.bfloat16
+      and w.dtype == jnp.bfloat16):
+    return bf16_operands_dot(x, w)
   x, w = x.astype(jnp.float32), w.astype(jnp.float32)
   if on_gpu() and _one_row(x):
     return _two_row_dot(x, w, precision=jax.lax.Precision.HIGHEST)
   return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def bf16_operands_dot(x, w) -> jax.Array:
+  """float32 `x [..., K] @ w [K, N]` of bf16 x and w as one bf16 product with float32
+  accumulation (tensor cores on the GPU). Every product of two bf16 values is exact in float32,
+  as in `float32_dot`; only the accumulation's order and rounding differ, which already differ
+  between XLA's float32 dots of other row counts (the trainer's and the rollout's)."""
+  if on_gpu() and _one_row(x):
+    return _two_row_dot(x, w, preferred_element_type=jnp.float32)
+  return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
 def xla_grouped_matmul(x, parts, group_sizes, out_dtype) -> jax.Array:

@@ -30,8 +30,13 @@ from jax.experimental import pallas as pl
 
 from trace_jax.kernels import row_quant as RQ
 from trace_jax.kernels.attention_pallas import _pow2_at_least
+from trace_jax.kernels.settings import int_setting
 
-ROWS = 16  # tokens a program takes
+# Tokens a program takes (a power of two; `TRACE_JAX_ROUTER_TOPK_ROWS`): at B 256 16 gives 16
+# programs, 4.4 us a call in the H200's decode step (session 38), not tuned
+ROWS = int_setting("TRACE_JAX_ROUTER_TOPK_ROWS", 16, minimum=1)
+if ROWS & (ROWS - 1):
+  raise ValueError(f"TRACE_JAX_ROUTER_TOPK_ROWS must be a power of two, got {ROWS}")
 NUM_WARPS = 4
 MAX_EXPERTS = 1024
 
@@ -45,13 +50,14 @@ def kernel_supported(logits, k: int) -> str | None:
   return None
 
 
-def _kernel(x_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normalize: bool):
+def _kernel(x_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normalize: bool,
+            rows: int):
   plt = RQ.triton_primitives()
-  r0 = pl.program_id(0) * ROWS
-  row_ok = (r0 + jnp.arange(ROWS)) < n
+  r0 = pl.program_id(0) * rows
+  row_ok = (r0 + jnp.arange(rows)) < n
   col = jnp.arange(e_pad)
   ok = row_ok[:, None] & (col < e)[None, :]
-  x = plt.load(x_ref.at[pl.ds(r0, ROWS), pl.ds(0, e_pad)], mask=ok, other=-jnp.inf)
+  x = plt.load(x_ref.at[pl.ds(r0, rows), pl.ds(0, e_pad)], mask=ok, other=-jnp.inf)
   # nn.softmax's formula: exp(x - max) / sum
   z = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
   p = jnp.where(ok, z / jnp.sum(z, axis=1, keepdims=True), -1.0)  # padding: below every prob
@@ -66,23 +72,26 @@ def _kernel(x_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normaliz
     total = functools.reduce(jnp.add, vals)
     vals = [v / total for v in vals]
   for j, (v, i) in enumerate(zip(vals, idxs)):
-    plt.store(w_ref.at[pl.ds(r0, ROWS), jnp.int32(j)], v, mask=row_ok)
-    plt.store(i_ref.at[pl.ds(r0, ROWS), jnp.int32(j)], i.astype(jnp.int32), mask=row_ok)
+    plt.store(w_ref.at[pl.ds(r0, rows), jnp.int32(j)], v, mask=row_ok)
+    plt.store(i_ref.at[pl.ds(r0, rows), jnp.int32(j)], i.astype(jnp.int32), mask=row_ok)
 
 
 def topk_gates(logits: jax.Array, k: int, *, normalize: bool, interpret: bool = False,
-               num_warps: int = NUM_WARPS):
+               num_warps: int = NUM_WARPS, rows: int = ROWS):
   """(weights float32 `[N, k]`, experts int32 `[N, k]`): each token's top-k experts by softmax
-  probability, highest first, and their probabilities (divided by their sum with normalize)."""
+  probability, highest first, and their probabilities (divided by their sum with normalize).
+  rows: tokens a program takes (a power of two)."""
   why = kernel_supported(logits, k)
   if why:
     raise ValueError(f"router top-k kernel: {why}")
+  if rows < 1 or rows & (rows - 1):
+    raise ValueError(f"router top-k kernel: rows a program must be a power of two, got {rows}")
   n, e = logits.shape
   e_pad = _pow2_at_least(e, 16)
   out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
   return pl.pallas_call(
-      functools.partial(_kernel, n=n, e=e, e_pad=e_pad, k=k, normalize=normalize),
-      grid=(-(-n // ROWS),),
+      functools.partial(_kernel, n=n, e=e, e_pad=e_pad, k=k, normalize=normalize, rows=rows),
+      grid=(-(-n // rows),),
       in_specs=[RQ.whole(logits)],
       out_specs=[RQ.whole(s) for s in out_shape],
       out_shape=out_shape,
