@@ -678,11 +678,12 @@ elif [ "$stage" = s39b ]; then
   # (prepared in session 38) the router's product of bf16 operands as one bf16 product with
   # float32 accumulation (TRACE_JAX_ROUTER_DOT=bf16; its float32 dot of converted operands was
   # ~9.6 us a layer, split-K and its reduction, in session 38's 4-layer step) and the gates
-  # kernel's tokens a program (16 by default: 16 programs at B 256): their GPU tests,
+  # kernel's tokens a program (16 by default: 16 programs at B 256), and the router's product
+  # inside that kernel (TRACE_JAX_ROUTER_TOPK=fused, `router_gates`): their GPU tests,
   # bench_small_dots' router and routing-tail rows at 256 and 2,048 rows, then the 4-layer
   # decode step with the bf16 product (the float32 side: s39a's xla side or s38d's kernel side)
   gpu_tests "tests/kernels/test_kernels_gpu.py tests/kernels/test_router_topk.py" \
-    "router_product or gpu_against" router_dot ${RTEST_TIMEOUT:-90}
+    "router_product or gpu_against" router_dot ${RTEST_TIMEOUT:-100}
   timeout -k 5 ${SD_TIMEOUT:-150} python3 benchmarks/bench_small_dots.py --rows 256,2048 \
     --products router,route_tail --out $OUT/bench_small_dots_router.json 2>&1 \
     | grep -v "^I1\|^W1" | grep " us \|rror"
@@ -690,6 +691,12 @@ elif [ "$stage" = s39b ]; then
     --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_router_dot_bf16.json \
     | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 \
     | sed "s/^/[router dot bf16] /"
+  # and the product inside the gates kernel (TRACE_JAX_ROUTER_TOPK=fused: the census counts the
+  # router's two XLA kernels a layer gone)
+  TRACE_JAX_ROUTER_TOPK=fused cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
+    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_router_fused.json \
+    | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 \
+    | sed "s/^/[router fused] /"
 elif [ "$stage" = s38d ]; then
   # (session 38) the 48-layer rollout after s38c's defaults (call 4) took 36.4 s against 35.0,
   # its one-token calls 8.3 s against 6.3-6.7: the 4-layer prefill program's kernels with the

@@ -24,9 +24,10 @@ quantizes an activation site (`row_quant.py`; `quantize_rows_to_operand` also la
 out as the expert kernel's operand, each token's row at its pairs' sorted rows),
 `swiglu_quantize_rows` makes the expert down input (SwiGLU, its site's codes and the down
 kernel's operand) from the gate/up kernel's rows left ungathered (`ChunkRows`,
-`swiglu_quant.py`); opt-in, `topk_gates` makes a router's gates in one kernel
-(`router_topk.py`, `TRACE_JAX_ROUTER_TOPK=kernel`); each returns None where the XLA path
-applies. `sort_by_group` / `count_by_group` (or `route`, with the FP4 grouped kernel's chunk
+`swiglu_quant.py`), `topk_gates` makes a router's gates in one kernel (`router_topk.py`,
+`TRACE_JAX_ROUTER_TOPK=xla` opts out), opt-in `router_gates` with the router's product in it
+too (`TRACE_JAX_ROUTER_TOPK=fused`); each returns None where the XLA path applies.
+`sort_by_group` / `count_by_group` (or `route`, with the FP4 grouped kernel's chunk
 tables) build the MoE routing tables; `float32_dot` computes the router's logits (a batch-1 row
 as a two-row product on the GPU, as the bf16 XLA path does).
 """
@@ -37,8 +38,8 @@ from trace_jax.kernels.dispatch import (append_kv, count_by_group, decode_attent
                                         import_gpu_libraries, kv_packing,
                                         matmul, on_gpu,
                                         prefill_attention, quantize_rows,
-                                        quantize_rows_to_operand, route, sort_by_group,
-                                        swiglu_quantize_rows, topk_gates)
+                                        quantize_rows_to_operand, route, router_gates,
+                                        sort_by_group, swiglu_quantize_rows, topk_gates)
 from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
 
@@ -49,4 +50,4 @@ __all__ = ["ChunkRows", "OperandRows", "PackedWeight", "append_kv", "attention",
            "grouped_matmul", "import_gpu_libraries", "kv_packing", "matmul",
            "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route",
-           "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
+           "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]

@@ -82,8 +82,8 @@ from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["append_kv", "count_by_group", "decode_attention", "float32_dot", "grouped_backend",
            "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
-           "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route", "sort_by_group",
-           "swiglu_quantize_rows", "topk_gates"]
+           "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route", "router_gates",
+           "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
@@ -92,7 +92,10 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
-_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel"))
+# The router's gates: "kernel" (softmax, top-k and weights in one kernel, `topk_gates`), "xla"
+# (XLA's ops), or "fused" (opt-in, not yet timed: the router's product of bf16 operands in that
+# kernel too, `router_gates`)
+_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel", "fused"))
 # The router's float32 product of bf16 operands (the rollout's activations and weights):
 # "float32" (the default) converts them and runs XLA's float32 dot at HIGHEST precision (on the
 # H200 a split-K product and its reduction, ~9.6 us a layer of the 8k-capacity decode step,
@@ -597,12 +600,31 @@ def topk_gates(logits, k: int, normalize: bool):
   `TRACE_JAX_ROUTER_TOPK=xla` (its weights agree with XLA's to rounding, its experts exactly;
   H200, session 38: the 4-layer decode step at B 256 1.629 -> 1.603 ms of kernels, 151 -> 147
   kernels)."""
-  if _ROUTER_TOPK != "kernel" or not on_gpu():
+  if _ROUTER_TOPK == "xla" or not on_gpu():
     return None
   from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
   if router_topk.kernel_supported(logits, k):
     return None
   return _topk_gates(logits, k=k, normalize=normalize)
+
+
+def router_gates(x, w, k: int, normalize: bool):
+  """A MoE router's (gate weights, experts) from its input x `[N, D]` and weights w `[D, E]`,
+  both bf16, by one Pallas kernel that also computes the logits (`router_topk.router_gates`:
+  the products exact, the float32 sums in its own order), or None where the caller's ops
+  apply: unless `TRACE_JAX_ROUTER_TOPK=fused` (opt-in), off the GPU, other dtypes and shapes."""
+  if _ROUTER_TOPK != "fused" or not on_gpu():
+    return None
+  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
+  if router_topk.router_supported(x, w, k):
+    return None
+  return _router_gates(x, w, k=k, normalize=normalize)
+
+
+@_lowered_once("k", "normalize")
+def _router_gates(x, w, *, k, normalize):
+  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
+  return router_topk.router_gates(x, w, k, normalize=normalize)
 
 
 @_lowered_once("k", "normalize")

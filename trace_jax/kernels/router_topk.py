@@ -5,8 +5,8 @@ the model says so).
 Owns the kernel, its support check, its wrapper and its reference. The reference is the model's
 own XLA ops (`topk_gates_ref`: `nn.softmax`, `lax.top_k`, the renormalization). The kernel
 gives the same experts, ties to the lower index as `lax.top_k` gives them. Its weights agree to
-rounding: its exponential and sums are Triton's, and the summation orders are not XLA's
-(tests state the tolerance). In the 8k-capacity decode step (B 256, 128 experts, top-8) XLA's
+rounding: its exponential and sums are Triton's, and the summation orders are not XLA's (tests
+state the tolerance). In the 8k-capacity decode step (B 256, 128 experts, top-8) XLA's
 ops are three kernels a layer (softmax, a sort-based top-k, the weights' convert; ~7.5 us a
 layer on the H200, session 37's profile); this is one.
 
@@ -14,6 +14,12 @@ The GPU default (`dispatch.topk_gates`; `TRACE_JAX_ROUTER_TOPK=xla` opts out). O
 (session 38) the 4-layer decode step's kernels at that shape took 1.603 ms with it against 1.629
 without, 147 kernels a step against 151; the experts equal XLA's, 3 of 2,048 weights differ by
 a few float32 ulps (2.8e-7 relative at most).
+
+`router_gates` is the same kernel with the router's product in it (opt-in,
+`TRACE_JAX_ROUTER_TOPK=fused`, not yet timed): bf16 x and router weights, their products exact
+in float32 and summed in float32 by Triton's dot over K chunks (its reference
+`router_gates_ref`: XLA's bf16 product with float32 accumulation, then `topk_gates_ref`). It
+leaves XLA's split-K product and its reduction, two kernels a layer, out of the decode step.
 
 Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
 `row_quant`). The top-k is k rounds of a row maximum, each taking the lowest index that holds
@@ -50,14 +56,11 @@ def kernel_supported(logits, k: int) -> str | None:
   return None
 
 
-def _kernel(x_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normalize: bool,
-            rows: int):
+def _gates(x, ok, row_ok, col, w_ref, i_ref, *, r0: int, rows: int, e_pad: int, k: int,
+           normalize: bool):
+  """Inside a kernel body: the softmax of logits `x [rows, e_pad]` (-inf where not `ok`), its
+  top-k and their (renormalized) weights, stored at the programs' rows."""
   plt = RQ.triton_primitives()
-  r0 = pl.program_id(0) * rows
-  row_ok = (r0 + jnp.arange(rows)) < n
-  col = jnp.arange(e_pad)
-  ok = row_ok[:, None] & (col < e)[None, :]
-  x = plt.load(x_ref.at[pl.ds(r0, rows), pl.ds(0, e_pad)], mask=ok, other=-jnp.inf)
   # nn.softmax's formula: exp(x - max) / sum
   z = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
   p = jnp.where(ok, z / jnp.sum(z, axis=1, keepdims=True), -1.0)  # padding: below every prob
@@ -74,6 +77,18 @@ def _kernel(x_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normaliz
   for j, (v, i) in enumerate(zip(vals, idxs)):
     plt.store(w_ref.at[pl.ds(r0, rows), jnp.int32(j)], v, mask=row_ok)
     plt.store(i_ref.at[pl.ds(r0, rows), jnp.int32(j)], i.astype(jnp.int32), mask=row_ok)
+
+
+def _kernel(x_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normalize: bool,
+            rows: int):
+  plt = RQ.triton_primitives()
+  r0 = pl.program_id(0) * rows
+  row_ok = (r0 + jnp.arange(rows)) < n
+  col = jnp.arange(e_pad)
+  ok = row_ok[:, None] & (col < e)[None, :]
+  x = plt.load(x_ref.at[pl.ds(r0, rows), pl.ds(0, e_pad)], mask=ok, other=-jnp.inf)
+  _gates(x, ok, row_ok, col, w_ref, i_ref, r0=r0, rows=rows, e_pad=e_pad, k=k,
+         normalize=normalize)
 
 
 def topk_gates(logits: jax.Array, k: int, *, normalize: bool, interpret: bool = False,
@@ -107,3 +122,77 @@ def topk_gates_ref(logits: jax.Array, k: int, *, normalize: bool):
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return weights, idx
+
+
+# The router's product in the same kernel (`router_gates`): K taken in chunks of this many
+# (a power of two dividing the model width), rows a program at least 16 (Triton's dot)
+K_CHUNK = 128
+MIN_DOT_ROWS = 16
+
+
+def router_supported(x, w, k: int) -> str | None:
+  """None if `router_gates` takes bf16 `x [N, D]` and router weights `w [D, E]` and top-k."""
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    return f"x {list(x.shape)} and w {list(w.shape)}: the kernel takes [N, D] @ [D, E]"
+  if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+    return f"x {x.dtype} and w {w.dtype}: the kernel takes bf16 (exact products in float32)"
+  if x.shape[1] % K_CHUNK:
+    return f"model width {x.shape[1]}: the kernel takes multiples of {K_CHUNK}"
+  return kernel_supported(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32), k)
+
+
+def _router_kernel(x_ref, wr_ref, w_ref, i_ref, *, n: int, d: int, e: int, e_pad: int, k: int,
+                   normalize: bool, rows: int):
+  plt = RQ.triton_primitives()
+  r0 = pl.program_id(0) * rows
+  row_ok = (r0 + jnp.arange(rows)) < n
+  col = jnp.arange(e_pad)
+  col_ok = col < e
+
+  def step(c, acc):  # logits += x[:, chunk] @ w[chunk, :], bf16 products, float32 sums
+    xs = plt.load(x_ref.at[pl.ds(r0, rows), pl.ds(c * K_CHUNK, K_CHUNK)],
+                  mask=row_ok[:, None], other=0.0)
+    ws = plt.load(wr_ref.at[pl.ds(c * K_CHUNK, K_CHUNK), pl.ds(0, e_pad)],
+                  mask=col_ok[None, :], other=0.0)
+    return acc + jnp.dot(xs, ws, preferred_element_type=jnp.float32)
+
+  logits = jax.lax.fori_loop(0, d // K_CHUNK, step, jnp.zeros((rows, e_pad), jnp.float32))
+  ok = row_ok[:, None] & col_ok[None, :]
+  _gates(jnp.where(ok, logits, -jnp.inf), ok, row_ok, col, w_ref, i_ref, r0=r0, rows=rows,
+         e_pad=e_pad, k=k, normalize=normalize)
+
+
+def router_gates(x: jax.Array, w: jax.Array, k: int, *, normalize: bool,
+                 interpret: bool = False, num_warps: int = NUM_WARPS, rows: int = ROWS):
+  """`topk_gates` of the router's logits `x @ w` computed in the same kernel: bf16 x `[N, D]`
+  and w `[D, E]`, their products exact in float32 and summed in float32 (in the kernel's order,
+  not XLA's: the logits agree with `router_gates_ref`'s to float32 accumulation, so an expert
+  can differ where two logits are that close)."""
+  why = router_supported(x, w, k)
+  if why:
+    raise ValueError(f"router gates kernel: {why}")
+  rows = max(rows, MIN_DOT_ROWS)
+  if rows & (rows - 1):
+    raise ValueError(f"router gates kernel: rows a program must be a power of two, got {rows}")
+  n, d = x.shape
+  e = w.shape[1]
+  e_pad = _pow2_at_least(e, 16)
+  out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
+  return pl.pallas_call(
+      functools.partial(_router_kernel, n=n, d=d, e=e, e_pad=e_pad, k=k, normalize=normalize,
+                        rows=rows),
+      grid=(-(-n // rows),),
+      in_specs=[RQ.whole(x), RQ.whole(w)],
+      out_specs=[RQ.whole(s) for s in out_shape],
+      out_shape=out_shape,
+      compiler_params=RQ.launch_params(interpret, num_warps),
+      interpret=interpret,
+      name="router_gates",
+  )(x, w)
+
+
+def router_gates_ref(x: jax.Array, w: jax.Array, k: int, *, normalize: bool):
+  """`router_gates` in XLA ops: the bf16 product with float32 accumulation, then
+  `topk_gates_ref`."""
+  return topk_gates_ref(jnp.dot(x, w, preferred_element_type=jnp.float32), k,
+                        normalize=normalize)
