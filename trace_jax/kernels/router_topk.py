@@ -104,16 +104,10 @@ def topk_gates(logits: jax.Array, k: int, *, normalize: bool, interpret: bool = 
   n, e = logits.shape
   e_pad = _pow2_at_least(e, 16)
   out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
-  return pl.pallas_call(
+  return RQ.launch(
       functools.partial(_kernel, n=n, e=e, e_pad=e_pad, k=k, normalize=normalize, rows=rows),
-      grid=(-(-n // rows),),
-      in_specs=[RQ.whole(logits)],
-      out_specs=[RQ.whole(s) for s in out_shape],
-      out_shape=out_shape,
-      compiler_params=RQ.launch_params(interpret, num_warps),
-      interpret=interpret,
-      name="router_topk",
-  )(logits)
+      logits, programs=-(-n // rows), out_shape=out_shape, interpret=interpret,
+      num_warps=num_warps, name="router_topk")
 
 
 def topk_gates_ref(logits: jax.Array, k: int, *, normalize: bool):
@@ -178,17 +172,11 @@ def router_gates(x: jax.Array, w: jax.Array, k: int, *, normalize: bool,
   e = w.shape[1]
   e_pad = _pow2_at_least(e, 16)
   out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
-  return pl.pallas_call(
+  return RQ.launch(
       functools.partial(_router_kernel, n=n, d=d, e=e, e_pad=e_pad, k=k, normalize=normalize,
                         rows=rows),
-      grid=(-(-n // rows),),
-      in_specs=[RQ.whole(x), RQ.whole(w)],
-      out_specs=[RQ.whole(s) for s in out_shape],
-      out_shape=out_shape,
-      compiler_params=RQ.launch_params(interpret, num_warps),
-      interpret=interpret,
-      name="router_gates",
-  )(x, w)
+      x, w, programs=-(-n // rows), out_shape=out_shape, interpret=interpret,
+      num_warps=num_warps, name="router_gates")
 
 
 def router_gates_ref(x: jax.Array, w: jax.Array, k: int, *, normalize: bool):

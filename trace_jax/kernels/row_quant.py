@@ -149,6 +149,21 @@ def launch_params(interpret: bool, num_warps: int):
   return triton_primitives().CompilerParams(num_warps=num_warps, num_stages=1)
 
 
+def launch(body, *args, programs: int, out_shape, interpret: bool, num_warps: int, name: str):
+  """A glue kernel's call: `programs` programs of `body`, each indexing whole-array refs of
+  `args` and of the outputs `out_shape` itself."""
+  return pl.pallas_call(
+      body,
+      grid=(programs,),
+      in_specs=[whole(a) for a in args],
+      out_specs=[whole(s) for s in out_shape],
+      out_shape=out_shape,
+      compiler_params=launch_params(interpret, num_warps),
+      interpret=interpret,
+      name=name,
+  )(*args)
+
+
 def _encode_rows(x_ref, codes_ref, scales_ref, g_ref, *, fmt, recip, n: int, nb: int,
                  rows: int, nb_pad: int):
   """Inside a kernel body: the program's rows of x loaded, encoded and their codes, block
@@ -212,17 +227,11 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
   rows = max(1, tile_elems // (nb_pad * fmt.block))
   xb = x.reshape(n, nb, fmt.block)
   out_shape = field_shapes(n, nb, fmt, jax.ShapeDtypeStruct((n, nb, fmt.block), x.dtype))
-  codes, scales, g, value = pl.pallas_call(
+  codes, scales, g, value = launch(
       functools.partial(_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
                         recip=reciprocal(interpret)),
-      grid=(-(-n // rows),),
-      in_specs=[whole(xb)],
-      out_specs=[whole(s) for s in out_shape],
-      out_shape=out_shape,
-      compiler_params=launch_params(interpret, num_warps),
-      interpret=interpret,
-      name="row_quant_nvfp4",
-  )(xb)
+      xb, programs=-(-n // rows), out_shape=out_shape, interpret=interpret,
+      num_warps=num_warps, name="row_quant_nvfp4")
   q = Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, nb), g.reshape(*lead, 1),
                fmt, len(lead), tuple(x.shape))
   return q, value.reshape(x.shape)
@@ -257,17 +266,11 @@ def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
   xb = x.reshape(n, nb, fmt.block)
   dest = dest.astype(jnp.int32)
   programs = max(-(-n // rows), -(-(n_rows - n * copies) // rows))
-  codes, scales, g, op = pl.pallas_call(
+  codes, scales, g, op = launch(
       functools.partial(_operand_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
                         copies=copies, n_rows=n_rows, recip=reciprocal(interpret)),
-      grid=(programs,),
-      in_specs=[whole(xb), whole(dest)],
-      out_specs=[whole(s) for s in out_shape],
-      out_shape=out_shape,
-      compiler_params=launch_params(interpret, num_warps or OPERAND_WARPS),
-      interpret=interpret,
-      name="row_quant_operand_nvfp4",
-  )(xb, dest)
+      xb, dest, programs=programs, out_shape=out_shape, interpret=interpret,
+      num_warps=num_warps or OPERAND_WARPS, name="row_quant_operand_nvfp4")
   q = Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, nb), g.reshape(*lead, 1),
                fmt, len(lead), tuple(x.shape))
   return q, layout.OperandRows(op.reshape(n_rows, k_pad), n * copies)

@@ -175,18 +175,12 @@ def swiglu_quantize_rows(gu: L.ChunkRows, f: int, fmt, *, n_rows: int, k_pad: in
   out_shape = RQ.field_shapes(m, nb, fmt,
                               jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16))
   slot = gu.slot.astype(jnp.int32)
-  codes, scales, g, op = pl.pallas_call(
+  codes, scales, g, op = RQ.launch(
       functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret), interpret=interpret,
                         m=m, src=src, nb=nb, sub=sub, parts=parts, chunks=k_pad // 64,
                         rows=rows, n_rows=n_rows),
-      grid=(-(-n_rows // rows),),
-      in_specs=[RQ.whole(slot), RQ.whole(gu_b)],
-      out_specs=[RQ.whole(s) for s in out_shape],
-      out_shape=out_shape,
-      compiler_params=RQ.launch_params(interpret, num_warps),
-      interpret=interpret,
-      name="swiglu_row_quant_nvfp4",
-  )(slot, gu_b)
+      slot, gu_b, programs=-(-n_rows // rows), out_shape=out_shape, interpret=interpret,
+      num_warps=num_warps, name="swiglu_row_quant_nvfp4")
   q = Q.QArray(codes.reshape(m, f // 2), scales, g, fmt, 1, (m, f))
   return q, L.OperandRows(op.reshape(n_rows, k_pad), m)
 
