@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -697,6 +697,27 @@ elif [ "$stage" = s39b ]; then
     --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_router_fused.json \
     | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 \
     | sed "s/^/[router fused] /"
+elif [ "$stage" = s39c ]; then
+  # (prepared in session 38) session 38's three defaults at 48 layers on one host (its two
+  # rollouts ran on hosts that copied guidance 7-9x slower than session 37's, so the 4-layer
+  # gain, 1.634 -> 1.602 ms of kernels a step, did not show): the 8k-capacity rollout with
+  # session 37's settings (the router's XLA ops, the SwiGLU row in one tile, the E2M1 index by
+  # comparisons) and with the defaults, each side its own process, ~270 s a side
+  for side in s37 s38; do
+    if [ $side = s37 ]; then
+      export TRACE_JAX_ROUTER_TOPK=xla TRACE_JAX_SWIGLU_SPLIT=off TRACE_JAX_E2M1_INDEX=midpoints
+    else
+      unset TRACE_JAX_ROUTER_TOPK TRACE_JAX_SWIGLU_SPLIT TRACE_JAX_E2M1_INDEX
+    fi
+    cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$side] /"
+    python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+  w, f = r.get('window_step_ms') or [], r.get('window_floor_ms') or []
+  print('total s', r.get('total_s'), 'share windows 1-6', round(sum(f[1:]) / sum(w[1:]), 4)
+        if w[1:] else None, 'step ms', w, 'one', r.get('prefill_plus_first_step_each_ms'))" \
+      $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$side] /"
+    mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$side.json
+  done
 elif [ "$stage" = s38d ]; then
   # (session 38) the 48-layer rollout after s38c's defaults (call 4) took 36.4 s against 35.0,
   # its one-token calls 8.3 s against 6.3-6.7: the 4-layer prefill program's kernels with the
