@@ -97,7 +97,9 @@ def main():
       fit, ffit = np.polyfit(ctx, steps, 1), np.polyfit(ctx, floors, 1)
       print(f"{label} {name}: ms a step " + " ".join(f"{s:.2f}" for s in steps)
             + "; floor " + " ".join(f"{f:.2f}" for f in floors)
-            + f"; share {sum(floors) / sum(steps):.3f}; fit a={fit[1]:.2f} ms "
+            + f"; share {sum(floors) / sum(steps):.3f}"
+            + (f" ({sum(floors[1:]) / sum(steps[1:]):.3f} after the first)" if steps[1:] else "")
+            + f"; fit a={fit[1]:.2f} ms "
             f"b={1e3 * fit[0]:.2f} us/token (floor a={ffit[1]:.2f} b={1e3 * ffit[0]:.2f})")
   ax.set_xlabel("context (tokens, a window's mean)")
   ax.set_ylabel("ms a decode step")
