@@ -35,6 +35,15 @@ cap_shape_profile() {
     --path kernels --batch $batch --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 \
     --decode_chunk 128 --repeats 1 "$@" 2>&1 | grep -v "^I1\|^W1"
 }
+# cap_shape_profile's 4-layer step at B 256, command buffers off (the environment's settings
+# are the caller's), JSON profile_cap_4l_b256_nocb_NAME.json: its totals and the lines matching
+# PATTERN, cut to WIDTH columns, tagged "[TAG] ": NAME PATTERN [TAG] [WIDTH]
+step_4l() {
+  local tag=${3:+[$3] }
+  cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} --no_command_buffers \
+    --out $OUT/profile_cap_4l_b256_nocb_$1.json \
+    | grep "guidance_on\|decode loop\|$2\|Error" | cut -c1-${4:-160} | sed "s/^/$tag/"
+}
 # GPU tests of one file matching -k (log under $OUT): FILE KEYWORD NAME TIMEOUT
 gpu_tests() {
   JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
@@ -543,9 +552,7 @@ elif [ "$stage" = s37c ]; then
   # it, each side in its own process
   gpu_tests tests/kernels/test_swiglu_quant.py "gpu" swiglu ${STEST_TIMEOUT:-100}
   for side in xla kernel; do
-    TRACE_JAX_SWIGLU_QUANT=$side cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
-      --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_swiglu_$side.json \
-      | grep "guidance_on\|decode loop\|moe/\|Error" | cut -c1-160 | sed "s/^/[$side] /"
+    TRACE_JAX_SWIGLU_QUANT=$side step_4l swiglu_$side "moe/" $side
   done
 elif [ "$stage" = s37d ]; then
   # (session 37) the expert down input's kernel with vector loads (plain ranges in its gathers'
@@ -565,10 +572,8 @@ elif [ "$stage" = s37e ]; then
     --tiles 1024,2048,4096 --warps 4,8 --out $OUT/bench_swiglu_quant.json 2>&1 \
     | grep -v "^I1\|^W1" | grep "us " | tail -16
   for side in xla kernel; do
-    TRACE_JAX_SWIGLU_QUANT=$side TRACE_JAX_ROW_QUANT_OPERAND=$side cap_shape_profile 4 256 \
-      paper ${PROF_TIMEOUT:-170} --no_command_buffers \
-      --out $OUT/profile_cap_4l_b256_nocb_inputs_$side.json \
-      | grep "guidance_on\|decode loop\|moe/\|Error" | cut -c1-160 | sed "s/^/[$side] /"
+    TRACE_JAX_SWIGLU_QUANT=$side TRACE_JAX_ROW_QUANT_OPERAND=$side \
+      step_4l inputs_$side "moe/" $side
   done
 elif [ "$stage" = s37f ]; then
   # (session 37) the expert input kernels inside the model on the GPU (a one-layer model, bit
@@ -641,9 +646,7 @@ elif [ "$stage" = s38a ]; then
     --tiles 2048,4096 --warps 4,8 --out $OUT/bench_swiglu_quant.json 2>&1 \
     | grep -v "^I1\|^W1" | grep "us " | tail -20
   for side in off on; do
-    TRACE_JAX_SWIGLU_SPLIT=$side cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
-      --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_split_$side.json \
-      | grep "guidance_on\|decode loop\|swiglu\|Error" | cut -c1-160 | sed "s/^/[$side] /"
+    TRACE_JAX_SWIGLU_SPLIT=$side step_4l split_$side swiglu $side
   done
 elif [ "$stage" = s38b ]; then
   # (prepared in session 37, not run) the router's gates in one kernel (softmax, top-k,
@@ -655,11 +658,8 @@ elif [ "$stage" = s38b ]; then
   gpu_tests tests/kernels/test_router_topk.py "gpu" router_topk ${RTEST_TIMEOUT:-80}
   for side in "xla xla" "kernel xla" "kernel kernel"; do
     set -- $side
-    TRACE_JAX_ROUTER_TOPK=$1 TRACE_JAX_ROUTING=$2 cap_shape_profile 4 256 paper \
-      ${PROF_TIMEOUT:-170} --no_command_buffers \
-      --out $OUT/profile_cap_4l_b256_nocb_topk_$1_routing_$2.json \
-      | grep "guidance_on\|decode loop\|moe/\|router\|routing\|Error" | cut -c1-160 \
-      | sed "s/^/[topk $1, routing $2] /"
+    TRACE_JAX_ROUTER_TOPK=$1 TRACE_JAX_ROUTING=$2 step_4l topk_$1_routing_$2 \
+      "moe/\|router\|routing" "topk $1, routing $2"
   done
 elif [ "$stage" = s39a ]; then
   # (prepared in session 38) the routing tables' two kernels (TRACE_JAX_ROUTING=kernel) now
@@ -669,10 +669,7 @@ elif [ "$stage" = s39a ]; then
   # with them, each side its own process
   gpu_tests tests/kernels/test_routing.py "gpu" routing ${RTEST_TIMEOUT:-90}
   for side in xla kernel; do
-    TRACE_JAX_ROUTING=$side cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
-      --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_routing_$side.json \
-      | grep "guidance_on\|decode loop\|moe/\|routing\|Error" | cut -c1-160 \
-      | sed "s/^/[routing $side] /"
+    TRACE_JAX_ROUTING=$side step_4l routing_$side "moe/\|routing" "routing $side"
   done
 elif [ "$stage" = s39b ]; then
   # (prepared in session 38) the router's product of bf16 operands as one bf16 product with
@@ -687,16 +684,10 @@ elif [ "$stage" = s39b ]; then
   timeout -k 5 ${SD_TIMEOUT:-150} python3 benchmarks/bench_small_dots.py --rows 256,2048 \
     --products router,route_tail --out $OUT/bench_small_dots_router.json 2>&1 \
     | grep -v "^I1\|^W1" | grep " us \|rror"
-  TRACE_JAX_ROUTER_DOT=bf16 cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
-    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_router_dot_bf16.json \
-    | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 \
-    | sed "s/^/[router dot bf16] /"
+  TRACE_JAX_ROUTER_DOT=bf16 step_4l router_dot_bf16 "moe/\|router" "router dot bf16"
   # and the product inside the gates kernel (TRACE_JAX_ROUTER_TOPK=fused: the census counts the
   # router's two XLA kernels a layer gone)
-  TRACE_JAX_ROUTER_TOPK=fused cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
-    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_router_fused.json \
-    | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 \
-    | sed "s/^/[router fused] /"
+  TRACE_JAX_ROUTER_TOPK=fused step_4l router_fused "moe/\|router" "router fused"
 elif [ "$stage" = s39c ]; then
   # (prepared in session 38) session 38's three defaults at 48 layers on one host (its two
   # rollouts ran on hosts that copied guidance 7-9x slower than session 37's, so the 4-layer
@@ -724,9 +715,7 @@ elif [ "$stage" = s38d ]; then
   # router gates kernel off and on, each side its own process (its totals and the sources that
   # changed), then its GPU test
   for side in xla kernel; do
-    TRACE_JAX_ROUTER_TOPK=$side cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
-      --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_topk_$side.json \
-      | grep "guidance_on\|decode loop\|Error" | cut -c1-200 | sed "s/^/[$side] /"
+    TRACE_JAX_ROUTER_TOPK=$side step_4l topk_$side "decode loop" $side 200
     python3 -c "import json, sys
 p = json.load(open(sys.argv[1]))['profile']['prefill']
 print('prefill kernel ms', round(p['kernel_ms'], 2), 'kernels', p['kernels'])
@@ -755,13 +744,9 @@ elif [ "$stage" = s38c ]; then
       --out $OUT/bench_swiglu_quant_$side.json 2>&1 | grep -v "^I1\|^W1" \
       | grep "us \|rror" | tail -6 | sed "s/^/[$side] /"
   done
-  cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} --no_command_buffers \
-    --out $OUT/profile_cap_4l_b256_nocb_e2m1_bits.json \
-    | grep "guidance_on\|decode loop\|row_quant\|swiglu\|kv_append\|Error" | cut -c1-160
+  step_4l e2m1_bits "row_quant\|swiglu\|kv_append"
   gpu_tests tests/kernels/test_router_topk.py "gpu" router_topk ${RTEST_TIMEOUT:-80}
-  TRACE_JAX_ROUTER_TOPK=kernel cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} \
-    --no_command_buffers --out $OUT/profile_cap_4l_b256_nocb_topk_kernel.json \
-    | grep "guidance_on\|decode loop\|moe/\|router\|Error" | cut -c1-160 | sed "s/^/[topk] /"
+  TRACE_JAX_ROUTER_TOPK=kernel step_4l topk_kernel "moe/\|router" topk
 elif [ "$stage" = s37b ]; then
   # (prepared in session 36, run in session 37 as calls 4 and 7) the 48-layer 8k-capacity
   # rollout after session 36's changes (no window launched past the rows' largest limit: the
