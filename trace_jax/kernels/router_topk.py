@@ -99,15 +99,23 @@ def topk_gates(logits: jax.Array, k: int, *, normalize: bool, interpret: bool = 
   why = kernel_supported(logits, k)
   if why:
     raise ValueError(f"router top-k kernel: {why}")
+  return _gates_call(_kernel, logits, e=logits.shape[1], k=k, normalize=normalize, rows=rows,
+                     interpret=interpret, num_warps=num_warps, name="router_topk")
+
+
+def _gates_call(kernel, *args, e: int, k: int, normalize: bool, rows: int, interpret: bool,
+                num_warps: int, name: str, **kw):
+  """Launch a gates kernel over the first arg's N rows, `rows` a program: (weights float32
+  `[N, k]`, experts int32 `[N, k]`)."""
   if rows < 1 or rows & (rows - 1):
-    raise ValueError(f"router top-k kernel: rows a program must be a power of two, got {rows}")
-  n, e = logits.shape
-  e_pad = _pow2_at_least(e, 16)
+    raise ValueError(f"{name} kernel: rows a program must be a power of two, got {rows}")
+  n = args[0].shape[0]
   out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
   return RQ.launch(
-      functools.partial(_kernel, n=n, e=e, e_pad=e_pad, k=k, normalize=normalize, rows=rows),
-      logits, programs=-(-n // rows), out_shape=out_shape, interpret=interpret,
-      num_warps=num_warps, name="router_topk")
+      functools.partial(kernel, n=n, e=e, e_pad=_pow2_at_least(e, 16), k=k, normalize=normalize,
+                        rows=rows, **kw),
+      *args, programs=-(-n // rows), out_shape=out_shape, interpret=interpret,
+      num_warps=num_warps, name=name)
 
 
 def topk_gates_ref(logits: jax.Array, k: int, *, normalize: bool):
@@ -165,18 +173,9 @@ def router_gates(x: jax.Array, w: jax.Array, k: int, *, normalize: bool,
   why = router_supported(x, w, k)
   if why:
     raise ValueError(f"router gates kernel: {why}")
-  rows = max(rows, MIN_DOT_ROWS)
-  if rows & (rows - 1):
-    raise ValueError(f"router gates kernel: rows a program must be a power of two, got {rows}")
-  n, d = x.shape
-  e = w.shape[1]
-  e_pad = _pow2_at_least(e, 16)
-  out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
-  return RQ.launch(
-      functools.partial(_router_kernel, n=n, d=d, e=e, e_pad=e_pad, k=k, normalize=normalize,
-                        rows=rows),
-      x, w, programs=-(-n // rows), out_shape=out_shape, interpret=interpret,
-      num_warps=num_warps, name="router_gates")
+  return _gates_call(_router_kernel, x, w, e=w.shape[1], k=k, normalize=normalize,
+                     rows=max(rows, MIN_DOT_ROWS), interpret=interpret, num_warps=num_warps,
+                     name="router_gates", d=x.shape[1])
 
 
 def router_gates_ref(x: jax.Array, w: jax.Array, k: int, *, normalize: bool):

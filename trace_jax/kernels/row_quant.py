@@ -211,6 +211,14 @@ def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, co
             mask=(pad < n_rows)[:, None, None] & c_ok)
 
 
+def _row_qarray(codes, scales, g, shape, fmt) -> Q.QArray:
+  """The kernels' fields of `[N, ...]` rows as the `QArray` of x's shape (blocked along its
+  last axis, one row scale a row)."""
+  *lead, k = shape
+  return Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, k // fmt.block),
+                  g.reshape(*lead, 1), fmt, len(lead), tuple(shape))
+
+
 def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int = TILE_ELEMS,
                   num_warps: int = NUM_WARPS):
   """`(q, value)` as `quant.quantize_with_value(x, fmt, second_level="row")` gives them, from
@@ -232,8 +240,7 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
                         recip=reciprocal(interpret)),
       xb, programs=-(-n // rows), out_shape=out_shape, interpret=interpret,
       num_warps=num_warps, name="row_quant_nvfp4")
-  q = Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, nb), g.reshape(*lead, 1),
-               fmt, len(lead), tuple(x.shape))
+  q = _row_qarray(codes, scales, g, x.shape, fmt)
   return q, value.reshape(x.shape)
 
 
@@ -271,8 +278,7 @@ def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
                         copies=copies, n_rows=n_rows, recip=reciprocal(interpret)),
       xb, dest, programs=programs, out_shape=out_shape, interpret=interpret,
       num_warps=num_warps or OPERAND_WARPS, name="row_quant_operand_nvfp4")
-  q = Q.QArray(codes.reshape(*lead, k // 2), scales.reshape(*lead, nb), g.reshape(*lead, 1),
-               fmt, len(lead), tuple(x.shape))
+  q = _row_qarray(codes, scales, g, x.shape, fmt)
   return q, layout.OperandRows(op.reshape(n_rows, k_pad), n * copies)
 
 

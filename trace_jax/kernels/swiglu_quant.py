@@ -9,8 +9,10 @@ gather (`fp4_mgpu.gather_rows`), `nn.silu(g) * u`, `quant.quantize_with_value(se
 "row")` and `layout.permute_k_rows`. In the 8k-capacity decode step (B 256) those are four
 kernels a layer, ~14 us of kernel time on the H200; this is one of 9.0 us (session 37,
 `benchmarks/results/session37_h200_2026-12-04`; 8.6 against 19.9 us a call alone). Nsight
-Compute has it bound by instructions (ALU 60%, DRAM 12.6% of peak): the encoding's integer
-work, the SwiGLU's roundings and the 16 idle blocks of 64 a row of F 768 holds.
+Compute had it bound by instructions (ALU 60%, DRAM 12.6% of peak): the encoding's integer
+work, the SwiGLU's roundings and the 16 idle blocks of 64 a row of F 768 held in one tile.
+Since session 38 a row is held in tiles with no idle blocks (`SPLIT_ROWS`) and the E2M1 index
+takes fewer instructions (`e2m1.magnitude_index_rtne`): 8.6 -> 7.4 us a call at B 256.
 
 The SwiGLU rounds as XLA:GPU computes `nn.silu(g) * u` in bf16 (its optimized HLO: `exp(-g)`
 and `+ 1` in bf16, `1 / d` in float32 rounded to bf16, then two bf16 products): each of those
@@ -105,7 +107,7 @@ def _kernel(slot_ref, gu_ref, codes_ref, scales_ref, g_ref, op_ref, *, fmt, reci
             n_rows: int):
   """Rows of h in `parts` tiles of `sub` blocks (powers of two; one tile of nb rounded up, or
   tiles that hold nb exactly, no idle blocks), their row maxima taken over all tiles."""
-  from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - masked loads/stores
+  plt = RQ.triton_primitives()
   r0 = pl.program_id(0) * rows
   r = r0 + jnp.arange(rows)
   row_ok = r < m
