@@ -44,6 +44,26 @@ step_4l() {
     --out $OUT/profile_cap_4l_b256_nocb_$1.json \
     | grep "guidance_on\|decode loop\|$2\|Error" | cut -c1-${4:-160} | sed "s/^/$tag/"
 }
+# Nsight Compute on one `ncu_kernels.py` case (the second launch of a kernel whose name matches
+# REGEX; no preallocation: ncu backs up the device memory in use before its replays), its pages
+# exported as CSV and `ncu_summary.py`'s reading; fails where no report was written (NCU: the
+# ncu binary): CASE REGEX TIMEOUT
+ncu_case() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 $3 $NCU \
+    --clock-control none --kernel-name regex:"$2" --launch-skip 1 --launch-count 1 \
+    --set full --import-source no -f -o $OUT/ncu_$1 \
+    python3 benchmarks/ncu_kernels.py $1 > $OUT/ncu_$1.log 2>&1
+  echo "$1 ncu rc=$?"
+  grep -v "^I1\|^W1" $OUT/ncu_$1.log | grep "relerr\|==ERR\|==WARN\|rror" | head -4
+  [ -f $OUT/ncu_$1.ncu-rep ] || return 1
+  for page in details raw; do
+    $NCU -i $OUT/ncu_$1.ncu-rep --page $page --csv > $OUT/ncu_${1}_$page.csv 2>&1
+  done
+  $NCU -i $OUT/ncu_$1.ncu-rep --page source --csv --print-source sass \
+    > $OUT/ncu_${1}_sass.csv 2>&1
+  python3 benchmarks/ncu_summary.py $OUT/ncu_${1}_raw.csv $OUT/ncu_${1}_sass.csv \
+    --json $OUT/ncu_${1}_summary.json 2>&1 | head -40
+}
 # GPU tests of one file matching -k (log under $OUT): FILE KEYWORD NAME TIMEOUT
 gpu_tests() {
   JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
@@ -588,20 +608,7 @@ elif [ "$stage" = s37g ]; then
   # ncu_summary reading
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for case in ${NCU_CASES:-swiglu2048 rowop256}; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 ${NCU_TIMEOUT:-100} $NCU \
-      --clock-control none --kernel-name regex:"swiglu|row_quant" --launch-skip 1 \
-      --launch-count 1 --set full --import-source no -f -o $OUT/ncu_$case \
-      python3 benchmarks/ncu_kernels.py $case > $OUT/ncu_$case.log 2>&1
-    echo "$case ncu rc=$?"
-    grep -v "^I1\|^W1" $OUT/ncu_$case.log | grep "relerr\|==ERR\|rror" | head -4
-    [ -f $OUT/ncu_$case.ncu-rep ] || continue
-    for page in details raw; do
-      $NCU -i $OUT/ncu_$case.ncu-rep --page $page --csv > $OUT/ncu_${case}_$page.csv 2>&1
-    done
-    $NCU -i $OUT/ncu_$case.ncu-rep --page source --csv --print-source sass \
-      > $OUT/ncu_${case}_sass.csv 2>&1
-    python3 benchmarks/ncu_summary.py $OUT/ncu_${case}_raw.csv $OUT/ncu_${case}_sass.csv \
-      --json $OUT/ncu_${case}_summary.json 2>&1 | head -40
+    ncu_case $case "swiglu|row_quant" ${NCU_TIMEOUT:-100} || continue
     grep -i "Duration\|Memory Throughput\|Compute (SM) Throughput\|Registers Per\|Achieved Occ\|Executed Ipc A" \
       $OUT/ncu_${case}_details.csv | cut -c1-200 | head -12
     rm -f $OUT/ncu_$case.ncu-rep
@@ -1363,20 +1370,7 @@ elif [ "$stage" = s23b ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   echo "ncu: $NCU $($NCU --version 2>&1 | tail -1)"
   for case in ${NCU_CASES:-attn_b64_32k gemv grouped256 qproj1 attn_b16_8k}; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 ${NCU_TIMEOUT:-150} $NCU \
-      --clock-control none --kernel-name regex:mosaic_gpu --launch-skip 1 --launch-count 1 \
-      --set full --import-source no -f -o $OUT/ncu_$case \
-      python3 benchmarks/ncu_kernels.py $case > $OUT/ncu_$case.log 2>&1
-    echo "$case ncu rc=$?"
-    grep -v "^I1\|^W1" $OUT/ncu_$case.log | grep "relerr\|==ERR\|==WARN\|rror" | head -4
-    [ -f $OUT/ncu_$case.ncu-rep ] || continue
-    for page in details raw; do
-      $NCU -i $OUT/ncu_$case.ncu-rep --page $page --csv > $OUT/ncu_${case}_$page.csv 2>&1
-    done
-    $NCU -i $OUT/ncu_$case.ncu-rep --page source --csv --print-source sass \
-      > $OUT/ncu_${case}_sass.csv 2>&1
-    python3 benchmarks/ncu_summary.py $OUT/ncu_${case}_raw.csv $OUT/ncu_${case}_sass.csv \
-      --json $OUT/ncu_${case}_summary.json
+    ncu_case $case mosaic_gpu ${NCU_TIMEOUT:-150}
   done
   # few files come back from a call: the reports and exports in one archive
   (cd $OUT && tar czf ncu_reports.tgz ncu_* && rm -f ncu_*.ncu-rep ncu_*.csv ncu_*.log)
