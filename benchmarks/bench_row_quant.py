@@ -27,23 +27,10 @@ SHAPES = {"experts_in_b256": (256, 2048), "down_in_b256": (2048, 768),
 
 
 def plot(json_path: str) -> str:
-  """Bars of us a call per variant, one panel per site shape; PNG beside the JSON."""
-  plt, res, rows = bench_util.timed_rows_for_plot(json_path)
-  groups: dict = {}
-  for r in rows:
-    groups.setdefault(r["site"], []).append((r["variant"], r["us"]))
-  fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
-  for ax, (site, vals) in zip(axes[0], groups.items()):
-    ax.bar([v for v, _ in vals], [u for _, u in vals],
-           color=["tab:gray" if v == "xla" else "tab:blue" for v, _ in vals])
-    ax.set_title(f"{site} {SHAPES.get(site, '')}", fontsize=9)
-    ax.tick_params(axis="x", labelsize=7, rotation=60)
-    ax.set_yscale("log")  # one warp over 8,192 elements is 30x the rest
-    ax.set_ylabel("us a call (CUPTI, all kernels)")
-  out = json_path.rsplit(".", 1)[0] + ".png"
-  bench_util.save_figure(fig, f"{res.get('device')} jax {res.get('jax_version')} "
-                         f"{res.get('git_commit')} {res.get('date', '')[:10]}", out)
-  return out
+  """Bars of us a call per variant, one panel per site shape; PNG beside the JSON (a log scale:
+  one warp over 8,192 elements is 30x the rest)."""
+  return bench_util.site_bars(json_path, lambda site: f"{site} {SHAPES.get(site, '')}",
+                              log=True)
 
 
 def main():

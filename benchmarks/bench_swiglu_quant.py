@@ -34,21 +34,8 @@ F_DIM, EXPERTS, BM = 768, 128, 32
 
 def plot(json_path: str) -> str:
   """Bars of us a call per variant, one panel per shape; PNG beside the JSON."""
-  plt, res, rows = bench_util.timed_rows_for_plot(json_path)
-  groups: dict = {}
-  for r in rows:
-    groups.setdefault(r["site"], []).append((r["variant"], r["us"]))
-  fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
-  for ax, (site, vals) in zip(axes[0], groups.items()):
-    ax.bar([v for v, _ in vals], [u for _, u in vals],
-           color=["tab:gray" if v.startswith("xla") else "tab:blue" for v, _ in vals])
-    ax.set_title(f"{site} ({SHAPES.get(site, '')} rows x {F_DIM})", fontsize=9)
-    ax.tick_params(axis="x", labelsize=7, rotation=60)
-    ax.set_ylabel("us a call (CUPTI, all kernels)")
-  out = json_path.rsplit(".", 1)[0] + ".png"
-  bench_util.save_figure(fig, f"{res.get('device')} jax {res.get('jax_version')} "
-                         f"{res.get('git_commit')} {res.get('date', '')[:10]}", out)
-  return out
+  return bench_util.site_bars(
+      json_path, lambda site: f"{site} ({SHAPES.get(site, '')} rows x {F_DIM})")
 
 
 def case(m: int, seed: int):

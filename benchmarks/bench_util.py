@@ -140,6 +140,29 @@ def save_figure(fig, title: str, path: str) -> None:
   print("wrote", path)
 
 
+def site_bars(json_path: str, title, log: bool = False) -> str:
+  """Bars of us a call per variant, one panel per row's "site" (`title(site)` its title; XLA's
+  variants grey; log: a log scale), for the benchmarks whose rows `checked_timing` timed; the
+  PNG beside the JSON, its path returned."""
+  plt, res, rows = timed_rows_for_plot(json_path)
+  groups: dict = {}
+  for r in rows:
+    groups.setdefault(r["site"], []).append((r["variant"], r["us"]))
+  fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+  for ax, (site, vals) in zip(axes[0], groups.items()):
+    ax.bar([v for v, _ in vals], [u for _, u in vals],
+           color=["tab:gray" if v.startswith("xla") else "tab:blue" for v, _ in vals])
+    ax.set_title(title(site), fontsize=9)
+    ax.tick_params(axis="x", labelsize=7, rotation=60)
+    if log:
+      ax.set_yscale("log")
+    ax.set_ylabel("us a call (CUPTI, all kernels)")
+  out = json_path.rsplit(".", 1)[0] + ".png"
+  save_figure(fig, f"{res.get('device')} jax {res.get('jax_version')} "
+              f"{res.get('git_commit')} {res.get('date', '')[:10]}", out)
+  return out
+
+
 def abstract_h200():
   """Context for lowering Triton-lowered Pallas kernels for CUDA on a machine without a GPU
   (`--dry`): the Triton lowering asks the device for its compute capability."""
