@@ -19,6 +19,7 @@ from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.kernels import kv_append, row_quant
 
+
 def prompt_and_steps(params, cfg, ctx, batch):
   """Logits and records of a 3-token prompt and 3 decode steps over random tokens, and the
   cache after them."""
