@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -695,6 +695,19 @@ elif [ "$stage" = s39b ]; then
   # and the product inside the gates kernel (TRACE_JAX_ROUTER_TOPK=fused: the census counts the
   # router's two XLA kernels a layer gone)
   TRACE_JAX_ROUTER_TOPK=fused step_4l router_fused "moe/\|router" "router fused"
+elif [ "$stage" = s40a ]; then
+  # (prepared in session 39) the decode step's q/k norms, rope, q's permutation to the Mosaic
+  # attention's order and the K/V append in one kernel (`qkv_append.py`, opt-in
+  # TRACE_JAX_DECODE_QKV=kernel; deviceless census at 2 layers, B 256: 84 -> 73 kernels a step,
+  # ~17 us a layer of XLA glue in session 38's profile): its GPU tests (against the XLA path;
+  # in the model with the Mosaic attention), then the 4-layer decode step without it, with it,
+  # and with it at 8 warps, each side its own process
+  gpu_tests tests/kernels/test_qkv_append.py "gpu" qkv_append ${QTEST_TIMEOUT:-120}
+  for side in "xla 4" "kernel 4" "kernel 8"; do
+    set -- $side
+    TRACE_JAX_DECODE_QKV=$1 TRACE_JAX_QKV_WARPS=$2 step_4l qkv_$1_w$2 \
+      "attn/\|qkv_append\|kv_append" "qkv $1, $2 warps"
+  done
 elif [ "$stage" = s39c ]; then
   # (prepared in session 38) session 38's three defaults at 48 layers on one host (its two
   # rollouts ran on hosts that copied guidance 7-9x slower than session 37's, so the 4-layer

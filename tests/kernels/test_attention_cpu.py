@@ -631,11 +631,11 @@ def test_layers_share_one_kernel(monkeypatch):
 
 
 def test_head_dim_permutation_as_transpositions():
-  """q's physical head_dim order (`_to_physical`, a transposition XLA can fuse) is indexing by
+  """q's physical head_dim order (`to_physical`, a transposition XLA can fuse) is indexing by
   `PHYS_TO_LOGICAL`, and the output's way back (`_to_logical`) inverts it."""
   from trace_jax.kernels import attention_mgpu as AM
   x = np.random.default_rng(0).standard_normal((2, 4, 3, 128)).astype(np.float32)
-  phys = np.asarray(AM._to_physical(jnp.asarray(x)))
+  phys = np.asarray(AM.to_physical(jnp.asarray(x)))
   np.testing.assert_array_equal(phys, x[..., AM.PHYS_TO_LOGICAL])
   # _to_logical takes the kernel's [B, 4, 2, 64 physical, g] layout
   kernel_out = jnp.asarray(phys).reshape(2, 4, 3, 2, 64).transpose(0, 1, 3, 4, 2)

@@ -90,6 +90,7 @@ Mosaic imports happen inside the functions: the module imports on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -198,13 +199,32 @@ _LOGICAL_AXES = tuple(_HALF_AXES[a] for a in _HALF_TO_LOGICAL)
 _LOGICAL_TO_HALF = tuple(int(a) for a in np.argsort(_HALF_TO_LOGICAL))
 
 
-def _to_physical(x: jax.Array) -> jax.Array:
+def to_physical(x: jax.Array) -> jax.Array:
   """`x[..., PHYS_TO_LOGICAL]` for a last axis of 128, as a transposition: XLA fuses it into
   the producer of q, where the gather was a kernel of its own (~3 us a layer in the B 256
-  decode step on the H200, session 34's profile)."""
+  decode step on the H200, session 34's profile); the q/k/v kernel of `qkv_append.py` traces
+  it in its body."""
   lead, n = x.shape[:-1], x.ndim  # the (half, c, a, v, b) axes start at n - 1 + 1
   x = x.reshape(*lead, 2, *_LOGICAL_AXES)
   return x.transpose(*range(n), *(n + a for a in _LOGICAL_TO_HALF)).reshape(*lead, HEAD_DIM)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PhysicalQuery:
+  """A decode step's queries `[B, H, 128]` already in this kernel's physical head_dim order
+  (`to_physical`), H = KVH x G with G one of `GP_CHOICES` (the kernel's query lanes, so no
+  padding): what the q/k/v kernel of `qkv_append.py` writes where the decode attention runs
+  this kernel, which then reads it as it is. Shaped like the logical q it stands for."""
+  qp: jax.Array
+
+  shape = property(lambda self: self.qp.shape)
+  dtype = property(lambda self: self.qp.dtype)
+  ndim = property(lambda self: self.qp.ndim)
+
+  def logical(self) -> jax.Array:
+    """The queries in logical head_dim order (for any other attention path)."""
+    return self.qp[..., np.argsort(PHYS_TO_LOGICAL)]
 
 
 def cache_supported(fmt_name: str, kv_heads: int, head_dim: int) -> str | None:
@@ -1031,7 +1051,7 @@ def _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_pad: int, k_factor: float,
     sb = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(b, s, KV_HEADS, 8)
     sv = jax.lax.bitcast_convert_type(sb, jnp.float8_e4m3fn).astype(jnp.float32)
     x = vals * jnp.repeat(sv, 16, axis=-1) * 2.0 ** -ROW_SHIFT
-    return _to_physical(jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0))))
+    return to_physical(jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, 0))))
 
   pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, s_pad - a.shape[-1])])  # noqa: E731
   kg = pad(jnp.swapaxes(kg * jnp.float32(k_factor), 1, 2))
@@ -1235,9 +1255,9 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
                      schedule: str | None = None, v_halves: bool | None = None,
                      kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
-  `[B, H, 128]` bf16 (H <= 64), valid `[B, S]` or lengths `[B]`. The kernel reads the cache
-  (codes, scales, row scales) in place. schedule: "stream" or "splits" (default `SCHEDULE`;
-  splits, overlap, or XLA's merge ask for the split kernel). overlap: see
+  `[B, H, 128]` bf16 (H <= 64; or a `PhysicalQuery`), valid `[B, S]` or lengths `[B]`. The
+  kernel reads the cache (codes, scales, row scales) in place. schedule: "stream" or "splits"
+  (default `SCHEDULE`; splits, overlap, or XLA's merge ask for the split kernel). overlap: see
   `mgpu_decode_kernel`. merge: the split combine in the kernel (else XLA's, after it).
   v_halves: decoded V through SMEM in halves (None: `V_HALVES`, whole with overlap or XLA's
   merge).
@@ -1274,8 +1294,14 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   split_tiles = -(-tiles // (splits or default_splits(b, s)))
   n_splits = -(-tiles // split_tiles)
 
-  qp = _to_physical(q.astype(jnp.bfloat16).reshape(b, kvh, g, hd))
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, query_lanes(g) - g), (0, 0)))
+  if isinstance(q, PhysicalQuery):
+    if query_lanes(g) != g:
+      raise ValueError(f"Mosaic decode attention kernel: physical queries of {g} heads per KV "
+                       f"head, the kernel reads {query_lanes(g)} lanes")
+    qp = q.qp.reshape(b, kvh, g, hd)
+  else:
+    qp = to_physical(q.astype(jnp.bfloat16).reshape(b, kvh, g, hd))
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, query_lanes(g) - g), (0, 0)))
   u32 = lambda a, n: jax.lax.bitcast_convert_type(  # noqa: E731  (bytes -> words, a view)
       jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(b, s, n, 4), jnp.uint32)
   kc, vc = u32(k.codes, 64), u32(v.codes, 64)

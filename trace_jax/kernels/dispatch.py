@@ -80,7 +80,8 @@ from trace_jax.kernels.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["append_kv", "count_by_group", "decode_attention", "float32_dot", "grouped_backend",
+__all__ = ["append_kv", "count_by_group", "decode_attention", "decode_qkv", "float32_dot",
+           "grouped_backend",
            "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route", "router_gates",
            "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
@@ -89,6 +90,9 @@ _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "refere
 _ATTENTION_KERNEL = _ATTENTION != "reference"
 _ATTENTION_MOSAIC = _ATTENTION == "mosaic"
 _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
+# A decode step's q/k norms, rotary embedding and K/V append as one kernel ("kernel", opt-in,
+# not yet timed: `decode_qkv`), or XLA's ops and the K/V append kernel ("xla")
+_DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "xla", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
@@ -574,6 +578,40 @@ def _kv_append(k_cache, v_cache, k, v, index):
   return kv_append.append(k_cache, v_cache, k, v, index)
 
 
+def decode_qkv(qkv, positions, k_cache, v_cache, index, *, num_heads: int, q_scale=None,
+               k_scale=None, eps: float = 1e-6, theta: float = 10000.0):
+  """A decode step's attention inputs by the Pallas kernel of `qkv_append.py`: from the fused
+  q/k/v projection's rows qkv `[B, (H + 2 KVH) hd]`, the per-head RMS norms (q_scale, k_scale
+  `[hd]`; None: none) and rotary embedding at `positions` `[B]`, K and V written into the NVFP4
+  caches at `index`. Returns (q, k_cache, v_cache, kq, vq), q as `decode_attention` will read
+  it (an `attention_mgpu.PhysicalQuery` where that is the Mosaic kernel, else `[B, H, hd]`),
+  or None where the caller's XLA path applies: unless `TRACE_JAX_DECODE_QKV=kernel` (opt-in,
+  not yet timed), off the GPU, with the K/V append kernel off, and for shapes it does not
+  take."""
+  if _DECODE_QKV != "kernel" or _KV_APPEND != "kernel" or not on_gpu():
+    return None
+  from trace_jax.kernels import qkv_append as DQ  # noqa: PLC0415 - Pallas imports stay lazy
+  b, _, kvh, hd = k_cache.shape if isinstance(k_cache, QArray) else (0, 0, 0, 0)
+  q_like = jax.ShapeDtypeStruct((b, num_heads, hd), qkv.dtype)
+  layout = "logical"
+  if (isinstance(k_cache, QArray)
+      and _decode_attention_path(q_like, k_cache, v_cache, None) == "mosaic"
+      and DQ.kernel_supported(qkv, k_cache, v_cache, num_heads, "mosaic") is None):
+    layout = "mosaic"
+  if DQ.kernel_supported(qkv, k_cache, v_cache, num_heads, layout):
+    return None
+  return _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale,
+                     num_heads=num_heads, eps=eps, theta=theta, layout=layout)
+
+
+@_lowered_once("num_heads", "eps", "theta", "layout")
+def _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale, *, num_heads, eps,
+                theta, layout):
+  from trace_jax.kernels import qkv_append as DQ  # noqa: PLC0415 - Pallas imports stay lazy
+  return DQ.decode_qkv(qkv, positions, k_cache, v_cache, index, num_heads=num_heads,
+                       q_scale=q_scale, k_scale=k_scale, eps=eps, theta=theta, layout=layout)
+
+
 def quantize_rows(x, fmt):
   """A rollout activation site's `(q, value)` (`quant.quantize_with_value(x, fmt,
   second_level="row")`, the same bits) from the Pallas kernel of `row_quant.py`, or None where
@@ -695,24 +733,38 @@ def kv_packing(kv_heads: int, head_dim: int, kv_format) -> str:
   return "nibbles"
 
 
-def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
-                     use_kernel: bool | str | None = None, config=None) -> jax.Array:
-  """Attention of one query token per sequence over a KV cache (`[B, H, hd]`), see
-  `attention_ref.decode_attention_ref`; k/v bf16 arrays or FP4/FP8 `QArray`s. use_kernel:
-  None (the default choice), False (reference), True (a kernel: Mosaic NVFP4 where it applies
-  and the cache is not short, else Pallas), "mosaic" (the Mosaic NVFP4 kernel where it
-  applies)."""
+def _decode_attention_path(q, k, v, use_kernel) -> str:
+  """Which decode attention runs for these operands (q may be shapes only): "reference",
+  "mosaic" or "pallas" (`decode_attention`)."""
   from trace_jax.kernels import attention_mgpu, attention_pallas
   if use_kernel is None:
     use_kernel = (_ATTENTION_KERNEL and on_gpu()
                   and attention_pallas.kernel_supported(q, k, v) is None)
   if not use_kernel:
-    return attention_ref.decode_attention_ref(q, k, v, valid, scale, out_dtype)
+    return "reference"
   short = q.shape[0] * k.shape[1] <= SHORT_CACHE_SLOTS
   if (use_kernel == "mosaic" or (use_kernel is True and _ATTENTION_MOSAIC and not short)) and (
       attention_mgpu.kernel_supported(q, k, v) is None):
+    return "mosaic"
+  return "pallas"
+
+
+def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=None,
+                     use_kernel: bool | str | None = None, config=None) -> jax.Array:
+  """Attention of one query token per sequence over a KV cache (`[B, H, hd]`, or the Mosaic
+  kernel's `PhysicalQuery` that `decode_qkv` makes), see `attention_ref.decode_attention_ref`;
+  k/v bf16 arrays or FP4/FP8 `QArray`s. use_kernel: None (the default choice), False
+  (reference), True (a kernel: Mosaic NVFP4 where it applies and the cache is not short, else
+  Pallas), "mosaic" (the Mosaic NVFP4 kernel where it applies)."""
+  from trace_jax.kernels import attention_mgpu
+  path = _decode_attention_path(q, k, v, use_kernel)
+  if path == "mosaic":
     return attention_mgpu.decode_attention(q, k, v, valid, scale=scale, out_dtype=out_dtype,
                                            **(config or {}))
+  if isinstance(q, attention_mgpu.PhysicalQuery):
+    q = q.logical()
+  if path == "reference":
+    return attention_ref.decode_attention_ref(q, k, v, valid, scale, out_dtype)
   return _pallas_decode(q, k, v, valid, scale=scale, out_dtype=out_dtype,
                         config=_frozen(config))
 

@@ -59,14 +59,12 @@ def kernel_supported(k_cache, k_new) -> str | None:
   return None
 
 
-def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip, packings):
-  # refs: 6 aliased cache inputs (unused: their buffers are the outputs), 6 cache outputs
-  # (K codes, scales, row scales, then V's), 6 new-row outputs in the same order
-  caches, rows = refs[6:12], refs[12:]
-  b = pl.program_id(0)
-  slot = idx_ref[b]
-  for j, x_ref in enumerate((k_ref, v_ref)):
-    x = x_ref[...].astype(jnp.float32)  # [KVH, hd]
+def write_rows(b, slot, xs, caches, rows, *, fmt, recip, packings) -> None:
+  """Inside a kernel body: sequence b's new K and V rows `xs` (float32 [KVH, hd] each) encoded
+  (`encode_tile`) and stored: nibble-packed into the new-row outputs `rows`, and into the cache
+  outputs `caches` at slot `slot` (codes bit-placed where the cache's packing is "kv_words").
+  Both are six refs: K's codes, block scales and row scales, then V's."""
+  for j, x in enumerate(xs):
     kvh, hd = x.shape
     blk, packed = encode_tile(x.reshape(kvh, hd // fmt.block, fmt.block), fmt, recip)
     fields = (packed.reshape(kvh, hd // 2), blk.scales, blk.g.reshape(kvh, 1))
@@ -77,46 +75,77 @@ def _kernel(idx_ref, k_ref, v_ref, *refs, fmt, recip, packings):
       caches[3 * j + f][pl.ds(b, 1), pl.ds(slot, 1)] = val[None, None]
 
 
-def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, index, *,
-           interpret: bool = False):
-  """Write the NVFP4 encodings of `k`, `v` `[B, 1, KVH, hd]` into slot `index` (a scalar shared
-  by the batch, or `[B]`) of the caches, in each cache's code packing; returns (k_cache,
-  v_cache, kq, vq), kq/vq the new rows as nibble-packed `QArray`s `[B, 1, KVH, hd]` (what
-  guidance and code records take)."""
-  for cache, new in ((k_cache, k), (v_cache, v)):
-    why = kernel_supported(cache, new)
+def _kernel(idx_ref, k_ref, v_ref, *refs, **kw):
+  # refs: 6 aliased cache inputs (unused: their buffers are the outputs), 6 cache outputs
+  # (K codes, scales, row scales, then V's), 6 new-row outputs in the same order
+  b = pl.program_id(0)
+  write_rows(b, idx_ref[b], [r[...].astype(jnp.float32) for r in (k_ref, v_ref)], refs[6:12],
+             refs[12:18], **kw)
+
+
+def check_caches(k_cache, v_cache, k_new, what: str = "K/V append kernel") -> None:
+  """ValueError naming the problem unless the kernel writes both caches for rows shaped as
+  `k_new` (`kernel_supported`)."""
+  for cache in (k_cache, v_cache):
+    why = kernel_supported(cache, k_new)
     if why:
-      raise ValueError(f"K/V append kernel: {why}")
+      raise ValueError(f"{what}: {why}")
+
+
+def cache_call(body, args, specs, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
+               interpret: bool, name: str, more_out=(), more_specs=(), num_warps: int = 4):
+  """A pallas_call of `body` with one program per sequence that writes a decode step's K/V rows
+  into the caches in place: the body's refs are the write index [B] (int32, broadcast from
+  `index`), `args` (their `specs`), the six cache fields (aliased to the first six outputs),
+  then the outputs: the six cache fields, the six new-row fields (`write_rows`) and `more_out`
+  (`more_specs`). Returns (k_cache, v_cache, kq, vq, *more), kq/vq nibble-packed `QArray`s
+  `[B, 1, KVH, hd]`."""
   b, _, kvh, hd = k_cache.shape
   fmt = k_cache.fmt
   idx = jnp.broadcast_to(jnp.asarray(index, jnp.int32).reshape(-1), (b,))
   leaves = [c for q in (k_cache, v_cache) for c in (q.codes, q.scales, q.global_scale)]
   row_shapes = [(kvh, hd // 2), (kvh, hd // fmt.block), (kvh, 1)]
   row_dtypes = [leaves[0].dtype, leaves[1].dtype, leaves[2].dtype]
-  new_spec = pl.BlockSpec((None, None, kvh, hd), lambda i: (i, 0, 0, 0))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
   row_specs = [pl.BlockSpec((None, None, *s), lambda i: (i, 0, 0, 0)) for s in row_shapes] * 2
   out_shape = ([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
-               + [jax.ShapeDtypeStruct((b, 1, *s), d) for s, d in zip(row_shapes, row_dtypes)] * 2)
+               + [jax.ShapeDtypeStruct((b, 1, *s), d) for s, d in zip(row_shapes, row_dtypes)] * 2
+               + list(more_out))
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
-    compiler_params = plt.CompilerParams(num_warps=4, num_stages=1)
+    compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+  first = 1 + len(args)
   out = pl.pallas_call(
-      functools.partial(_kernel, fmt=fmt, recip=reciprocal(interpret),
-                        packings=(k_cache.packing, v_cache.packing)),
+      body,
       grid=(b,),
-      in_specs=[whole(idx), new_spec, new_spec] + [whole(a) for a in leaves],
-      out_specs=[whole(a) for a in leaves] + row_specs,
+      in_specs=[whole(idx), *specs] + [whole(a) for a in leaves],
+      out_specs=[whole(a) for a in leaves] + row_specs + list(more_specs),
       out_shape=out_shape,
-      input_output_aliases={3 + i: i for i in range(6)},
+      input_output_aliases={first + i: i for i in range(6)},
       compiler_params=compiler_params,
       interpret=interpret,
-      name="kv_append_nvfp4",
-  )(idx, k, v, *leaves)
+      name=name,
+  )(idx, *args, *leaves)
   as_q = lambda f, like, shape, packing: Q.QArray(  # noqa: E731
       *f, like.fmt, like.axis, tuple(shape), packing)
   return (as_q(out[0:3], k_cache, k_cache.shape, k_cache.packing),
           as_q(out[3:6], v_cache, v_cache.shape, v_cache.packing),
           as_q(out[6:9], k_cache, (b, 1, kvh, hd), "nibbles"),
-          as_q(out[9:12], v_cache, (b, 1, kvh, hd), "nibbles"))
+          as_q(out[9:12], v_cache, (b, 1, kvh, hd), "nibbles"), *out[12:])
+
+
+def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, index, *,
+           interpret: bool = False):
+  """Write the NVFP4 encodings of `k`, `v` `[B, 1, KVH, hd]` into slot `index` (a scalar shared
+  by the batch, or `[B]`) of the caches, in each cache's code packing; returns (k_cache,
+  v_cache, kq, vq), kq/vq the new rows as nibble-packed `QArray`s `[B, 1, KVH, hd]` (what
+  guidance and code records take)."""
+  check_caches(k_cache, v_cache, k)
+  check_caches(k_cache, v_cache, v)
+  _, _, kvh, hd = k_cache.shape
+  new_spec = pl.BlockSpec((None, None, kvh, hd), lambda i: (i, 0, 0, 0))
+  body = functools.partial(_kernel, fmt=k_cache.fmt, recip=reciprocal(interpret),
+                           packings=(k_cache.packing, v_cache.packing))
+  return cache_call(body, (k, v), (new_spec, new_spec), k_cache, v_cache, index,
+                    interpret=interpret, name="kv_append_nvfp4")

@@ -58,10 +58,15 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return scale.astype(x.dtype) * xf.astype(x.dtype)
+    return rms_norm(x, _param(self, "scale", nn.initializers.ones, (x.shape[-1],)), self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+  """RMS norm over the last axis in float32, then the scale, in x's dtype (also traced inside
+  the decode step's q/k/v kernel, `kernels/qkv_append.py`)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return scale.astype(x.dtype) * xf.astype(x.dtype)
 
 
 class Linear(nn.Module):
@@ -85,16 +90,29 @@ class Linear(nn.Module):
     return y
 
 
+def rope_inv_freq(hd: int, theta: float) -> jax.Array:
+  """The rotary embedding's float32 frequencies `[hd / 2]`."""
+  return 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+
+
 def rope(x, positions, theta: float):
   """Rotary embedding, rotate-half layout; x `[B, T, heads, hd]`, positions `[B, T]`."""
   hd = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(hd, theta)  # [B, T, hd/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  cos, sin = jnp.cos(emb)[:, :, None, :].astype(x.dtype), jnp.sin(emb)[:, :, None, :].astype(x.dtype)
+  cos = jnp.cos(emb)[:, :, None, :].astype(x.dtype)
+  sin = jnp.sin(emb)[:, :, None, :].astype(x.dtype)
   x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return x * cos + rotated * sin
+
+
+def rotate_halves(x1, x2, cos, sin):
+  """`rope`'s rule on a row's halves (x1 the first hd / 2 elements; cos, sin `[hd / 2]` in x's
+  dtype), for a kernel body that holds the halves apart: the output's halves, the same bits
+  as `rope`'s (each a rounded product plus a rounded product; tested). `rope` keeps its
+  concatenated form, which XLA:GPU fuses into fewer kernels."""
+  return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
 
 
 # --------------------------------------------------------------------------- attention
@@ -110,33 +128,29 @@ class Attention(nn.Module):
     b, t, _ = x.shape
     x = activation_site(x, "attn/in", self.guided, ctx, guidance, records)
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    kv_fmt = ctx.activation_format("kv/k")
     fused = self._fused_qkv(nq + 2 * nkv)
+    prepared = None
     if fused is not None:  # one call, not three (a decode step's FP4 GEMVs)
       qkv = kernels.matmul(x.astype(dt), fused, out_dtype=dt)
+      if t == 1 and cache is not None and kv_fmt is not None:
+        prepared = self._decode_qkv(qkv[:, 0], positions[:, 0], cache, cache_index)
       q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:
       q = Linear(nq, ctx, dt, c.attention_bias, name="q_proj")(x)
       k = Linear(nkv, ctx, dt, c.attention_bias, name="k_proj")(x)
       v = Linear(nkv, ctx, dt, c.attention_bias, name="v_proj")(x)
-    if c.qk_norm == "full":  # OLMoE: over the whole projection
-      q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
-      k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
-    if c.clip_qkv is not None:
-      q, k, v = (jnp.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
-    q = q.reshape(b, t, c.num_heads, c.head_dim)
-    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
-    if c.qk_norm == "head":  # Qwen3: per head over head_dim
-      q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
-      k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
-    q = rope(q, positions, c.rope_theta)
-    k = rope(k, positions, c.rope_theta)
+    if prepared is None:
+      q, k, v = self._qk_norm_rope(q, k, v, positions)
+    else:  # the kernel's q (norm, rope) is what attention reads; K and V are in the cache
+      q = prepared[0]  # (the split above is left unused: XLA drops it)
 
     # K/V sites: what the cache holds (FP4 per the policy), the same values with or without it.
-    kv_fmt = ctx.activation_format("kv/k")
     if cache is not None and kv_fmt is not None:
-      # a decode step's rows: the K/V append kernel where it applies (`kernels.append_kv`)
-      fused = kernels.append_kv(cache.k, cache.v, k, v, cache_index) if t == 1 else None
+      # a decode step's rows: the q/k/v kernel, or the K/V append kernel where it applies
+      # (`kernels.decode_qkv`, `kernels.append_kv`)
+      fused = (prepared[1:] if prepared is not None
+               else kernels.append_kv(cache.k, cache.v, k, v, cache_index) if t == 1 else None)
       if fused is not None:
         k_cache, v_cache, kq, vq = fused
         layer = kvc.LayerKV(k_cache, v_cache)
@@ -168,7 +182,8 @@ class Attention(nn.Module):
 
     scale = c.head_dim ** -0.5
     if layer is not None and t == 1:  # one decode token: the decode attention kernel on GPU
-      o = kernels.decode_attention(q[:, 0], layer.k, layer.v, allowed[:, 0], scale=scale,
+      o = kernels.decode_attention(q if prepared is not None else q[:, 0], layer.k, layer.v,
+                                   allowed[:, 0], scale=scale,
                                    out_dtype=dt).reshape(b, t, c.num_heads * c.head_dim)
     elif layer is not None:  # a prompt (chunk) over the cache: the flash kernel on GPU
       o = kernels.prefill_attention(q, layer.k, layer.v, key_mask, cache_index, scale=scale,
@@ -177,6 +192,39 @@ class Attention(nn.Module):
       o = kernels.attention(q, k, v, allowed, scale, dt)
     o = activation_site(o, "attn/o_in", self.guided, ctx, guidance, records)
     return Linear(c.hidden_size, ctx, dt, c.attention_bias, name="o_proj")(o), layer
+
+  def _qk_norm_rope(self, q, k, v, positions):
+    """q, k, v `[B, T, heads, hd]` from the projections' outputs: the q/k norms (per the config),
+    clipping, rotary embedding."""
+    c = self.config
+    b, t = positions.shape
+    if c.qk_norm == "full":  # OLMoE: over the whole projection
+      q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
+      k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
+    if c.clip_qkv is not None:
+      q, k, v = (jnp.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm == "head":  # Qwen3: per head over head_dim
+      q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
+      k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
+    return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v
+
+  def _decode_qkv(self, qkv, positions, cache, cache_index):
+    """A decode token's attention inputs by one kernel (`kernels.decode_qkv`: q as the decode
+    attention reads it, the caches with K/V written, the new rows), or None where
+    `_qk_norm_rope` and the K/V write apply (norms over the whole projection, clipping, and
+    wherever the kernel does not)."""
+    c = self.config
+    if c.clip_qkv is not None or c.qk_norm not in (None, "head"):
+      return None
+    params = self.variables.get("params", {})
+    scales = ([params[n]["scale"] for n in ("q_norm", "k_norm")] if c.qk_norm == "head"
+              else [None, None])
+    return kernels.decode_qkv(qkv, positions, cache.k, cache.v, cache_index,
+                              num_heads=c.num_heads, q_scale=scales[0], k_scale=scales[1],
+                              eps=c.rms_norm_eps, theta=c.rope_theta)
 
   def _fused_qkv(self, n: int):
     """The q_proj kernel where the rollout's weight sync put q, k and v side by side in it
