@@ -132,6 +132,27 @@ def test_supported_and_errors():
   assert kernels.decode_qkv(qkv, pos, kc, vc, 0, num_heads=NH) is None  # opt-in, GPU only
 
 
+def test_dispatch_writes_q_for_the_attention_that_reads_it(monkeypatch):
+  """`kernels.decode_qkv` asks for q in the Mosaic kernel's order exactly where decode
+  attention will run that kernel (a cache past the short-cache bound), else logical; nothing
+  where it is off (the default) or the shapes do not fit."""
+  from trace_jax.kernels import dispatch  # noqa: PLC0415
+  layouts = []
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "_DECODE_QKV", "kernel")
+  monkeypatch.setattr(dispatch, "_decode_qkv",
+                      lambda *a, layout, **kw: layouts.append(layout) or layout)
+  qkv, pos, (qs, ks) = _case(0)
+  # short, then past the bound (a multiple of 8 slots, as the Mosaic kernel takes)
+  for slots in (S, (dispatch.SHORT_CACHE_SLOTS // B // 8 + 1) * 8):
+    kc = jax.eval_shape(lambda: _cache(1, "kv_words", s=slots))
+    assert dispatch.decode_qkv(qkv, pos, kc, kc, 0, num_heads=NH, q_scale=qs, k_scale=ks)
+  assert layouts == ["logical", "mosaic"]
+  assert dispatch.decode_qkv(qkv[:, :-HD], pos, kc, kc, 0, num_heads=NH) is None
+  monkeypatch.setattr(dispatch, "_DECODE_QKV", "xla")
+  assert dispatch.decode_qkv(qkv, pos, kc, kc, 0, num_heads=NH) is None
+
+
 def test_lowers_for_cuda(monkeypatch):
   """The Triton lowering accepts the kernel (the halves' split and join, the physical order's
   transposition, the fp8 stores, the inline division), for an H200."""

@@ -588,18 +588,17 @@ def decode_qkv(qkv, positions, k_cache, v_cache, index, *, num_heads: int, q_sca
   or None where the caller's XLA path applies: unless `TRACE_JAX_DECODE_QKV=kernel` (opt-in,
   not yet timed), off the GPU, with the K/V append kernel off, and for shapes it does not
   take."""
-  if _DECODE_QKV != "kernel" or _KV_APPEND != "kernel" or not on_gpu():
+  if (_DECODE_QKV != "kernel" or _KV_APPEND != "kernel" or not on_gpu()
+      or not isinstance(k_cache, QArray)):
     return None
   from trace_jax.kernels import qkv_append as DQ  # noqa: PLC0415 - Pallas imports stay lazy
-  b, _, kvh, hd = k_cache.shape if isinstance(k_cache, QArray) else (0, 0, 0, 0)
-  q_like = jax.ShapeDtypeStruct((b, num_heads, hd), qkv.dtype)
-  layout = "logical"
-  if (isinstance(k_cache, QArray)
-      and _decode_attention_path(q_like, k_cache, v_cache, None) == "mosaic"
-      and DQ.kernel_supported(qkv, k_cache, v_cache, num_heads, "mosaic") is None):
-    layout = "mosaic"
-  if DQ.kernel_supported(qkv, k_cache, v_cache, num_heads, layout):
+  if DQ.kernel_supported(qkv, k_cache, v_cache, num_heads):
     return None
+  b, _, _, hd = k_cache.shape
+  q_like = jax.ShapeDtypeStruct((b, num_heads, hd), qkv.dtype)
+  mosaic = (_decode_attention_path(q_like, k_cache, v_cache, None) == "mosaic"
+            and DQ.kernel_supported(qkv, k_cache, v_cache, num_heads, "mosaic") is None)
+  layout = "mosaic" if mosaic else "logical"
   return _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale,
                      num_heads=num_heads, eps=eps, theta=theta, layout=layout)
 
