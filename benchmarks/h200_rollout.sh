@@ -698,15 +698,20 @@ elif [ "$stage" = s39b ]; then
 elif [ "$stage" = s40a ]; then
   # (prepared in session 39) the decode step's q/k norms, rope, q's permutation to the Mosaic
   # attention's order and the K/V append in one kernel (`qkv_append.py`, opt-in
-  # TRACE_JAX_DECODE_QKV=kernel; deviceless census at 2 layers, B 256: 84 -> 73 kernels a step,
-  # ~17 us a layer of XLA glue in session 38's profile): its GPU tests (against the XLA path;
-  # in the model with the Mosaic attention), then the 4-layer decode step without it, with it,
-  # and with it at 8 warps, each side its own process
-  gpu_tests tests/kernels/test_qkv_append.py "gpu" qkv_append ${QTEST_TIMEOUT:-120}
-  for side in "xla 4" "kernel 4" "kernel 8"; do
+  # TRACE_JAX_DECODE_QKV=kernel; deviceless census at 2 layers, B 256: 84 -> 74 kernels a step,
+  # ~17 us a layer of XLA glue in session 38's profile), and the residual add with the MoE's
+  # input norm in one kernel (`add_norm.py`, opt-in TRACE_JAX_ADD_NORM=kernel; the deviceless
+  # compile's o_proj is a split-K dot whose reduction then needs a kernel of its own, the
+  # H200's was a cuBLAS GEMM, so only the GPU can say): their GPU tests (against the XLA
+  # ops; in the model with the Mosaic attention), then the 4-layer decode step without them,
+  # with the q/k/v kernel at 4 and 8 warps, and with both, each side its own process
+  gpu_tests "tests/kernels/test_qkv_append.py tests/kernels/test_add_norm.py" "gpu" \
+    qkv_add_norm ${QTEST_TIMEOUT:-150}
+  for side in "xla 4 xla" "kernel 4 xla" "kernel 8 xla" "kernel 4 kernel"; do
     set -- $side
-    TRACE_JAX_DECODE_QKV=$1 TRACE_JAX_QKV_WARPS=$2 step_4l qkv_$1_w$2 \
-      "attn/\|qkv_append\|kv_append" "qkv $1, $2 warps"
+    TRACE_JAX_DECODE_QKV=$1 TRACE_JAX_QKV_WARPS=$2 TRACE_JAX_ADD_NORM=$3 \
+      step_4l qkv_$1_w$2_addnorm_$3 "attn/\|qkv_append\|kv_append\|add_rms_norm\|norm/" \
+      "qkv $1, $2 warps, add+norm $3"
   done
 elif [ "$stage" = s39c ]; then
   # (prepared in session 38) session 38's three defaults at 48 layers on one host (its two

@@ -1,5 +1,6 @@
 """The rollout glue kernels inside the model (`kernels.append_kv`: the decode step's K/V cache
-write; `kernels.quantize_rows`: activation-site quantization), run in Pallas interpret mode in
+write; `kernels.quantize_rows`: activation-site quantization; `kernels.add_rms_norm`: the
+decode step's residual add and the MoE's input norm), run in Pallas interpret mode in
 place of the dispatch's choice: a one-layer model with the FP4 "paper" policy (expert sites
 W4A4, NVFP4 KV) gives the same logits, cache and guidance records, bit for bit, as the XLA
 paths, over a prompt and decode steps."""
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import quant as tq
-from trace_jax.kernels import kv_append, row_quant
+from trace_jax.kernels import add_norm, kv_append, row_quant
 
 
 def prompt_and_steps(params, cfg, ctx, batch):
@@ -37,6 +38,7 @@ def prompt_and_steps(params, cfg, ctx, batch):
 PATCHES = {
     "append_kv": lambda kc, vc, k, v, i: kv_append.append(kc, vc, k, v, i, interpret=True),
     "quantize_rows": lambda x, fmt: row_quant.quantize_rows(x, fmt, interpret=True),
+    "add_rms_norm": lambda x, h, s, eps: add_norm.add_rms_norm(x, h, s, eps, interpret=True),
 }
 
 
@@ -45,8 +47,9 @@ PATCHES = {
 @pytest.mark.parametrize("names", [pytest.param(("append_kv",), marks=pytest.mark.slow),
                                    pytest.param(("quantize_rows",), marks=pytest.mark.slow),
                                    pytest.param(("append_kv", "quantize_rows"),
-                                                marks=pytest.mark.slow)],
-                         ids=["kv_append", "row_quant", "both"])
+                                                marks=pytest.mark.slow),
+                                   pytest.param(("add_rms_norm",), marks=pytest.mark.slow)],
+                         ids=["kv_append", "row_quant", "both", "add_norm"])
 def test_model_with_kernels_is_bitwise_the_xla_path(monkeypatch, names):
   cfg = M.tiny(num_layers=1)
   policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)

@@ -80,9 +80,8 @@ from trace_jax.kernels.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["append_kv", "count_by_group", "decode_attention", "decode_qkv", "float32_dot",
-           "grouped_backend",
-           "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
+__all__ = ["add_rms_norm", "append_kv", "count_by_group", "decode_attention", "decode_qkv",
+           "float32_dot", "grouped_backend", "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route", "router_gates",
            "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
@@ -93,6 +92,9 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 # A decode step's q/k norms, rotary embedding and K/V append as one kernel ("kernel", opt-in,
 # not yet timed: `decode_qkv`), or XLA's ops and the K/V append kernel ("xla")
 _DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "xla", ("xla", "kernel"))
+# A decode step's residual add and the next RMS norm as one kernel ("kernel", opt-in, not yet
+# timed: `add_rms_norm`), or XLA's two ("xla")
+_ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "xla", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
@@ -609,6 +611,25 @@ def _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale, *, nu
   from trace_jax.kernels import qkv_append as DQ  # noqa: PLC0415 - Pallas imports stay lazy
   return DQ.decode_qkv(qkv, positions, k_cache, v_cache, index, num_heads=num_heads,
                        q_scale=q_scale, k_scale=k_scale, eps=eps, theta=theta, layout=layout)
+
+
+def add_rms_norm(x, h, scale, eps: float):
+  """A decode step's residual add and RMS norm, `(x + h, rms_norm(x + h, scale, eps))`, by the
+  Pallas kernel of `add_norm.py` (the sum exact, the norm to rounding), or None where the
+  caller's ops apply: unless `TRACE_JAX_ADD_NORM=kernel` (opt-in, not yet timed), off the GPU,
+  and for shapes it does not take. Inference only (the kernel has no derivative)."""
+  if _ADD_NORM != "kernel" or not on_gpu():
+    return None
+  from trace_jax.kernels import add_norm  # noqa: PLC0415 - Pallas imports stay lazy
+  if add_norm.kernel_supported(x, h, scale):
+    return None
+  return _add_rms_norm(x, h, scale, eps=eps)
+
+
+@_lowered_once("eps")
+def _add_rms_norm(x, h, scale, *, eps):
+  from trace_jax.kernels import add_norm  # noqa: PLC0415 - Pallas imports stay lazy
+  return add_norm.add_rms_norm(x, h, scale, eps)
 
 
 def quantize_rows(x, fmt):

@@ -61,6 +61,22 @@ class RMSNorm(nn.Module):
     return rms_norm(x, _param(self, "scale", nn.initializers.ones, (x.shape[-1],)), self.eps)
 
 
+class AddRMSNorm(nn.Module):
+  """The residual add `x + h` and the RMS norm of the sum (`rms_norm`, the scale named as
+  `RMSNorm`'s): in one kernel where `kernels.add_rms_norm` takes them and `decode` says the
+  call is a decode step's (no derivative is taken there)."""
+  eps: float
+
+  @nn.compact
+  def __call__(self, x, h, decode: bool = False):
+    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
+    both = kernels.add_rms_norm(x, h, scale, self.eps) if decode else None
+    if both is not None:
+      return both
+    x = x + h
+    return x, rms_norm(x, scale, self.eps)
+
+
 def rms_norm(x, scale, eps: float):
   """RMS norm over the last axis in float32, then the scale, in x's dtype (also traced inside
   the decode step's q/k/v kernel, `kernels/qkv_append.py`)."""
@@ -450,8 +466,8 @@ class Block(nn.Module):
     h, new_cache = Attention(c, self.ctx, guided, name="attn")(
         RMSNorm(c.rms_norm_eps, name="input_norm")(x), positions, key_mask, cache, cache_index,
         guidance, records)
-    x = x + h
-    hn = RMSNorm(c.rms_norm_eps, name="post_attn_norm")(x)
+    decode = cache is not None and x.shape[1] == 1
+    x, hn = AddRMSNorm(c.rms_norm_eps, name="post_attn_norm")(x, h, decode)
     if c.is_moe_layer(self.layer):
       h, chosen, aux, z, dropped = MoE(c, self.ctx, guided, name="moe")(
           hn, token_mask, guidance, records, routes)

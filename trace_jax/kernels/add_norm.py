@@ -1,0 +1,87 @@
+"""A decoder layer's residual add and the RMS norm of its sum as one Pallas kernel: `s = x + h`
+and `rms_norm(s, scale, eps)` (the attention's output added to the residual stream, then the
+MoE's input norm).
+
+Owns the kernel, its support check, its wrapper and its reference (`add_rms_norm_ref`: the
+model's own ops, `x + h` and `transformer.rms_norm`). The kernel body traces the same rules: in
+interpret mode on CPU both outputs equal the reference bit for bit. Compiled, the sum `s` is
+still exact (one correctly rounded add), while the norm's float32 sum of squares runs in
+Triton's order, so the normalized row may differ from XLA's by a rounding (the GPU test states
+the tolerance).
+
+In the decode step XLA makes the add one kernel (~2.6 us at B 256) and the norm another (an
+XLA Triton normalization fusion, ~1.9 us; session 38's 4-layer profile on the H200): the norm
+fusion takes one output only, so the add is not fused into it. Opt-in
+(`TRACE_JAX_ADD_NORM=kernel` in `dispatch.add_rms_norm`), not yet timed on the GPU.
+
+Lowering: a portable Pallas body, whole rows a program, `interpret=True` on CPU and the Triton
+lowering on the GPU (as `row_quant`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax.kernels import row_quant as RQ
+from trace_jax.kernels.settings import int_setting
+from trace_jax.models import transformer as T
+
+# Elements a program takes (whole rows: one 2,048-wide row at the 30B-A3B shape) and its warps;
+# TRACE_JAX_ADD_NORM_WARPS for the GPU's A/B (not yet timed)
+TILE_ELEMS = 2048
+NUM_WARPS = int_setting("TRACE_JAX_ADD_NORM_WARPS", 4, minimum=1)
+MAX_ROW_ELEMS = 8192
+
+
+def kernel_supported(x, h, scale) -> str | None:
+  """None if the kernel adds and normalizes these rows: x, h of one shape `[..., D]` and one
+  floating dtype, D a power of two up to `MAX_ROW_ELEMS` (no padded lanes in the norm's mean),
+  scale `[D]`; else the reason it does not."""
+  if tuple(x.shape) != tuple(h.shape) or x.dtype != h.dtype:
+    return f"x {x.dtype}{list(x.shape)} and h {h.dtype}{list(h.shape)} differ"
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return f"dtype {x.dtype}"
+  d = x.shape[-1] if x.ndim else 0
+  if not (0 < d <= MAX_ROW_ELEMS and d & (d - 1) == 0):
+    return f"rows of {d} elements: the kernel takes powers of two up to {MAX_ROW_ELEMS}"
+  if tuple(scale.shape) != (d,):
+    return f"scale of shape {tuple(scale.shape)}, not ({d},)"
+  return None
+
+
+def _kernel(x_ref, h_ref, scale_ref, s_ref, y_ref, *, n: int, rows: int, eps: float):
+  plt = RQ.triton_primitives()
+  r0 = pl.program_id(0) * rows
+  ok = ((r0 + jnp.arange(rows)) < n)[:, None]
+  at = lambda ref: ref.at[pl.ds(r0, rows)]  # noqa: E731
+  s = plt.load(at(x_ref), mask=ok, other=0) + plt.load(at(h_ref), mask=ok, other=0)
+  plt.store(at(s_ref), s, mask=ok)
+  plt.store(at(y_ref), T.rms_norm(s, scale_ref[...], eps), mask=ok)
+
+
+def add_rms_norm(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, *,
+                 interpret: bool = False, num_warps: int | None = None):
+  """`(x + h, rms_norm(x + h, scale, eps))` from one kernel, both in x's dtype and shape."""
+  why = kernel_supported(x, h, scale)
+  if why:
+    raise ValueError(f"add + RMS norm kernel: {why}")
+  d = x.shape[-1]
+  n = math.prod(x.shape[:-1])
+  rows = max(1, TILE_ELEMS // d)
+  out = [jax.ShapeDtypeStruct((n, d), x.dtype)] * 2
+  s, y = RQ.launch(functools.partial(_kernel, n=n, rows=rows, eps=eps),
+                   x.reshape(n, d), h.reshape(n, d), scale, programs=-(-n // rows),
+                   out_shape=out, interpret=interpret, num_warps=num_warps or NUM_WARPS,
+                   name="add_rms_norm")
+  return s.reshape(x.shape), y.reshape(x.shape)
+
+
+def add_rms_norm_ref(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float):
+  """The model's ops: the residual add, then `transformer.rms_norm` of the sum."""
+  s = x + h
+  return s, T.rms_norm(s, scale, eps)
