@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -26,6 +26,17 @@ cap8k_2048() {
   local limit=${CAP_TIMEOUT:-$1}
   HOST_RESERVE=20 ROWS_TIMEOUT=$limit ROW_TIMEOUT=$(( limit - 10 )) GEN=2048 \
     bash $0 cap8k_inner | tail -4
+}
+# the 48-layer 8k-capacity rollout's JSON read out (total, the window share over windows 1-6,
+# window paces, the one-token calls) and kept under a side's name: SIDE
+rollout_side() {
+  python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+  w, f = r.get('window_step_ms') or [], r.get('window_floor_ms') or []
+  print('total s', r.get('total_s'), 'share windows 1-6', round(sum(f[1:]) / sum(w[1:]), 4)
+        if w[1:] else None, 'step ms', w, 'one', r.get('prefill_plus_first_step_each_ms'))" \
+    $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$1] /"
+  mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$1.json
 }
 # the FP4 decode step at the 8k-capacity shape (prompt 512, cache for 7,680 new tokens, 256
 # generated in windows of 128): LAYERS BATCH POLICY TIMEOUT [more profile_decode.py flags]
@@ -713,6 +724,20 @@ elif [ "$stage" = s40a ]; then
       step_4l qkv_$1_w$2_addnorm_$3 "attn/\|qkv_append\|kv_append\|add_rms_norm\|norm/" \
       "qkv $1, $2 warps, add+norm $3"
   done
+elif [ "$stage" = s40b ]; then
+  # (prepared in session 39) every opt-in glue kernel together at 48 layers, against the
+  # defaults, each side its own process on one host (~270 s a side): the q/k/v kernel, the
+  # add + norm kernel, the router's product in its gates kernel, the routing tables' kernels
+  # (deviceless census at 2 layers, B 256: 84 -> 65 kernels a step). Run after s39a, s39b and
+  # s40a have shown each one correct on the GPU; OPTIN overrides the list (space-separated
+  # NAME=VALUE settings)
+  optin="TRACE_JAX_DECODE_QKV=kernel TRACE_JAX_ADD_NORM=kernel"
+  optin=${OPTIN:-"$optin TRACE_JAX_ROUTER_TOPK=fused TRACE_JAX_ROUTING=kernel"}
+  for side in defaults optin; do
+    if [ $side = optin ]; then export $optin; fi
+    cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$side] /"
+    rollout_side $side
+  done
 elif [ "$stage" = s39c ]; then
   # (prepared in session 38) session 38's three defaults at 48 layers on one host (its two
   # rollouts ran on hosts that copied guidance 7-9x slower than session 37's, so the 4-layer
@@ -726,13 +751,7 @@ elif [ "$stage" = s39c ]; then
       unset TRACE_JAX_ROUTER_TOPK TRACE_JAX_SWIGLU_SPLIT TRACE_JAX_E2M1_INDEX
     fi
     cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$side] /"
-    python3 -c "import json, sys
-for r in json.load(open(sys.argv[1]))['results']:
-  w, f = r.get('window_step_ms') or [], r.get('window_floor_ms') or []
-  print('total s', r.get('total_s'), 'share windows 1-6', round(sum(f[1:]) / sum(w[1:]), 4)
-        if w[1:] else None, 'step ms', w, 'one', r.get('prefill_plus_first_step_each_ms'))" \
-      $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$side] /"
-    mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$side.json
+    rollout_side $side
   done
 elif [ "$stage" = s38d ]; then
   # (session 38) the 48-layer rollout after s38c's defaults (call 4) took 36.4 s against 35.0,
