@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from trace_jax import kernels
 from trace_jax import models as M
 from trace_jax import quant as tq
+from trace_jax.kernels import add_norm
 from trace_jax.kernels import attention_mgpu as AM
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels import qkv_append as DQ
@@ -188,7 +189,8 @@ def _fused_qkv_params(params):
 @pytest.mark.slow  # ~25 s on 2 cores; the kernel's own tests stay in the default suite
 def test_model_with_kernel_is_bitwise_the_xla_path(monkeypatch):
   """A one-layer model (Qwen3's per-head q/k norms, NVFP4 KV, guidance recorded) whose decode
-  steps take the kernel (interpret mode, logical q) gives the same logits, cache and records,
+  steps take the kernel (interpret mode, logical q), and with it the add + norm kernel
+  (`add_norm.py`: the opt-in glue kernels together), gives the same logits, cache and records,
   bit for bit, as the XLA path over a prompt and decode steps."""
   from tests.kernels.test_glue_in_model import prompt_and_steps  # noqa: PLC0415
   cfg = M.tiny(num_layers=1, qk_norm="head")
@@ -207,10 +209,15 @@ def test_model_with_kernel_is_bitwise_the_xla_path(monkeypatch):
     calls.append(1)
     return DQ.decode_qkv(*args, interpret=True, **kw)
 
+  def add_rms_norm(*args):
+    calls.append(2)
+    return add_norm.add_rms_norm(*args, interpret=True)
+
   monkeypatch.setattr(kernels, "decode_qkv", kernel)
+  monkeypatch.setattr(kernels, "add_rms_norm", add_rms_norm)
   jax.clear_caches()
   got = run()
-  assert calls  # the decode steps' program took the kernel (traced once, cached after)
+  assert sorted(set(calls)) == [1, 2]  # the decode steps' program took both (traced once)
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
