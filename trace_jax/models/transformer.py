@@ -213,7 +213,7 @@ class Attention(nn.Module):
     """q, k, v `[B, T, heads, hd]` from the projections' outputs: the q/k norms (per the config),
     clipping, rotary embedding."""
     c = self.config
-    b, t = positions.shape
+    b, t = q.shape[:2]
     if c.qk_norm == "full":  # OLMoE: over the whole projection
       q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
       k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
