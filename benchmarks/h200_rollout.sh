@@ -77,10 +77,11 @@ ncu_case() {
 }
 # GPU tests of one file matching -k (log under $OUT): FILE KEYWORD NAME TIMEOUT
 gpu_tests() {
-  JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -m gpu -p no:xdist -o addopts="" \
+  JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -rP -m gpu -p no:xdist -o addopts="" \
     $1 -k "$2" > $OUT/test_$3.txt 2>&1
   echo "$3 gpu tests rc=$?"
-  grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed" | tail -8
+  grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed| off: |relative error" \
+    | tail -12
 }
 # the routing-tables kernel (`kernels/routing.py`): its GPU tests (log test_routing.txt), then
 # bench_routing against the XLA path (JSON bench_routing.json): [more bench_routing flags]
