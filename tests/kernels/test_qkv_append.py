@@ -227,9 +227,10 @@ def test_model_with_kernel_is_bitwise_the_xla_path(monkeypatch):
 def test_kernel_on_gpu_agrees_with_xla_path(layout):
   """The compiled kernel at the 30B-A3B decode shape (B 64, 384 slots, bit-placed cache) against
   the XLA path: V's fields bit for bit (nothing is computed before its quantization); q within
-  a bf16 rounding of XLA's (rtol 2**-7: the norm's float32 sum runs in another order, and XLA
-  may round its bf16 chain differently); K's codes, block and row scales, which follow k, at
-  most 2% off. The fractions off are printed."""
+  two bf16 roundings of its head's largest element of XLA's (2**-6 of it: the norm's float32
+  sum runs in another order, XLA may round its bf16 chain otherwise, and the rotation's sum
+  can cancel, so no relative bound holds element by element); K's codes, block and row
+  scales, which follow k, at most 2% off. The fractions off are printed."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
   b = 64
@@ -243,7 +244,7 @@ def test_kernel_on_gpu_agrees_with_xla_path(layout):
   wq = np.asarray(want[0], np.float32)
   k_off = [float((g != w).mean()) for g, w in zip(_bits(got[3]), _bits(want[3]))]
   print(f"q elements off: {(q != wq).mean():.2e}; K codes, scales, row scales off: {k_off}")
-  np.testing.assert_allclose(q, wq, rtol=2 ** -7, atol=0)
+  assert (np.abs(q - wq) <= 2 ** -6 * np.abs(wq).max(axis=-1, keepdims=True)).all()
   assert max(k_off) <= 0.02
   for g, w in zip(_bits((got[2], got[4])), _bits((want[2], want[4]))):  # V: cache and rows
     np.testing.assert_array_equal(g, w)
