@@ -77,9 +77,9 @@ def test_lowers_for_cuda(monkeypatch):
 @pytest.mark.gpu
 def test_kernel_on_gpu_agrees_with_model_ops():
   """The compiled kernel at the 30B-A3B decode shape (B 256, 2,048 wide, bf16) against XLA's
-  ops: the sum bit for bit; the norm within a bf16 rounding of XLA's (rtol 2**-7: the float32
-  sum of squares runs in another order, and XLA may round its bf16 products differently); the
-  fraction off is printed."""
+  ops: the sum bit for bit; the norm within two bf16 roundings of XLA's (rtol 2**-6: the
+  float32 sum of squares runs in another order, and XLA may round its bf16 products
+  otherwise); the fraction off is printed."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
   x, h, scale = _case(3, (256, 1, 2048), jnp.bfloat16)
@@ -89,4 +89,4 @@ def test_kernel_on_gpu_agrees_with_model_ops():
                                 np.asarray(want[0]).view(np.uint8))
   y, wy = np.asarray(got[1], np.float32), np.asarray(want[1], np.float32)
   print(f"norm elements off: {(y != wy).sum()} of {y.size}")
-  np.testing.assert_allclose(y, wy, rtol=2 ** -7, atol=0)
+  np.testing.assert_allclose(y, wy, rtol=2 ** -6, atol=0)
