@@ -81,9 +81,9 @@ from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
 __all__ = ["add_rms_norm", "append_kv", "count_by_group", "decode_attention", "decode_qkv",
-           "float32_dot", "grouped_backend", "grouped_matmul", "kv_packing", "matmul", "on_gpu", "prefill_attention",
-           "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route", "router_gates",
-           "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
+           "float32_dot", "grouped_backend", "grouped_matmul", "kv_packing", "matmul", "on_gpu",
+           "prefill_attention", "prepare_weight", "quantize_rows", "quantize_rows_to_operand",
+           "route", "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"

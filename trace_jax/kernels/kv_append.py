@@ -31,12 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from trace_jax import quant as tq
-from trace_jax.kernels.row_quant import encode_tile, reciprocal
+from trace_jax.kernels.row_quant import encode_tile, launch_params, reciprocal, whole
 from trace_jax.quant import e2m1
 from trace_jax.quant import qarray as Q
 
 
-def _pow2(n: int) -> bool:
+def pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
@@ -54,7 +54,7 @@ def kernel_supported(k_cache, k_new) -> str | None:
     return f"new rows of shape {k_new.shape}, the kernel writes one slot ({b}, 1, {kvh}, {hd})"
   if k_cache.global_scale is None or k_cache.global_scale.shape[-1] != 1:
     return "the cache has no per-row second-level scale"
-  if not (_pow2(kvh) and _pow2(hd) and hd >= k_cache.fmt.block):
+  if not (pow2(kvh) and pow2(hd) and hd >= k_cache.fmt.block):
     return f"{kvh} KV heads x head_dim {hd}: the kernel takes powers of two, head_dim >= 16"
   return None
 
@@ -83,15 +83,6 @@ def _kernel(idx_ref, k_ref, v_ref, *refs, **kw):
              refs[12:18], **kw)
 
 
-def check_caches(k_cache, v_cache, k_new, what: str = "K/V append kernel") -> None:
-  """ValueError naming the problem unless the kernel writes both caches for rows shaped as
-  `k_new` (`kernel_supported`)."""
-  for cache in (k_cache, v_cache):
-    why = kernel_supported(cache, k_new)
-    if why:
-      raise ValueError(f"{what}: {why}")
-
-
 def cache_call(body, args, specs, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
                interpret: bool, name: str, more_out=(), more_specs=(), num_warps: int = 4):
   """A pallas_call of `body` with one program per sequence that writes a decode step's K/V rows
@@ -106,15 +97,10 @@ def cache_call(body, args, specs, k_cache: tq.QArray, v_cache: tq.QArray, index,
   leaves = [c for q in (k_cache, v_cache) for c in (q.codes, q.scales, q.global_scale)]
   row_shapes = [(kvh, hd // 2), (kvh, hd // fmt.block), (kvh, 1)]
   row_dtypes = [leaves[0].dtype, leaves[1].dtype, leaves[2].dtype]
-  whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
   row_specs = [pl.BlockSpec((None, None, *s), lambda i: (i, 0, 0, 0)) for s in row_shapes] * 2
   out_shape = ([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
                + [jax.ShapeDtypeStruct((b, 1, *s), d) for s, d in zip(row_shapes, row_dtypes)] * 2
                + list(more_out))
-  compiler_params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as plt  # noqa: PLC0415 - GPU lowering only
-    compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
   first = 1 + len(args)
   out = pl.pallas_call(
       body,
@@ -123,7 +109,7 @@ def cache_call(body, args, specs, k_cache: tq.QArray, v_cache: tq.QArray, index,
       out_specs=[whole(a) for a in leaves] + row_specs + list(more_specs),
       out_shape=out_shape,
       input_output_aliases={first + i: i for i in range(6)},
-      compiler_params=compiler_params,
+      compiler_params=launch_params(interpret, num_warps),
       interpret=interpret,
       name=name,
   )(idx, *args, *leaves)
@@ -141,8 +127,10 @@ def append(k_cache: tq.QArray, v_cache: tq.QArray, k: jax.Array, v: jax.Array, i
   by the batch, or `[B]`) of the caches, in each cache's code packing; returns (k_cache,
   v_cache, kq, vq), kq/vq the new rows as nibble-packed `QArray`s `[B, 1, KVH, hd]` (what
   guidance and code records take)."""
-  check_caches(k_cache, v_cache, k)
-  check_caches(k_cache, v_cache, v)
+  for cache, new in ((k_cache, k), (v_cache, v)):
+    why = kernel_supported(cache, new)
+    if why:
+      raise ValueError(f"K/V append kernel: {why}")
   _, _, kvh, hd = k_cache.shape
   new_spec = pl.BlockSpec((None, None, kvh, hd), lambda i: (i, 0, 0, 0))
   body = functools.partial(_kernel, fmt=k_cache.fmt, recip=reciprocal(interpret),

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_mgpu as AM
 from trace_jax.kernels import kv_append
-from trace_jax.kernels.row_quant import reciprocal
+from trace_jax.kernels.row_quant import reciprocal, whole
 from trace_jax.kernels.settings import int_setting
 from trace_jax.models import kv_cache as kvc
 from trace_jax.models import transformer as T
@@ -47,10 +47,6 @@ LAYOUTS = ("logical", "mosaic")  # q's head_dim order: the model's, or the Mosai
 # Warps a program (one sequence: 32 q heads and 8 K/V heads of 128 at the 30B-A3B shape);
 # TRACE_JAX_QKV_WARPS for the GPU's A/B (not yet timed)
 NUM_WARPS = int_setting("TRACE_JAX_QKV_WARPS", 4, minimum=1)
-
-
-def _pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
 
 
 def kernel_supported(qkv, k_cache, v_cache, num_heads: int, layout: str = "logical"):
@@ -72,7 +68,7 @@ def kernel_supported(qkv, k_cache, v_cache, num_heads: int, layout: str = "logic
   if qkv.shape != (b, (num_heads + 2 * kvh) * hd):
     return (f"projection of shape {qkv.shape}, not [{b}, ({num_heads} + 2 x {kvh}) x {hd}] for "
             f"the caches")
-  if not _pow2(num_heads) or num_heads % kvh:
+  if not kv_append.pow2(num_heads) or num_heads % kvh:
     return f"{num_heads} query heads: the kernel takes a power of two, a multiple of {kvh}"
   if layout == "mosaic" and (hd != AM.HEAD_DIM or num_heads // kvh not in AM.GP_CHOICES):
     return (f"head_dim {hd} with {num_heads // kvh} query heads per KV head: the physical order "
@@ -142,7 +138,6 @@ def decode_qkv(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
   # power gave other bits than in a fusion; on the GPU it is one small kernel a step)
   args = (jnp.asarray(positions, jnp.int32), T.rope_inv_freq(hd, theta), qs, ks,
           qkv.reshape(b, rows, hd))
-  whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
   specs = [whole(a) for a in args[:4]] + [pl.BlockSpec((None, rows, hd), lambda i: (i, 0, 0))]
   body = functools.partial(
       _kernel, num_heads=num_heads, kv_heads=kvh, eps=eps, norm=q_scale is not None,

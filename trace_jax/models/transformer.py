@@ -151,7 +151,8 @@ class Attention(nn.Module):
       qkv = kernels.matmul(x.astype(dt), fused, out_dtype=dt)
       if t == 1 and cache is not None and kv_fmt is not None:
         prepared = self._decode_qkv(qkv[:, 0], positions[:, 0], cache, cache_index)
-      q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
+      if prepared is None:
+        q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:
       q = Linear(nq, ctx, dt, c.attention_bias, name="q_proj")(x)
       k = Linear(nkv, ctx, dt, c.attention_bias, name="k_proj")(x)
@@ -159,7 +160,7 @@ class Attention(nn.Module):
     if prepared is None:
       q, k, v = self._qk_norm_rope(q, k, v, positions)
     else:  # the kernel's q (norm, rope) is what attention reads; K and V are in the cache
-      q = prepared[0]  # (the split above is left unused: XLA drops it)
+      q = prepared[0]
 
     # K/V sites: what the cache holds (FP4 per the policy), the same values with or without it.
     if cache is not None and kv_fmt is not None:
