@@ -27,14 +27,14 @@ cap8k_2048() {
   HOST_RESERVE=20 ROWS_TIMEOUT=$limit ROW_TIMEOUT=$(( limit - 10 )) GEN=2048 \
     bash $0 cap8k_inner | tail -4
 }
-# the 48-layer 8k-capacity rollout's JSON read out (total, the window share over windows 1-6,
-# window paces, the one-token calls) and kept under a side's name: SIDE
+# the 48-layer 8k-capacity rollout's JSON read out (total, the window share over windows 1-6 as
+# bench_rollout reports it, window paces, the one-token calls) and kept under a side's name: SIDE
 rollout_side() {
   python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))['results']:
-  w, f = r.get('window_step_ms') or [], r.get('window_floor_ms') or []
-  print('total s', r.get('total_s'), 'share windows 1-6', round(sum(f[1:]) / sum(w[1:]), 4)
-        if w[1:] else None, 'step ms', w, 'one', r.get('prefill_plus_first_step_each_ms'))" \
+  share = r.get('floor_over_window_steps_after_first')
+  print('total s', r.get('total_s'), 'share windows 1-6', share and round(share, 4),
+        'step ms', r.get('window_step_ms'), 'one', r.get('prefill_plus_first_step_each_ms'))" \
     $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$1] /"
   mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$1.json
 }
