@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from trace_jax.kernels import row_quant as RQ
-from trace_jax.kernels.settings import int_setting
+from trace_jax.settings import int_setting
 from trace_jax.models import transformer as T
 
 # Elements a program takes (whole rows: one 2,048-wide row at the 30B-A3B shape) and its warps;

@@ -101,7 +101,7 @@ from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels.attention_pallas import combine_splits
 from trace_jax.kernels.fp4_mgpu import DECODE_ASM, WEIGHT_DECODE_ASM, counted_in_last
-from trace_jax.kernels.settings import choice_setting, int_setting
+from trace_jax.settings import choice_setting, int_setting
 from trace_jax.quant import e2m1
 
 NUM_SMS = 132  # H200

@@ -76,7 +76,7 @@ from trace_jax.kernels import attention_ref, fp4_mgpu, reference
 from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
 from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_parts,
                                       prepare_weight)
-from trace_jax.kernels.settings import choice_setting as _setting, int_setting
+from trace_jax.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
@@ -599,7 +599,7 @@ def decode_qkv(qkv, positions, k_cache, v_cache, index, *, num_heads: int, q_sca
   b, _, _, hd = k_cache.shape
   q_like = jax.ShapeDtypeStruct((b, num_heads, hd), qkv.dtype)
   mosaic = (_decode_attention_path(q_like, k_cache, v_cache, None) == "mosaic"
-            and DQ.kernel_supported(qkv, k_cache, v_cache, num_heads, "mosaic") is None)
+            and DQ.mosaic_layout_supported(k_cache, num_heads) is None)
   layout = "mosaic" if mosaic else "logical"
   return _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale,
                      num_heads=num_heads, eps=eps, theta=theta, layout=layout)

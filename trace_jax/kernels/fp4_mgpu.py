@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from trace_jax.kernels import layout as L
-from trace_jax.kernels.settings import choice_setting
+from trace_jax.settings import choice_setting
 
 # wgmma N sides this kernel is built for (tokens per chunk)
 BM_CHOICES = (16, 32, 64)

@@ -39,7 +39,7 @@ from trace_jax import quant as tq
 from trace_jax.kernels import attention_mgpu as AM
 from trace_jax.kernels import kv_append
 from trace_jax.kernels.row_quant import reciprocal, whole
-from trace_jax.kernels.settings import int_setting
+from trace_jax.settings import int_setting
 from trace_jax.models import kv_cache as kvc
 from trace_jax.models import transformer as T
 
@@ -70,7 +70,15 @@ def kernel_supported(qkv, k_cache, v_cache, num_heads: int, layout: str = "logic
             f"the caches")
   if not kv_append.pow2(num_heads) or num_heads % kvh:
     return f"{num_heads} query heads: the kernel takes a power of two, a multiple of {kvh}"
-  if layout == "mosaic" and (hd != AM.HEAD_DIM or num_heads // kvh not in AM.GP_CHOICES):
+  return mosaic_layout_supported(k_cache, num_heads) if layout == "mosaic" else None
+
+
+def mosaic_layout_supported(k_cache, num_heads: int):
+  """None if q can be written in the Mosaic attention's physical order for this cache `[B, S,
+  KVH, hd]` and num_heads query heads (its head_dim, H / KVH one of its query-lane counts); else
+  the reason it cannot."""
+  _, _, kvh, hd = k_cache.shape
+  if hd != AM.HEAD_DIM or num_heads // kvh not in AM.GP_CHOICES:
     return (f"head_dim {hd} with {num_heads // kvh} query heads per KV head: the physical order "
             f"is the Mosaic kernel's ({AM.HEAD_DIM}, {AM.GP_CHOICES})")
   return None

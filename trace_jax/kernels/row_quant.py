@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from trace_jax.kernels.attention_pallas import _pow2_at_least
-from trace_jax.kernels.settings import int_setting
+from trace_jax.settings import int_setting
 from trace_jax.quant import e2m1
 from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q

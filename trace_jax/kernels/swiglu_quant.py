@@ -37,7 +37,7 @@ from trace_jax.kernels.attention_pallas import _pow2_at_least
 from trace_jax.kernels import row_quant as RQ
 from trace_jax.kernels.row_quant import (decoded_value, encode_tile, operand_order, reciprocal,
                                          store_fields)
-from trace_jax.kernels.settings import choice_setting, int_setting
+from trace_jax.settings import choice_setting, int_setting
 from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q
 

@@ -10,11 +10,11 @@ Codes are `uint8` in 0..15: bit 3 is the sign, bits 2..0 index the magnitude gri
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trace_jax.settings import choice_setting
 
 # Magnitudes of codes 0..7. Adjacent magnitudes alternate their mantissa bit (code & 1).
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
@@ -32,9 +32,7 @@ _RINT_MAGIC = 1.5 * 2**23
 _RINT_MAGIC_BITS = np.uint32(np.float32(_RINT_MAGIC).view(np.uint32))
 # TRACE_JAX_E2M1_INDEX=midpoints: `magnitude_index_rtne` by its comparisons (the same values; the
 # A/B side when timing the quantizing kernels)
-_INDEX_BY = os.environ.get("TRACE_JAX_E2M1_INDEX", "bits")
-if _INDEX_BY not in ("bits", "midpoints"):
-  raise ValueError(f"TRACE_JAX_E2M1_INDEX must be bits or midpoints, got {_INDEX_BY!r}")
+_INDEX_BY = choice_setting("TRACE_JAX_E2M1_INDEX", "bits", ("bits", "midpoints"))
 
 
 def _sign_bit(z: jax.Array) -> jax.Array:

@@ -41,7 +41,7 @@ from trace_jax import models as M
 from trace_jax import parallel
 from trace_jax import quant as tq
 from trace_jax.kernels import dispatch as kernel_dispatch
-from trace_jax.kernels.settings import choice_setting
+from trace_jax.settings import choice_setting
 from trace_jax.models import kv_cache as kvc
 from trace_jax.rollout.sampling import SamplingParams, sample
 

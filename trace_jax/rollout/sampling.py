@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.kernels.settings import choice_setting
+from trace_jax.settings import choice_setting
 
 SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "gumbel", ("gumbel", "hashed_gumbel", "inverse_cdf"))
 CDF_BLOCK = 512  # vocabulary entries a block of `inverse_cdf_sample`'s two-level prefix sums

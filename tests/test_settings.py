@@ -1,8 +1,8 @@
-"""The kernels' environment settings: values parsed, bad ones refused with the variable named."""
+"""The environment settings: values parsed, bad ones refused with the variable named."""
 
 import pytest
 
-from trace_jax.kernels.settings import choice_setting, int_setting
+from trace_jax.settings import choice_setting, int_setting
 
 
 def test_int_setting(monkeypatch):

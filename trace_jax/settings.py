@@ -1,5 +1,6 @@
-"""Environment settings of the kernels (A/B switches and bounds), read at import: one parser
-each for a choice and an integer, with errors that name the variable."""
+"""Environment settings (A/B switches and bounds), read at import: one parser each for a choice
+and an integer, with errors that name the variable. Imports nothing of the package, so any
+module may use it (the numerics core included)."""
 
 from __future__ import annotations
 
