@@ -35,6 +35,19 @@ def prompt_and_steps(params, cfg, ctx, batch):
   return outs, out.cache
 
 
+def expert_kernel_model(batch: int = 40):
+  """`prompt_and_steps` of a one-layer bf16 model with FP4 kernel-layout experts (hidden 256, 16
+  experts of 256, top-8; FP4 "paper" policy, NVFP4 KV, guidance recorded), for GPU tests."""
+  from trace_jax.rollout import engine  # noqa: PLC0415
+  cfg = M.tiny(num_layers=1, vocab_size=256, hidden_size=256, num_heads=4, num_kv_heads=2,
+               head_dim=64, num_experts=16, num_experts_per_tok=8, moe_ffn_size=256,
+               dtype="bfloat16")
+  policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
+  params = engine._kernel_layout(M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy))
+  ctx = M.QuantContext(policy, "rollout", record_guidance=True)
+  return functools.partial(prompt_and_steps, params, cfg, ctx, batch)
+
+
 PATCHES = {
     "append_kv": lambda kc, vc, k, v, i: kv_append.append(kc, vc, k, v, i, interpret=True),
     "quantize_rows": lambda x, fmt: row_quant.quantize_rows(x, fmt, interpret=True),
@@ -84,14 +97,7 @@ def test_expert_input_kernels_in_model_on_gpu(monkeypatch):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
   from trace_jax.kernels import dispatch  # noqa: PLC0415
-  from trace_jax.rollout import engine  # noqa: PLC0415
-  cfg = M.tiny(num_layers=1, vocab_size=256, hidden_size=256, num_heads=4, num_kv_heads=2,
-               head_dim=64, num_experts=16, num_experts_per_tok=8, moe_ffn_size=256,
-               dtype="bfloat16")
-  policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
-  params = engine._kernel_layout(M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy))
-  ctx = M.QuantContext(policy, "rollout", record_guidance=True)
-  run = functools.partial(prompt_and_steps, params, cfg, ctx, 40)
+  run = expert_kernel_model()
   used = {"quantize_rows_to_operand": 0, "swiglu_quantize_rows": 0}
 
   def counted(name):

@@ -29,15 +29,19 @@ kernel's operand) from the gate/up kernel's rows left ungathered (`ChunkRows`,
 too (`TRACE_JAX_ROUTER_TOPK=fused`), opt-in `decode_qkv` makes a decode step's q (norm, rope,
 the Mosaic attention's head_dim order) and writes its K/V rows in one kernel
 (`qkv_append.py`, `TRACE_JAX_DECODE_QKV=kernel`), opt-in `add_rms_norm` a decode step's
-residual add and the MoE's input norm (`add_norm.py`, `TRACE_JAX_ADD_NORM=kernel`); each
-returns None where the XLA path applies.
+residual adds and the norms after them (`add_norm.py`, `TRACE_JAX_ADD_NORM=kernel`),
+opt-in `combine_add_rms_norm` the MoE's output (its gates' weighted sum of the down kernel's
+rows, left there where `combine_in_kernel`), the residual add and the next norm
+(`moe_combine.py`, `TRACE_JAX_MOE_COMBINE=kernel`); each returns None where the XLA path
+applies.
 `sort_by_group` / `count_by_group` (or `route`, with the FP4 grouped kernel's chunk
 tables) build the MoE routing tables; `float32_dot` computes the router's logits (a batch-1 row
 as a two-row product on the GPU, as the bf16 XLA path does).
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
-from trace_jax.kernels.dispatch import (add_rms_norm, append_kv, count_by_group, decode_attention,
+from trace_jax.kernels.dispatch import (add_rms_norm, append_kv, combine_add_rms_norm,
+                                        combine_in_kernel, count_by_group, decode_attention,
                                         decode_qkv, float32_dot, grouped_backend, grouped_matmul,
                                         import_gpu_libraries, kv_packing,
                                         matmul, on_gpu,
@@ -48,7 +52,8 @@ from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, deco
                                       fuse_projections, prepare_tree, prepare_weight)
 
 __all__ = ["ChunkRows", "OperandRows", "PackedWeight", "add_rms_norm", "append_kv", "attention",
-           "count_by_group", "decode_attention", "decode_qkv",
+           "combine_add_rms_norm", "combine_in_kernel", "count_by_group", "decode_attention",
+           "decode_qkv",
            "decode_attention_ref", "decode_packed", "float32_dot", "fuse_projections",
            "grouped_backend",
            "grouped_matmul", "import_gpu_libraries", "kv_packing", "matmul",

@@ -54,14 +54,16 @@ def kernel_supported(x, h, scale) -> str | None:
   return None
 
 
-def _kernel(x_ref, h_ref, scale_ref, s_ref, y_ref, *, n: int, rows: int, eps: float):
+def _kernel(x_ref, h_ref, scale_ref, s_ref, y_ref, *, n: int, rows: int, eps: float,
+            interpret: bool):
   plt = RQ.triton_primitives()
   r0 = pl.program_id(0) * rows
   ok = ((r0 + jnp.arange(rows)) < n)[:, None]
   at = lambda ref: ref.at[pl.ds(r0, rows)]  # noqa: E731
   s = plt.load(at(x_ref), mask=ok, other=0) + plt.load(at(h_ref), mask=ok, other=0)
   plt.store(at(s_ref), s, mask=ok)
-  plt.store(at(y_ref), T.rms_norm(s, scale_ref[...], eps), mask=ok)
+  plt.store(at(y_ref), T.rms_norm(s, scale_ref[...], eps, RQ.rounding(s.dtype, interpret)),
+            mask=ok)
 
 
 def add_rms_norm(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, *,
@@ -74,7 +76,7 @@ def add_rms_norm(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, *,
   n = math.prod(x.shape[:-1])
   rows = max(1, TILE_ELEMS // d)
   out = [jax.ShapeDtypeStruct((n, d), x.dtype)] * 2
-  s, y = RQ.launch(functools.partial(_kernel, n=n, rows=rows, eps=eps),
+  s, y = RQ.launch(functools.partial(_kernel, n=n, rows=rows, eps=eps, interpret=interpret),
                    x.reshape(n, d), h.reshape(n, d), scale, programs=-(-n // rows),
                    out_shape=out, interpret=interpret, num_warps=num_warps or NUM_WARPS,
                    name="add_rms_norm")

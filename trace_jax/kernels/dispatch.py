@@ -80,8 +80,9 @@ from trace_jax.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["add_rms_norm", "append_kv", "count_by_group", "decode_attention", "decode_qkv",
-           "float32_dot", "grouped_backend", "grouped_matmul", "kv_packing", "matmul", "on_gpu",
+__all__ = ["add_rms_norm", "append_kv", "combine_add_rms_norm", "combine_in_kernel",
+           "count_by_group", "decode_attention", "decode_qkv", "float32_dot", "grouped_backend",
+           "grouped_matmul", "kv_packing", "matmul", "on_gpu",
            "prefill_attention", "prepare_weight", "quantize_rows", "quantize_rows_to_operand",
            "route", "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
@@ -95,6 +96,10 @@ _DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "xla", ("xla", "kernel"))
 # A decode step's residual add and the next RMS norm as one kernel ("kernel", opt-in, not yet
 # timed: `add_rms_norm`), or XLA's two ("xla")
 _ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "xla", ("xla", "kernel"))
+# A decode step's MoE output (its gates' weighted sum of the down kernel's rows), the residual
+# add and the next RMS norm as one kernel ("kernel", opt-in, not yet timed:
+# `combine_add_rms_norm`), or XLA's ops ("xla")
+_MOE_COMBINE = _setting("TRACE_JAX_MOE_COMBINE", "xla", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
@@ -630,6 +635,33 @@ def add_rms_norm(x, h, scale, eps: float):
 def _add_rms_norm(x, h, scale, *, eps):
   from trace_jax.kernels import add_norm  # noqa: PLC0415 - Pallas imports stay lazy
   return add_norm.add_rms_norm(x, h, scale, eps)
+
+
+def combine_in_kernel() -> bool:
+  """Whether a decode step's MoE may leave its output in the down kernel's rows for
+  `combine_add_rms_norm` (`TRACE_JAX_MOE_COMBINE=kernel`, opt-in, on the GPU); where that
+  kernel then declines the shapes, the caller's XLA ops read the rows."""
+  return _MOE_COMBINE == "kernel" and on_gpu()
+
+
+def combine_add_rms_norm(x, rows: ChunkRows, inverse, weights, scale, eps: float):
+  """A decode step's MoE output, residual add and RMS norm, `(s, rms_norm(s, scale, eps))` with
+  s = x + the gates' weighted sum of each token's expert rows (`rows` left by the down kernel,
+  pair (t, j) at `rows.slot[inverse[t * k + j]]`), by the Pallas kernel of `moe_combine.py`, or
+  None where the caller's ops apply: as `combine_in_kernel`, and for shapes it does not take.
+  Inference only (the kernel has no derivative)."""
+  if not combine_in_kernel():
+    return None
+  from trace_jax.kernels import moe_combine  # noqa: PLC0415 - Pallas imports stay lazy
+  if moe_combine.kernel_supported(x, rows, inverse, weights, scale):
+    return None
+  return _combine_add_rms_norm(x, rows, inverse, weights, scale, eps=eps)
+
+
+@_lowered_once("eps")
+def _combine_add_rms_norm(x, rows, inverse, weights, scale, *, eps):
+  from trace_jax.kernels import moe_combine  # noqa: PLC0415 - Pallas imports stay lazy
+  return moe_combine.combine_add_rms_norm(x, rows, inverse, weights, scale, eps)
 
 
 def quantize_rows(x, fmt):

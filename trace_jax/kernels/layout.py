@@ -138,6 +138,15 @@ class ChunkRows:
     return jnp.take(self.rows[:, :self.n], self.slot, axis=0, mode="fill", fill_value=0)
 
 
+def chunk_row_index(slot, src: int, ok):
+  """Inside a kernel body: chunk-row indices `slot` read as `ChunkRows.gather` reads them
+  (`jnp.take`'s fill mode: a negative one counts back from `src`, one out of range reads as
+  zeros) -> (the index, 0 where it reads zeros or `ok` is false; whether it reads a row)."""
+  slot = jnp.where(slot < 0, slot + src, slot)
+  in_range = ok & (slot >= 0) & (slot < src)
+  return jnp.where(in_range, slot, 0), in_range
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OperandRows:

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_mgpu as AM
 from trace_jax.kernels import kv_append
-from trace_jax.kernels.row_quant import reciprocal, whole
+from trace_jax.kernels.row_quant import reciprocal, rounding, whole
 from trace_jax.settings import int_setting
 from trace_jax.models import kv_cache as kvc
 from trace_jax.models import transformer as T
@@ -92,7 +92,7 @@ def _join_halves(a, b):
 
 
 def _kernel(idx_ref, pos_ref, freq_ref, qs_ref, ks_ref, x_ref, *refs, num_heads, kv_heads, eps,
-            norm, layout, **kw):
+            norm, layout, interpret, **kw):
   # refs: 6 aliased cache inputs (their buffers are the outputs), 6 cache outputs, 6 new-row
   # outputs (`kv_append.write_rows`), q's row
   caches, rows, q_ref = refs[6:12], refs[12:18], refs[18]
@@ -103,7 +103,7 @@ def _kernel(idx_ref, pos_ref, freq_ref, qs_ref, ks_ref, x_ref, *refs, num_heads,
 
   def norm_rope(x, scale_ref):  # rows [n, hd] of heads
     if norm:
-      x = T.rms_norm(x, scale_ref[...], eps)
+      x = T.rms_norm(x, scale_ref[...], eps, rounding(dt, interpret))
     return _join_halves(*T.rotate_halves(*jnp.split(x, 2, axis=-1), cos, sin))
 
   q = norm_rope(x_ref[pl.ds(0, num_heads), :], qs_ref)
@@ -149,7 +149,7 @@ def decode_qkv(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
   specs = [whole(a) for a in args[:4]] + [pl.BlockSpec((None, rows, hd), lambda i: (i, 0, 0))]
   body = functools.partial(
       _kernel, num_heads=num_heads, kv_heads=kvh, eps=eps, norm=q_scale is not None,
-      layout=layout, fmt=k_cache.fmt, recip=reciprocal(interpret),
+      layout=layout, interpret=interpret, fmt=k_cache.fmt, recip=reciprocal(interpret),
       packings=(k_cache.packing, v_cache.packing))
   *kv, q = kv_append.cache_call(
       body, args, specs, k_cache, v_cache, index, interpret=interpret, name="qkv_append_nvfp4",

@@ -71,6 +71,15 @@ def reciprocal(interpret: bool):
   return F.reciprocal if interpret else _ieee_reciprocal
 
 
+def rounding(dtype, interpret: bool):
+  """The rounding to dtype a kernel body passes to the model's functions (`transformer.rms_norm`,
+  `combine_experts`): theirs (`round_to`, `lax.reduce_precision`) in interpret mode, two casts
+  when compiled (Triton has no reduce_precision); the same values."""
+  if interpret:
+    return None
+  return lambda v: v.astype(dtype).astype(jnp.float32)
+
+
 def encode_tile(xb, fmt, recip, g_amax=None):
   """Inside a kernel body: the row encoding of blocks `xb [R, NB, 16]` (float32; one second-level
   scale per row) -> (the `Blocked` encoding, codes packed two per byte `[R, NB, 8]` uint8, the

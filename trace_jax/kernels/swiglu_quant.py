@@ -112,9 +112,7 @@ def _kernel(slot_ref, gu_ref, codes_ref, scales_ref, g_ref, op_ref, *, fmt, reci
   r = r0 + jnp.arange(rows)
   row_ok = r < m
   slot = plt.load(slot_ref.at[pl.ds(r0, rows)], mask=row_ok, other=0)
-  slot = jnp.where(slot < 0, slot + src, slot)  # as `jnp.take`: negative slots count back
-  src_ok = row_ok & (slot >= 0) & (slot < src)  # a slot out of range reads as zeros
-  slot = jnp.where(src_ok, slot, 0)
+  slot, src_ok = L.chunk_row_index(slot, src, row_ok)
   tiles = []
   for t in range(parts):
     blk = t * sub + jnp.arange(sub)

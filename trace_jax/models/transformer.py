@@ -63,26 +63,36 @@ class RMSNorm(nn.Module):
 
 class AddRMSNorm(nn.Module):
   """The residual add `x + h` and the RMS norm of the sum (`rms_norm`, the scale named as
-  `RMSNorm`'s): in one kernel where `kernels.add_rms_norm` takes them and `decode` says the
-  call is a decode step's (no derivative is taken there)."""
+  `RMSNorm`'s): in one kernel where `decode` says the call is a decode step's (no derivative is
+  taken there) and the kernel takes them: `kernels.add_rms_norm`, or for an MoE's output left
+  in its kernel's rows (`RoutedRows`) `kernels.combine_add_rms_norm`, its weighted sum too."""
   eps: float
 
   @nn.compact
   def __call__(self, x, h, decode: bool = False):
     scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
-    both = kernels.add_rms_norm(x, h, scale, self.eps) if decode else None
+    both = None
+    if decode and isinstance(h, RoutedRows):
+      both = kernels.combine_add_rms_norm(x, h.rows, h.inverse, h.weights, scale, self.eps)
+    elif decode:
+      both = kernels.add_rms_norm(x, h, scale, self.eps)
     if both is not None:
       return both
+    if isinstance(h, RoutedRows):
+      h = h.value()
     x = x + h
     return x, rms_norm(x, scale, self.eps)
 
 
-def rms_norm(x, scale, eps: float):
-  """RMS norm over the last axis in float32, then the scale, in x's dtype (also traced inside
-  the decode step's q/k/v kernel, `kernels/qkv_append.py`)."""
+def rms_norm(x, scale, eps: float, rnd=None):
+  """RMS norm over the last axis in float32, rounded to x's dtype, then times the scale (in x's
+  dtype), rounded again: both roundings by `round_to`, so XLA keeps them wherever it fuses the
+  norm. Also traced inside the decode step's kernels (`kernels/qkv_append.py`, `add_norm.py`,
+  `moe_combine.py`), which pass casts as rnd."""
+  rnd = rnd or functools.partial(round_to, dtype=x.dtype)
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return scale.astype(x.dtype) * xf.astype(x.dtype)
+  return rnd(scale.astype(x.dtype).astype(jnp.float32) * rnd(xf)).astype(x.dtype)
 
 
 class Linear(nn.Module):
@@ -277,6 +287,57 @@ class SwiGLU(nn.Module):
     return Linear(c.hidden_size, ctx, dt, name="down_proj")(h)
 
 
+def round_to(x, dtype):
+  """Float32 x rounded to dtype's precision, kept in float32 (x itself for float32): by
+  `lax.reduce_precision`, a rounding XLA never elides as excess precision, so that a product
+  rounds where the model says even where XLA fuses it into a sum."""
+  info = jnp.finfo(dtype)
+  if info.bits >= 32:
+    return x
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def combine_experts(slots, dtype, rnd=None):
+  """The routed experts' output: for each token, its k expert rows weighted by its gates.
+  slots: `(y_j [N, D], w_j [N, 1] float32)` for j = 0..k-1, in slot order. Each gate is cast to
+  dtype, each product rounded to dtype, the products summed in float32 one slot after another
+  (an order every backend keeps: no reduction for a compiler to reorder), the sum rounded ->
+  `[N, D]` in dtype. rnd: the rounding (`round_to`; a kernel body casts). A kernel that loads
+  slot by slot passes its loads as `slots`."""
+  rnd = rnd or functools.partial(round_to, dtype=dtype)
+  acc = None
+  for y, w in slots:
+    p = rnd(y.astype(jnp.float32) * w.astype(dtype).astype(jnp.float32))
+    acc = p if acc is None else acc + p
+  return rnd(acc).astype(dtype)
+
+
+def expert_slots(y, weights):
+  """`combine_experts`' slots of rows y `[N, k, D]` and gates `[N, k]`."""
+  return ((y[:, j], weights[:, j:j + 1]) for j in range(weights.shape[1]))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoutedRows:
+  """A decode step's routed-expert output before its weighted sum, left in the down kernel's
+  chunk rows, so that the next residual add and norm take it in one kernel
+  (`kernels.combine_add_rms_norm`). Token t's slot j row is `rows.gather()[inverse[t * k +
+  j]]`; weights `[N, k]` float32; shape: the output's `[B, T, D]` (static)."""
+
+  rows: kernels.ChunkRows
+  inverse: jax.Array
+  weights: jax.Array
+  shape: tuple = dataclasses.field(metadata=dict(static=True))
+
+  def value(self) -> jax.Array:
+    """The output `shape` by XLA's ops (one gather, `combine_experts`)."""
+    n, k = self.weights.shape
+    y = kernels.ChunkRows(self.rows.rows, self.rows.slot[self.inverse], self.rows.n).gather()
+    return combine_experts(expert_slots(y.reshape(n, k, -1), self.weights),
+                           self.rows.rows.dtype).reshape(self.shape)
+
+
 class MoE(nn.Module):
   """Top-k softmax router, dropless dispatch by sorting (token, slot) pairs by expert, grouped
   matmuls over the sorted rows; optional routing replay (R3) and shared experts."""
@@ -286,7 +347,10 @@ class MoE(nn.Module):
   guided: bool
 
   @nn.compact
-  def __call__(self, x, token_mask, guidance, records, replay_routes):
+  def __call__(self, x, token_mask, guidance, records, replay_routes, decode: bool = False):
+    """decode: a decode step's call, whose routed output may stay in the down kernel's rows
+    (`RoutedRows`) for the next norm's kernel, where `kernels.combine_in_kernel` says it will
+    take them."""
     c, ctx, dt = self.config, self.ctx, self.config.compute_dtype
     b, t, d = x.shape
     e, k, f = c.num_experts, c.num_experts_per_tok, c.moe_ffn_size
@@ -352,10 +416,16 @@ class MoE(nn.Module):
                                   tables=tables, keep_chunks=True)
       h = _down_input_site(gu, f, w_dn, tables, order, inverse, (b, t, k), self.guided, ctx,
                            guidance, records)
-      y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt, out_rows=inverse,
-                                 tables=tables).reshape(n, k, d)
+      defer = decode and not c.shared_ffn_size and kernels.combine_in_kernel()
+      y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt,
+                                 out_rows=None if defer else inverse, tables=tables,
+                                 keep_chunks=defer)
+      if isinstance(y, kernels.ChunkRows):
+        return (RoutedRows(y, inverse, weights, (b, t, d)), idx.reshape(b, t, k), aux_loss,
+                z_loss, jnp.int32(0))
+      y = (y[inverse] if defer else y).reshape(n, k, d)
       dropped = jnp.int32(0)
-    out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
+    out = combine_experts(expert_slots(y, weights), dt)
 
     if c.shared_ffn_size:
       shared = SwiGLU(c.shared_ffn_size, c, ctx, self.guided, "shared", name="shared")(
@@ -460,22 +530,29 @@ class Block(nn.Module):
   layer: int
 
   @nn.compact
-  def __call__(self, x, positions, token_mask, key_mask, cache, cache_index, guidance, routes):
+  def __call__(self, x, h_prev, positions, token_mask, key_mask, cache, cache_index, guidance,
+               routes):
+    """x: the residual stream before the previous block's MLP output h_prev (None in the first
+    block), which this block adds before its input norm (one kernel in a decode step where it
+    applies). Returns the stream and this block's MLP output unadded, likewise."""
     c = self.config
     guided = self.ctx.policy.is_guided_layer(self.layer, c.num_layers)
-    records: dict = {}
-    h, new_cache = Attention(c, self.ctx, guided, name="attn")(
-        RMSNorm(c.rms_norm_eps, name="input_norm")(x), positions, key_mask, cache, cache_index,
-        guidance, records)
     decode = cache is not None and x.shape[1] == 1
+    records: dict = {}
+    if h_prev is None:
+      xn = RMSNorm(c.rms_norm_eps, name="input_norm")(x)
+    else:
+      x, xn = AddRMSNorm(c.rms_norm_eps, name="input_norm")(x, h_prev, decode)
+    h, new_cache = Attention(c, self.ctx, guided, name="attn")(
+        xn, positions, key_mask, cache, cache_index, guidance, records)
     x, hn = AddRMSNorm(c.rms_norm_eps, name="post_attn_norm")(x, h, decode)
     if c.is_moe_layer(self.layer):
       h, chosen, aux, z, dropped = MoE(c, self.ctx, guided, name="moe")(
-          hn, token_mask, guidance, records, routes)
+          hn, token_mask, guidance, records, routes, decode)
     else:
       h = SwiGLU(c.dense_ffn_size, c, self.ctx, guided, "mlp", name="mlp")(hn, guidance, records)
       chosen, aux, z, dropped = None, jnp.float32(0.0), jnp.float32(0.0), jnp.int32(0)
-    return x + h, new_cache, chosen, aux, z, records, dropped
+    return x, h, new_cache, chosen, aux, z, records, dropped
 
 
 @dataclasses.dataclass
@@ -511,13 +588,13 @@ class Transformer(nn.Module):
     key_mask = token_mask if cache is None else kvc.update_slice(cache.valid, token_mask,
                                                                   cache_index)
     new_layers, chosen, aux, z, records, dropped = [], [], [], [], {}, jnp.int32(0)
-    moe_i = 0
+    moe_i, h = 0, None
     for i in range(c.num_layers):
       layer_routes = None
       if routes is not None and c.is_moe_layer(i):
         layer_routes = routes[moe_i]
-      x, lc, ch, a, zz, rec, drop = Block(c, self.ctx, i, name=f"layers_{i}")(
-          x, positions, token_mask, key_mask, None if cache is None else cache.layers[i],
+      x, h, lc, ch, a, zz, rec, drop = Block(c, self.ctx, i, name=f"layers_{i}")(
+          x, h, positions, token_mask, key_mask, None if cache is None else cache.layers[i],
           cache_index, None if guidance is None else guidance.get(i), layer_routes)
       dropped = dropped + drop
       new_layers.append(lc)
@@ -528,9 +605,15 @@ class Transformer(nn.Module):
         moe_i += 1
       if rec:
         records[i] = rec
-    if last_logits_only:
-      x = x[:, -1:]
-    x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
+    decode = cache is not None and tokens.shape[1] == 1
+    if h is None or (last_logits_only and not decode):
+      if h is not None:
+        x = x + (h.value() if isinstance(h, RoutedRows) else h)
+      if last_logits_only:
+        x = x[:, -1:]
+      x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
+    else:  # the last block's output added in the final norm (one kernel where it applies)
+      _, x = AddRMSNorm(c.rms_norm_eps, name="final_norm")(x, h, decode)
     # Operands in the compute dtype, products exact and summed in float32: with bf16 this runs
     # on the GPU's tensor cores. Float32 operands made the vocab projection a float32 FFMA GEMM,
     # 1.04 ms of a 2.8 ms decode step (4 layers of the 30B-A3B shape, B=64, on the H200).
