@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -728,8 +728,8 @@ elif [ "$stage" = s40a ]; then
 elif [ "$stage" = s40c ]; then
   # (prepared in session 40) the decode step's MoE output, residual add and next norm in one
   # kernel (`moe_combine.py`, opt-in TRACE_JAX_MOE_COMBINE=kernel: the gates' weighted sum read
-  # from the down kernel's chunk rows; deviceless census at 2 layers, B 256, with the other
-  # opt-ins: 65 -> 62 kernels a step), and the add + norm kernel now also at each layer's
+  # from the down kernel's chunk rows; deviceless census at 2 layers, B 256: 84 -> 82 kernels
+  # a step, with the other opt-ins 65 -> 62), and the add + norm kernel now also at each layer's
   # boundary: the GPU tests of the three norm kernels (the norm's roundings are now explicit,
   # `transformer.round_to`), then the 4-layer decode step with neither, each, and both, each
   # side its own process
@@ -740,6 +740,20 @@ elif [ "$stage" = s40c ]; then
     TRACE_JAX_ADD_NORM=$1 TRACE_JAX_MOE_COMBINE=$2 \
       step_4l addnorm_$1_combine_$2 "add_rms_norm\|moe_combine\|norm/\|moe/convert\|moe/and\|/add" \
       "add+norm $1, combine $2"
+  done
+elif [ "$stage" = s40d ]; then
+  # (prepared in session 40) s40a and s40c in one call: the GPU tests of the three norm kernels
+  # (q/k/v, add + norm, MoE combine), then the 4-layer decode step with none, each, and all
+  # three, each side its own process (~8 min)
+  gpu_tests "tests/kernels/test_qkv_append.py tests/kernels/test_add_norm.py
+    tests/kernels/test_moe_combine.py" "gpu" norm_kernels ${QTEST_TIMEOUT:-240}
+  for side in "xla xla xla" "kernel xla xla" "xla kernel xla" "xla kernel kernel" \
+      "kernel kernel kernel"; do
+    set -- $side
+    TRACE_JAX_DECODE_QKV=$1 TRACE_JAX_ADD_NORM=$2 TRACE_JAX_MOE_COMBINE=$3 \
+      step_4l qkv_$1_addnorm_$2_combine_$3 \
+      "attn/\|qkv_append\|kv_append\|add_rms_norm\|moe_combine\|norm/\|moe/convert\|moe/and\|/add" \
+      "qkv $1, add+norm $2, combine $3"
   done
 elif [ "$stage" = s40b ]; then
   # (prepared in session 39) every opt-in glue kernel together at 48 layers, against the
