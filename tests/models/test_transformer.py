@@ -321,3 +321,29 @@ def test_fused_qkv_projection_equals_three():
   a = apply(rollout, tokens, cfg, ctx_b).logits
   b = apply(fused_b, tokens, cfg, ctx_b).logits
   np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+def test_combine_rows_sums_slots_in_order_and_its_derivative_is_autodiffs():
+  """The MoE's weighted sum (`combine_rows`): the bf16 value is numpy's products rounded to bf16,
+  summed in float32 slot after slot, the sum rounded; its hand-written derivative equals JAX's
+  autodiff of the per-slot rule (`combine_experts`) in float32 (no roundings there)."""
+  import ml_dtypes  # noqa: PLC0415
+  from trace_jax.models import transformer as T  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  y = rng.standard_normal((6, 4, 32)).astype(np.float32)
+  w = rng.uniform(0, 1, (6, 4)).astype(np.float32)
+  yb, bf = y.astype(ml_dtypes.bfloat16), ml_dtypes.bfloat16
+  got = np.asarray(T.combine_rows(jnp.asarray(yb), jnp.asarray(w), jnp.bfloat16))
+  prods = (yb.astype(np.float32) * w.astype(bf).astype(np.float32)[..., None]).astype(bf)
+  acc = prods[:, 0].astype(np.float32)
+  for j in range(1, 4):
+    acc = acc + prods[:, j].astype(np.float32)
+  np.testing.assert_array_equal(got.view(np.uint16), acc.astype(bf).view(np.uint16))
+
+  def loss(f):
+    return lambda y, w: jnp.sum(jnp.sin(f(y, w)))
+  want = jax.grad(loss(lambda y, w: T.combine_experts(T.expert_slots(y, w), jnp.float32)),
+                  argnums=(0, 1))(y, w)
+  grads = jax.grad(loss(lambda y, w: T.combine_rows(y, w, jnp.float32)), argnums=(0, 1))(y, w)
+  for g, ww in zip(grads, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(ww), rtol=1e-6, atol=1e-7)

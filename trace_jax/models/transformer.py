@@ -317,6 +317,29 @@ def expert_slots(y, weights):
   return ((y[:, j], weights[:, j:j + 1]) for j in range(weights.shape[1]))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def combine_rows(y, weights, dtype):
+  """`combine_experts` of rows y `[N, k, D]` and gates `[N, k]`, its derivative by broadcasts
+  (the roundings passed straight through): the derivative of the slots' slices, k pads and adds,
+  made the MoE's backward 1.7x slower on CPU (N 4,096, k 8, D 512: 184 against 108 ms)."""
+  return combine_experts(expert_slots(y, weights), dtype)
+
+
+def _combine_rows_fwd(y, weights, dtype):
+  return combine_rows(y, weights, dtype), (y, weights)
+
+
+def _combine_rows_bwd(dtype, res, g):
+  y, weights = res
+  g = g.astype(jnp.float32)[:, None, :]
+  w = weights.astype(dtype).astype(jnp.float32)[..., None]
+  return ((g * w).astype(y.dtype),
+          jnp.sum(g * y.astype(jnp.float32), axis=-1).astype(weights.dtype))
+
+
+combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RoutedRows:
@@ -334,8 +357,8 @@ class RoutedRows:
     """The output `shape` by XLA's ops (one gather, `combine_experts`)."""
     n, k = self.weights.shape
     y = kernels.ChunkRows(self.rows.rows, self.rows.slot[self.inverse], self.rows.n).gather()
-    return combine_experts(expert_slots(y.reshape(n, k, -1), self.weights),
-                           self.rows.rows.dtype).reshape(self.shape)
+    return combine_rows(y.reshape(n, k, -1), self.weights, self.rows.rows.dtype).reshape(
+        self.shape)
 
 
 class MoE(nn.Module):
@@ -425,7 +448,7 @@ class MoE(nn.Module):
                 z_loss, jnp.int32(0))
       y = (y[inverse] if defer else y).reshape(n, k, d)
       dropped = jnp.int32(0)
-    out = combine_experts(expert_slots(y, weights), dt)
+    out = combine_rows(y, weights, dt)
 
     if c.shared_ffn_size:
       shared = SwiGLU(c.shared_ffn_size, c, ctx, self.guided, "shared", name="shared")(
