@@ -188,12 +188,13 @@ def _fused_qkv_params(params):
 
 @pytest.mark.slow  # ~25 s on 2 cores; the kernel's own tests stay in the default suite
 def test_model_with_kernel_is_bitwise_the_xla_path(monkeypatch):
-  """A one-layer model (Qwen3's per-head q/k norms, NVFP4 KV, guidance recorded) whose decode
-  steps take the kernel (interpret mode, logical q), and with it the add + norm kernel
-  (`add_norm.py`: the opt-in glue kernels together), gives the same logits, cache and records,
-  bit for bit, as the XLA path over a prompt and decode steps."""
+  """A two-layer bf16 model (Qwen3's per-head q/k norms, NVFP4 KV, guidance recorded) whose
+  decode steps take the kernel (interpret mode, logical q), and with it the add + norm kernel
+  (`add_norm.py`, after attention and at the layer boundary: the opt-in glue kernels together),
+  gives the same logits, cache and records, bit for bit, as the XLA path over a prompt and
+  decode steps."""
   from tests.kernels.test_glue_in_model import prompt_and_steps  # noqa: PLC0415
-  cfg = M.tiny(num_layers=1, qk_norm="head")
+  cfg = M.tiny(num_layers=2, qk_norm="head", dtype="bfloat16")
   policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
   params = M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy)
   # norm scales other than the initial ones, so a wrong scale shows
