@@ -810,13 +810,6 @@ def test_grouped_wrapper_rows_and_out_rows_emulated():
       out_rows=i))(x, gs, order, inverse)
   want = reference.grouped_matmul_ref(x[order // top], q, gs, jnp.float32)[inverse]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-  # kept in the kernel's chunk rows (`keep_chunks`, the chunk schedule: stream-K's parts are
-  # added in its gather): out_rows composed into the slot table, the same rows once gathered
-  kept = jax.jit(lambda x, g, o, i: fp4_mgpu.grouped_matmul(
-      x, pw, g, out_dtype=jnp.float32, kernel_fn=fp4_mgpu.emulate_chunked_matmul, rows=o // top,
-      out_rows=i, keep_chunks=True, config=dict(stream_k=False)))(x, gs, order, inverse)
-  assert isinstance(kept, kernels.ChunkRows)
-  np.testing.assert_allclose(np.asarray(kept.gather()), np.asarray(want), rtol=1e-5, atol=1e-4)
   # the dispatch's reference path applies the same gathers
   ref = jax.jit(lambda x, g, o, i: kernels.grouped_matmul(x, q, g, jnp.float32, rows=o // top,
                                                           out_rows=i))(x, gs, order, inverse)

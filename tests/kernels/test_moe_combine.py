@@ -24,8 +24,8 @@ from trace_jax.kernels import moe_combine as MC
 
 def _case(seed, n, k, d, dtype, src_extra=7):
   """n tokens' residual rows over many magnitudes, k expert rows each in a chunk-row array of
-  n * k + src_extra rows (shuffled, wider than d); the (token, slot) table sends one pair past
-  the rows (zeros) and one to -1 (the last row, as jnp.take counts back); gates in [0, 1)."""
+  n * k + src_extra rows (shuffled, wider than d); the slot table sends one pair past the rows
+  (zeros) and one to -1 (the last row, as jnp.take counts back); gates in [0, 1)."""
   rng = np.random.default_rng(seed)
   m, src = n * k, n * k + src_extra
   mag = np.exp(rng.uniform(-4, 4, (n, 1)))
@@ -34,9 +34,10 @@ def _case(seed, n, k, d, dtype, src_extra=7):
   rows = jnp.asarray(rows, jnp.float32).astype(dtype)
   slot = rng.permutation(src)[:m].astype(np.int32)
   slot[1], slot[2] = src, -1
+  inverse = jnp.asarray(rng.permutation(m), jnp.int32)
   weights = jnp.asarray(rng.uniform(0, 1, (n, k)), jnp.float32)
   scale = jnp.asarray(rng.uniform(0.25, 2.0, d), jnp.float32).astype(dtype)
-  return x, L.ChunkRows(rows, jnp.asarray(slot), d), weights, scale
+  return x, L.ChunkRows(rows, jnp.asarray(slot), d), inverse, weights, scale
 
 
 def _bits(a):
@@ -49,8 +50,8 @@ def _bits(a):
 def test_kernel_equals_model_ops(n, k, d, dtype):
   """37 tokens of 64 (32 a program: the second program's rows past 37 masked), top-3;
   2,048-wide rows (one a program), top-8; float32 rows."""
-  x, rows, weights, scale = _case(0, n, k, d, dtype)
-  args = (x, rows, weights, scale)
+  x, rows, inverse, weights, scale = _case(0, n, k, d, dtype)
+  args = (x, rows, inverse, weights, scale)
   got = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6, interpret=True))(*args)
   want = jax.jit(functools.partial(MC.combine_add_rms_norm_ref, eps=1e-6))(*args)
   for g, w in zip(got, want):
@@ -60,7 +61,7 @@ def test_kernel_equals_model_ops(n, k, d, dtype):
   # independent: the weighted sum in float64 from numpy's own gather, to the roundings (each
   # product and the sum rounded to dtype, then the add)
   src = rows.rows.shape[0]
-  slot = np.asarray(rows.slot)
+  slot = np.asarray(rows.slot)[np.asarray(inverse)]
   slot = np.where(slot < 0, slot + src, slot)
   y = np.where((slot < src)[:, None], np.asarray(rows.rows, np.float64)[np.clip(slot, 0, src - 1),
                                                                          :d], 0.0)
@@ -77,17 +78,19 @@ def test_kernel_equals_model_ops(n, k, d, dtype):
 
 
 def test_supported_and_errors():
-  x, rows, weights, scale = _case(0, 4, 2, 64, jnp.bfloat16)
-  assert MC.kernel_supported(x, rows, weights, scale) is None
-  assert "powers of two" in MC.kernel_supported(x[..., :48], rows, weights, scale[:48])
-  assert "expert rows" in MC.kernel_supported(x.astype(jnp.float32), rows, weights, scale)
-  assert "gate weights" in MC.kernel_supported(x, rows, weights[:3], scale)
-  assert "slot table" in MC.kernel_supported(x, rows, weights[:, :1], scale)
-  assert "scale of shape" in MC.kernel_supported(x, rows, weights, scale[:32])
+  x, rows, inverse, weights, scale = _case(0, 4, 2, 64, jnp.bfloat16)
+  assert MC.kernel_supported(x, rows, inverse, weights, scale) is None
+  assert "powers of two" in MC.kernel_supported(x[..., :48], rows, inverse, weights, scale[:48])
+  assert "expert rows" in MC.kernel_supported(x.astype(jnp.float32), rows, inverse, weights,
+                                              scale)
+  assert "gate weights" in MC.kernel_supported(x, rows, inverse, weights[:3], scale)
+  assert "pair rows" in MC.kernel_supported(x, rows, inverse[:5], weights, scale)
+  assert "scale of shape" in MC.kernel_supported(x, rows, inverse, weights, scale[:32])
   with pytest.raises(ValueError, match="gate weights"):
-    MC.combine_add_rms_norm(x, rows, weights.astype(jnp.bfloat16), scale, 1e-6, interpret=True)
+    MC.combine_add_rms_norm(x, rows, inverse, weights.astype(jnp.bfloat16), scale, 1e-6,
+                            interpret=True)
   assert not kernels.combine_in_kernel()  # opt-in, GPU only
-  assert kernels.combine_add_rms_norm(x, rows, weights, scale, 1e-6) is None
+  assert kernels.combine_add_rms_norm(x, rows, inverse, weights, scale, 1e-6) is None
 
 
 def test_lowers_for_cuda(monkeypatch):
@@ -99,8 +102,8 @@ def test_lowers_for_cuda(monkeypatch):
   monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
   sds = jax.ShapeDtypeStruct
   rows = L.ChunkRows(sds((220 * 32, 2048), jnp.bfloat16), sds((2048,), jnp.int32), 2048)
-  args = (sds((256, 1, 2048), jnp.bfloat16), rows, sds((256, 8), jnp.float32),
-          sds((2048,), jnp.bfloat16))
+  args = (sds((256, 1, 2048), jnp.bfloat16), rows, sds((2048,), jnp.int32),
+          sds((256, 8), jnp.float32), sds((2048,), jnp.bfloat16))
   text = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6)).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "moe_combine_add_rms_norm" in text
@@ -108,20 +111,19 @@ def test_lowers_for_cuda(monkeypatch):
 
 def _chunked_grouped_matmul(monkeypatch):
   """kernels.grouped_matmul returning its rows as the FP4 kernel leaves them where asked
-  (`keep_chunks`): shuffled into a wider, taller chunk-row array, read through a slot table
-  (out_rows composed into it)."""
+  (`keep_chunks`): shuffled into a wider, taller chunk-row array, read through a slot table."""
   plain = kernels.grouped_matmul
 
   def chunked(x, w, group_sizes, **kw):
-    keep, out_rows = kw.pop("keep_chunks", False), kw.pop("out_rows", None)
+    keep = kw.pop("keep_chunks", False)
     y = plain(x, w, group_sizes, **kw)
-    if not keep:
-      return y if out_rows is None else y[out_rows]
+    if not keep or kw.get("out_rows") is not None:
+      return y
     m, n = y.shape
     src = m + 5
     perm = jnp.asarray(np.random.default_rng(m).permutation(src)[:m], jnp.int32)
     rows = jnp.zeros((src, n + 16), y.dtype).at[perm, :n].set(y)
-    return kernels.ChunkRows(rows, perm if out_rows is None else perm[out_rows], n)
+    return kernels.ChunkRows(rows, perm, n)
 
   monkeypatch.setattr(kernels, "grouped_matmul", chunked)
 

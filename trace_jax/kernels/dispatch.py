@@ -370,8 +370,7 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   from `route` (None: built from group_sizes); `row_chunks` tables come with rows in the
   caller's order, which paths other than the grouped kernels sort here first.
   keep_chunks: the FP4 kernel path may return its rows ungathered (`ChunkRows`, for
-  `swiglu_quantize_rows` and `combine_add_rms_norm`; out_rows composed into their slot
-  table); x may be `OperandRows` made for this call's FP4 kernel."""
+  `swiglu_quantize_rows`); x may be `OperandRows` made for this call's FP4 kernel."""
   if isinstance(x, OperandRows):
     if not (isinstance(w, PackedWeight) and w.experts and use_kernel is not False):
       raise ValueError("an operand laid out for the FP4 grouped kernel, for a weight it does "
@@ -645,24 +644,24 @@ def combine_in_kernel() -> bool:
   return _MOE_COMBINE == "kernel" and on_gpu()
 
 
-def combine_add_rms_norm(x, rows: ChunkRows, weights, scale, eps: float):
+def combine_add_rms_norm(x, rows: ChunkRows, inverse, weights, scale, eps: float):
   """A decode step's MoE output, residual add and RMS norm, `(s, rms_norm(s, scale, eps))` with
   s = x + the gates' weighted sum of each token's expert rows (`rows` left by the down kernel,
-  pair (t, j) at `rows.slot[t * k + j]`), by the Pallas kernel of `moe_combine.py`, or
+  pair (t, j) at `rows.slot[inverse[t * k + j]]`), by the Pallas kernel of `moe_combine.py`, or
   None where the caller's ops apply: as `combine_in_kernel`, and for shapes it does not take.
   Inference only (the kernel has no derivative)."""
   if not combine_in_kernel():
     return None
   from trace_jax.kernels import moe_combine  # noqa: PLC0415 - Pallas imports stay lazy
-  if moe_combine.kernel_supported(x, rows, weights, scale):
+  if moe_combine.kernel_supported(x, rows, inverse, weights, scale):
     return None
-  return _combine_add_rms_norm(x, rows, weights, scale, eps=eps)
+  return _combine_add_rms_norm(x, rows, inverse, weights, scale, eps=eps)
 
 
 @_lowered_once("eps")
-def _combine_add_rms_norm(x, rows, weights, scale, *, eps):
+def _combine_add_rms_norm(x, rows, inverse, weights, scale, *, eps):
   from trace_jax.kernels import moe_combine  # noqa: PLC0415 - Pallas imports stay lazy
-  return moe_combine.combine_add_rms_norm(x, rows, weights, scale, eps)
+  return moe_combine.combine_add_rms_norm(x, rows, inverse, weights, scale, eps)
 
 
 def quantize_rows(x, fmt):

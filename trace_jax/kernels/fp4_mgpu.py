@@ -1218,8 +1218,8 @@ def _grouped_stream_k_call(x, pw, group_sizes, m: int, bm: int, k_steps: int, *,
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=out_dtype, total=total, **cfg)
   if cfg["merge"] == "kernel":
-    if keep_chunks:
-      return _chunk_rows(out, slot, pw.n, out_rows)
+    if keep_chunks and out_rows is None:
+      return _chunk_rows(out, slot, pw.n)
     return gather_rows(out[None], slot, out_rows, pw.n, out_dtype)
   return gather_stream_k(out, part, slot, out_rows, total, pw.n, k_steps=k_steps,
                          out_dtype=out_dtype)
@@ -1296,7 +1296,7 @@ def grouped_matmul(x: jax.Array | L.OperandRows, pw: L.PackedWeight, group_sizes
   (`dispatch.row_chunks`: a 5th element; rows in any order) always, with their bm.
   x may arrive laid out (`L.OperandRows`, of `operand_shape`). keep_chunks: return the
   kernel's rows ungathered (`L.ChunkRows`) where they are the result's (one K split, no
-  stream-K parts to add), out_rows composed into their slot table."""
+  out_rows, no stream-K parts to add)."""
   m = x.m if isinstance(x, L.OperandRows) else x.shape[0] if rows is None else rows.shape[0]
   e = pw.codes.shape[0]
   if m == 0:
@@ -1326,13 +1326,12 @@ def grouped_matmul(x: jax.Array | L.OperandRows, pw: L.PackedWeight, group_sizes
   out = (kernel_fn or fp4_chunked_matmul)(
       xc, pw.codes, pw.scales, pw.factor, ce, row0, fmt=pw.fmt, kb=pw.kb, bm=bm,
       out_dtype=part_dtype, **cfg)
-  if keep_chunks and out.shape[0] == 1:
-    return _chunk_rows(out[0], slot, pw.n, out_rows)
+  if keep_chunks and out_rows is None and out.shape[0] == 1:
+    return _chunk_rows(out[0], slot, pw.n)
   return gather_rows(out, slot, out_rows, pw.n, out_dtype)
 
 
-def _chunk_rows(out, slot, n: int, out_rows=None) -> L.ChunkRows:
-  """A grouped call's result as its kernel's chunk rows `out [C, bm, N_pad]`, ungathered; row i
-  of the result is `out_rows[i]`'s where given."""
+def _chunk_rows(out, slot, n: int) -> L.ChunkRows:
+  """A grouped call's result as its kernel's chunk rows `out [C, bm, N_pad]`, ungathered."""
   c, bm, n_pad = out.shape
-  return L.ChunkRows(out.reshape(c * bm, n_pad), slot if out_rows is None else slot[out_rows], n)
+  return L.ChunkRows(out.reshape(c * bm, n_pad), slot, n)

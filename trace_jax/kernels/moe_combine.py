@@ -1,15 +1,14 @@
 """A decode step's MoE output, the residual add and the next RMS norm as one Pallas kernel: each
 token's k expert rows read where the down-projection kernel left them (its chunk rows, through
-the slot table in (token, slot) order), weighted by the gates and summed
-(`transformer.combine_experts`), added to the residual stream, and the sum normalized by the
-next layer's input norm (or the final norm).
+the slot table), weighted by the gates and summed (`transformer.combine_experts`), added to the
+residual stream, and the sum normalized by the next layer's input norm (or the final norm).
 
 Owns the kernel, its support check, its wrapper and its reference (`combine_add_rms_norm_ref`:
-the model's ops, `RoutedRows.value` (the rows' gather, `combine_rows`), `x + h`,
+the model's ops, `RoutedRows.value` (the rows' gather, `combine_experts`), `x + h`,
 `transformer.rms_norm`). The body calls the same `combine_experts` on the slots it loads: each
 product rounded to the rows' dtype, summed in float32 one slot after another, the sum rounded,
 then added and normalized. In interpret mode on CPU both outputs equal the reference bit for
-bit. Compiled, the norm's
+bit (bf16; float32 products may be contracted into the sum otherwise). Compiled, the norm's
 float32 sum of squares runs in Triton's order, so the GPU test states a tolerance.
 
 In the 8k-capacity decode step (B 256) XLA makes these four kernels a layer: the gates' gather
@@ -44,11 +43,11 @@ NUM_WARPS = int_setting("TRACE_JAX_MOE_COMBINE_WARPS", 4, minimum=1)
 MAX_ROW_ELEMS = 8192
 
 
-def kernel_supported(x, rows: L.ChunkRows, weights, scale) -> str | None:
+def kernel_supported(x, rows: L.ChunkRows, inverse, weights, scale) -> str | None:
   """None if the kernel combines these rows: x `[..., D]` of N tokens (floating, D a power of
   two up to `MAX_ROW_ELEMS`: no padded lanes in the norm's mean); rows of x's dtype with D
-  result columns and a slot table of N * k (token, slot) pairs; weights `[N, k]` float32;
-  scale `[D]`. Else the reason it does not."""
+  result columns; weights `[N, k]` float32; inverse int32 `[N * k]` (pair (t, j)'s row of
+  rows' slot table); scale `[D]`. Else the reason it does not."""
   if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
     return f"x of dtype {x.dtype}, shape {list(x.shape)}"
   d = x.shape[-1]
@@ -60,15 +59,16 @@ def kernel_supported(x, rows: L.ChunkRows, weights, scale) -> str | None:
             f"{x.dtype} of {d}")
   if weights.dtype != jnp.float32 or weights.ndim != 2 or weights.shape[0] != n:
     return f"gate weights {weights.dtype}{list(weights.shape)}, not float32 [{n}, k]"
-  if tuple(rows.slot.shape) != (n * weights.shape[1],):
-    return f"a slot table of {list(rows.slot.shape)} for {n} x {weights.shape[1]} pairs"
+  k = weights.shape[1]
+  if tuple(inverse.shape) != (n * k,) or inverse.dtype != jnp.int32:
+    return f"pair rows {inverse.dtype}{list(inverse.shape)}, not int32 [{n} x {k}]"
   if tuple(scale.shape) != (d,):
     return f"scale of shape {tuple(scale.shape)}, not ({d},)"
   return None
 
 
-def _kernel(slot_ref, w_ref, x_ref, rows_ref, scale_ref, s_ref, y_ref, *, n: int, k: int, d: int,
-            src: int, rows: int, eps: float, interpret: bool):
+def _kernel(inv_ref, slot_ref, w_ref, x_ref, rows_ref, scale_ref, s_ref, y_ref, *, n: int, k: int,
+            d: int, m: int, src: int, rows: int, eps: float, interpret: bool):
   plt = RQ.triton_primitives()
   t0 = pl.program_id(0) * rows
   ok = ((t0 + jnp.arange(rows)) < n)[:, None]  # [R, 1]
@@ -79,7 +79,10 @@ def _kernel(slot_ref, w_ref, x_ref, rows_ref, scale_ref, s_ref, y_ref, *, n: int
     """Each slot's rows [R, D] and gates [R, 1], loaded as `combine_experts` takes them."""
     for j in range(k):
       col = lambda ref: ref.at[pl.ds(t0, rows), pl.ds(j, 1)]  # noqa: E731,B023
-      r, r_ok = L.chunk_row_index(plt.load(col(slot_ref), mask=ok, other=0), src, ok)
+      # pair (t, j)'s sorted row, clamped as jnp indexing clamps it, then its chunk row
+      pair = plt.load(col(inv_ref), mask=ok, other=0)
+      pair = jnp.clip(jnp.where(pair < 0, pair + m, pair), 0, m - 1)
+      r, r_ok = L.chunk_row_index(plt.load(slot_ref.at[pair], mask=ok, other=0), src, ok)
       yield (plt.load(rows_ref.at[r, cols], mask=r_ok, other=0),
              plt.load(col(w_ref), mask=ok, other=0))
 
@@ -91,29 +94,31 @@ def _kernel(slot_ref, w_ref, x_ref, rows_ref, scale_ref, s_ref, y_ref, *, n: int
   plt.store(at(y_ref), T.rms_norm(s, scale_ref[...], eps, rnd), mask=ok)
 
 
-def combine_add_rms_norm(x: jax.Array, rows: L.ChunkRows, weights: jax.Array, scale: jax.Array,
-                         eps: float, *, interpret: bool = False, num_warps: int | None = None):
+def combine_add_rms_norm(x: jax.Array, rows: L.ChunkRows, inverse: jax.Array, weights: jax.Array,
+                         scale: jax.Array, eps: float, *, interpret: bool = False,
+                         num_warps: int | None = None):
   """`(s, rms_norm(s, scale, eps))`, s = x + the tokens' expert rows weighted and summed, from
   one kernel, both in x's dtype and shape (as `combine_add_rms_norm_ref`)."""
-  why = kernel_supported(x, rows, weights, scale)
+  why = kernel_supported(x, rows, inverse, weights, scale)
   if why:
     raise ValueError(f"MoE combine + add + RMS norm kernel: {why}")
   d = x.shape[-1]
   n, k = weights.shape
+  m = rows.slot.shape[0]
   per = max(1, TILE_ELEMS // d)
   out = [jax.ShapeDtypeStruct((n, d), x.dtype)] * 2
   s, y = RQ.launch(
-      functools.partial(_kernel, n=n, k=k, d=d, src=rows.rows.shape[0], rows=per, eps=eps,
+      functools.partial(_kernel, n=n, k=k, d=d, m=m, src=rows.rows.shape[0], rows=per, eps=eps,
                         interpret=interpret),
-      rows.slot.astype(jnp.int32).reshape(n, k), weights, x.reshape(n, d), rows.rows, scale,
-      programs=-(-n // per), out_shape=out, interpret=interpret,
+      inverse.reshape(n, k), rows.slot.astype(jnp.int32), weights, x.reshape(n, d), rows.rows,
+      scale, programs=-(-n // per), out_shape=out, interpret=interpret,
       num_warps=num_warps or NUM_WARPS, name="moe_combine_add_rms_norm")
   return s.reshape(x.shape), y.reshape(x.shape)
 
 
-def combine_add_rms_norm_ref(x: jax.Array, rows: L.ChunkRows, weights: jax.Array,
-                             scale: jax.Array, eps: float):
-  """The model's ops: the pairs' rows gathered and weighted (`RoutedRows.value`), the residual
-  add, `transformer.rms_norm` of the sum."""
-  s = x + T.RoutedRows(rows, weights, x.shape).value()
+def combine_add_rms_norm_ref(x: jax.Array, rows: L.ChunkRows, inverse: jax.Array,
+                             weights: jax.Array, scale: jax.Array, eps: float):
+  """The model's ops: each pair's row gathered, the gates' weighted sum
+  (`transformer.combine_experts`), the residual add, `transformer.rms_norm` of the sum."""
+  s = x + T.RoutedRows(rows, inverse, weights, x.shape).value()
   return s, T.rms_norm(s, scale, eps)

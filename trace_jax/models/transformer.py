@@ -73,7 +73,7 @@ class AddRMSNorm(nn.Module):
     scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
     both = None
     if decode and isinstance(h, RoutedRows):
-      both = kernels.combine_add_rms_norm(x, h.rows, h.weights, scale, self.eps)
+      both = kernels.combine_add_rms_norm(x, h.rows, h.inverse, h.weights, scale, self.eps)
     elif decode:
       both = kernels.add_rms_norm(x, h, scale, self.eps)
     if both is not None:
@@ -345,19 +345,20 @@ combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
 class RoutedRows:
   """A decode step's routed-expert output before its weighted sum, left in the down kernel's
   chunk rows, so that the next residual add and norm take it in one kernel
-  (`kernels.combine_add_rms_norm`). Token t's slot j row is `rows.gather()[t * k + j]` (the
-  slot table in (token, slot) order); weights `[N, k]` float32; shape: the output's `[B, T,
-  D]` (static)."""
+  (`kernels.combine_add_rms_norm`). Token t's slot j row is `rows.gather()[inverse[t * k +
+  j]]`; weights `[N, k]` float32; shape: the output's `[B, T, D]` (static)."""
 
   rows: kernels.ChunkRows
+  inverse: jax.Array
   weights: jax.Array
   shape: tuple = dataclasses.field(metadata=dict(static=True))
 
   def value(self) -> jax.Array:
-    """The output `shape` by XLA's ops (one gather, `combine_rows`)."""
+    """The output `shape` by XLA's ops (one gather, `combine_experts`)."""
     n, k = self.weights.shape
-    return combine_rows(self.rows.gather().reshape(n, k, -1), self.weights,
-                        self.rows.rows.dtype).reshape(self.shape)
+    y = kernels.ChunkRows(self.rows.rows, self.rows.slot[self.inverse], self.rows.n).gather()
+    return combine_rows(y.reshape(n, k, -1), self.weights, self.rows.rows.dtype).reshape(
+        self.shape)
 
 
 class MoE(nn.Module):
@@ -439,12 +440,13 @@ class MoE(nn.Module):
       h = _down_input_site(gu, f, w_dn, tables, order, inverse, (b, t, k), self.guided, ctx,
                            guidance, records)
       defer = decode and not c.shared_ffn_size and kernels.combine_in_kernel()
-      y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt, out_rows=inverse,
-                                 tables=tables, keep_chunks=defer)
+      y = kernels.grouped_matmul(h, w_dn, group_sizes, out_dtype=dt,
+                                 out_rows=None if defer else inverse, tables=tables,
+                                 keep_chunks=defer)
       if isinstance(y, kernels.ChunkRows):
-        return (RoutedRows(y, weights, (b, t, d)), idx.reshape(b, t, k), aux_loss, z_loss,
-                jnp.int32(0))
-      y = y.reshape(n, k, d)
+        return (RoutedRows(y, inverse, weights, (b, t, d)), idx.reshape(b, t, k), aux_loss,
+                z_loss, jnp.int32(0))
+      y = (y[inverse] if defer else y).reshape(n, k, d)
       dropped = jnp.int32(0)
     out = combine_rows(y, weights, dt)
 
