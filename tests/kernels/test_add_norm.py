@@ -58,7 +58,7 @@ def test_supported_and_errors():
   assert "scale of shape" in add_norm.kernel_supported(x, h, scale[:32])
   with pytest.raises(ValueError, match="differ"):
     add_norm.add_rms_norm(x, h.astype(jnp.float32), scale, 1e-6, interpret=True)
-  assert kernels.add_rms_norm(x, h, scale, 1e-6) is None  # opt-in, GPU only
+  assert kernels.add_rms_norm(x, h, scale, 1e-6) is None  # GPU only
 
 
 def test_lowers_for_cuda(monkeypatch):

@@ -130,13 +130,13 @@ def test_supported_and_errors():
   with pytest.raises(ValueError, match=r"norm scale of shape \(64,\)"):
     DQ.decode_qkv(qkv, pos, kc, vc, 0, num_heads=NH, q_scale=qs[:64], k_scale=ks,
                   interpret=True)
-  assert kernels.decode_qkv(qkv, pos, kc, vc, 0, num_heads=NH) is None  # opt-in, GPU only
+  assert kernels.decode_qkv(qkv, pos, kc, vc, 0, num_heads=NH) is None  # GPU only
 
 
 def test_dispatch_writes_q_for_the_attention_that_reads_it(monkeypatch):
   """`kernels.decode_qkv` asks for q in the Mosaic kernel's order exactly where decode
   attention will run that kernel (a cache past the short-cache bound), else logical; nothing
-  where it is off (the default) or the shapes do not fit."""
+  where it is off (`TRACE_JAX_DECODE_QKV=xla`) or the shapes do not fit."""
   from trace_jax.kernels import dispatch  # noqa: PLC0415
   layouts = []
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
@@ -277,6 +277,7 @@ def test_model_with_kernel_on_gpu(monkeypatch):
       logits.append(out.logits)
     return jnp.concatenate(logits, axis=1).astype(jnp.float32)
 
+  monkeypatch.setattr(dispatch, "_DECODE_QKV", "xla")  # the XLA path
   want = run()
   physical = []
   kernel = kernels.decode_qkv

@@ -26,13 +26,13 @@ out as the expert kernel's operand, each token's row at its pairs' sorted rows),
 kernel's operand) from the gate/up kernel's rows left ungathered (`ChunkRows`,
 `swiglu_quant.py`), `topk_gates` makes a router's gates in one kernel (`router_topk.py`,
 `TRACE_JAX_ROUTER_TOPK=xla` opts out), opt-in `router_gates` with the router's product in it
-too (`TRACE_JAX_ROUTER_TOPK=fused`), opt-in `decode_qkv` makes a decode step's q (norm, rope,
+too (`TRACE_JAX_ROUTER_TOPK=fused`), `decode_qkv` makes a decode step's q (norm, rope,
 the Mosaic attention's head_dim order) and writes its K/V rows in one kernel
-(`qkv_append.py`, `TRACE_JAX_DECODE_QKV=kernel`), opt-in `add_rms_norm` a decode step's
-residual adds and the norms after them (`add_norm.py`, `TRACE_JAX_ADD_NORM=kernel`),
-opt-in `combine_add_rms_norm` the MoE's output (its gates' weighted sum of the down kernel's
+(`qkv_append.py`, `TRACE_JAX_DECODE_QKV=xla` opts out), `add_rms_norm` a decode step's
+residual adds and the norms after them (`add_norm.py`, `TRACE_JAX_ADD_NORM=xla`),
+`combine_add_rms_norm` the MoE's output (its gates' weighted sum of the down kernel's
 rows, left there where `combine_in_kernel`), the residual add and the next norm
-(`moe_combine.py`, `TRACE_JAX_MOE_COMBINE=kernel`); each returns None where the XLA path
+(`moe_combine.py`, `TRACE_JAX_MOE_COMBINE=xla`); each returns None where the XLA path
 applies.
 `sort_by_group` / `count_by_group` (or `route`, with the FP4 grouped kernel's chunk
 tables) build the MoE routing tables; `float32_dot` computes the router's logits (a batch-1 row

@@ -90,16 +90,20 @@ _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "refere
 _ATTENTION_KERNEL = _ATTENTION != "reference"
 _ATTENTION_MOSAIC = _ATTENTION == "mosaic"
 _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
-# A decode step's q/k norms, rotary embedding and K/V append as one kernel ("kernel", opt-in,
-# not yet timed: `decode_qkv`), or XLA's ops and the K/V append kernel ("xla")
-_DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "xla", ("xla", "kernel"))
-# A decode step's residual add and the next RMS norm as one kernel ("kernel", opt-in, not yet
-# timed: `add_rms_norm`), or XLA's two ("xla")
-_ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "xla", ("xla", "kernel"))
-# A decode step's MoE output (its gates' weighted sum of the down kernel's rows), the residual
-# add and the next RMS norm as one kernel ("kernel", opt-in, not yet timed:
-# `combine_add_rms_norm`), or XLA's ops ("xla")
-_MOE_COMBINE = _setting("TRACE_JAX_MOE_COMBINE", "xla", ("xla", "kernel"))
+# Three decode-step kernels, the GPU defaults since session 40 ("xla" opts out of each). H200,
+# kernel time of the 4-layer 8k-capacity decode step at B 256, command buffers off: all XLA
+# 1.630 ms; q/k/v kernel 1.600; add + norm 1.625; add + norm and combine 1.622; all three
+# 1.592 (combine at 4 warps), 1.573 (16); GPU tests: q, K and V bit for bit with XLA's, the
+# norm bit for bit, the combine's sum bit for bit with the model's rule
+# (benchmarks/results/session40_h200_2026-12-05).
+# q/k norms, rotary embedding and K/V append as one kernel (`decode_qkv`), or XLA's ops and
+# the K/V append kernel ("xla")
+_DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "kernel", ("xla", "kernel"))
+# a residual add and the RMS norm after it as one kernel (`add_rms_norm`), or XLA's two
+_ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "kernel", ("xla", "kernel"))
+# the MoE's output (its gates' weighted sum of the down kernel's rows), the residual add and
+# the next RMS norm as one kernel (`combine_add_rms_norm`), or XLA's ops ("xla")
+_MOE_COMBINE = _setting("TRACE_JAX_MOE_COMBINE", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
@@ -592,9 +596,8 @@ def decode_qkv(qkv, positions, k_cache, v_cache, index, *, num_heads: int, q_sca
   `[hd]`; None: none) and rotary embedding at `positions` `[B]`, K and V written into the NVFP4
   caches at `index`. Returns (q, k_cache, v_cache, kq, vq), q as `decode_attention` will read
   it (an `attention_mgpu.PhysicalQuery` where that is the Mosaic kernel, else `[B, H, hd]`),
-  or None where the caller's XLA path applies: unless `TRACE_JAX_DECODE_QKV=kernel` (opt-in,
-  not yet timed), off the GPU, with the K/V append kernel off, and for shapes it does not
-  take."""
+  or None where the caller's XLA path applies: with `TRACE_JAX_DECODE_QKV=xla`, off the GPU,
+  with the K/V append kernel off, and for shapes it does not take."""
   if (_DECODE_QKV != "kernel" or _KV_APPEND != "kernel" or not on_gpu()
       or not isinstance(k_cache, QArray)):
     return None
@@ -621,7 +624,7 @@ def _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale, *, nu
 def add_rms_norm(x, h, scale, eps: float):
   """A decode step's residual add and RMS norm, `(x + h, rms_norm(x + h, scale, eps))`, by the
   Pallas kernel of `add_norm.py` (the sum exact, the norm to rounding), or None where the
-  caller's ops apply: unless `TRACE_JAX_ADD_NORM=kernel` (opt-in, not yet timed), off the GPU,
+  caller's ops apply: with `TRACE_JAX_ADD_NORM=xla`, off the GPU,
   and for shapes it does not take. Inference only (the kernel has no derivative)."""
   if _ADD_NORM != "kernel" or not on_gpu():
     return None
@@ -639,7 +642,7 @@ def _add_rms_norm(x, h, scale, *, eps):
 
 def combine_in_kernel() -> bool:
   """Whether a decode step's MoE may leave its output in the down kernel's rows for
-  `combine_add_rms_norm` (`TRACE_JAX_MOE_COMBINE=kernel`, opt-in, on the GPU); where that
+  `combine_add_rms_norm` (on the GPU, unless `TRACE_JAX_MOE_COMBINE=xla`); where that
   kernel then declines the shapes, the caller's XLA ops read the rows."""
   return _MOE_COMBINE == "kernel" and on_gpu()
 

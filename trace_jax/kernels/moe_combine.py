@@ -14,8 +14,11 @@ float32 sum of squares runs in Triton's order, so the GPU test states a toleranc
 In the 8k-capacity decode step (B 256) XLA makes these four kernels a layer: the gates' gather
 and the slots' validity, the gather + weighted sum, the residual add, the norm (deviceless
 census, `benchmarks/results/session39_cpu_2026-12-04`; session 38's profile had the adds at ~8
-us a layer with o_proj's, the norms ~1.9 us each). Opt-in (`TRACE_JAX_MOE_COMBINE=kernel` in
-`dispatch.combine_add_rms_norm`), not yet timed on the GPU.
+us a layer with o_proj's, the norms ~1.9 us each). The GPU default since session 40
+(`dispatch.combine_add_rms_norm`; `TRACE_JAX_MOE_COMBINE=xla` opts out): on the H200 its sum
+equals numpy's computation of the model's rule bit for bit, where XLA's ops are off it in 29% of
+elements by roundings (XLA:GPU does not keep the rule's roundings), and it takes 3.4 us a call
+alone against XLA's 7.7 (`benchmarks/results/session40_h200_2026-12-05`).
 
 Lowering: a portable Pallas body, whole rows a program, `interpret=True` on CPU and the Triton
 lowering on the GPU (as `row_quant`).
@@ -36,10 +39,12 @@ from trace_jax.models import transformer as T
 from trace_jax.settings import int_setting
 
 # Elements a program takes (whole rows: one 2,048-wide token row at the 30B-A3B shape, its k
-# expert rows read one after another) and its warps; TRACE_JAX_MOE_COMBINE_WARPS for the GPU's
-# A/B (not yet timed)
+# expert rows read one after another) and its warps (TRACE_JAX_MOE_COMBINE_WARPS). H200, us a
+# call alone at B 256 / 64 (session 40, bench_moe_combine): 4 warps 4.90 / 4.13, 8 3.89 / 3.26,
+# 16 3.36 / 2.37, XLA's ops 7.68 / 5.31; in the 4-layer decode step 7.9 us a call at 4 warps,
+# 5.1 at 16
 TILE_ELEMS = 2048
-NUM_WARPS = int_setting("TRACE_JAX_MOE_COMBINE_WARPS", 4, minimum=1)
+NUM_WARPS = int_setting("TRACE_JAX_MOE_COMBINE_WARPS", 16, minimum=1)
 MAX_ROW_ELEMS = 8192
 
 

@@ -19,7 +19,9 @@ kernels a layer beside the K/V append kernel (q's and k's norms and their reduct
 fused with its permutation to the physical order, k's rope, the V split: ~17 us a layer on
 the H200, session 38's profile); this is one, in the append kernel's place.
 
-Opt-in (`TRACE_JAX_DECODE_QKV=kernel` in `dispatch.decode_qkv`), not yet timed on the GPU.
+The GPU default since session 40 (`dispatch.decode_qkv`; `TRACE_JAX_DECODE_QKV=xla` opts out):
+on the H200 q, K and V equal XLA's bit for bit, and the 4-layer decode step's kernels took 1.630
+-> 1.600 ms (`benchmarks/results/session40_h200_2026-12-05`).
 
 Lowering: a portable Pallas body, one program per sequence, `interpret=True` on CPU and the
 Triton lowering on the GPU (as `kv_append`). The cache fields are aliased to the outputs. The
@@ -45,7 +47,7 @@ from trace_jax.models import transformer as T
 
 LAYOUTS = ("logical", "mosaic")  # q's head_dim order: the model's, or the Mosaic kernel's
 # Warps a program (one sequence: 32 q heads and 8 K/V heads of 128 at the 30B-A3B shape);
-# TRACE_JAX_QKV_WARPS for the GPU's A/B (not yet timed)
+# TRACE_JAX_QKV_WARPS for the GPU's A/B (8 not yet timed)
 NUM_WARPS = int_setting("TRACE_JAX_QKV_WARPS", 4, minimum=1)
 
 
