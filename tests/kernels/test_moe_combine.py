@@ -60,17 +60,13 @@ def test_kernel_equals_model_ops(n, k, d, dtype):
     np.testing.assert_array_equal(g, w)
   # independent: the weighted sum in float64 from numpy's own gather, to the roundings (each
   # product and the sum rounded to dtype, then the add)
-  src = rows.rows.shape[0]
-  slot = np.asarray(rows.slot)[np.asarray(inverse)]
-  slot = np.where(slot < 0, slot + src, slot)
-  y = np.where((slot < src)[:, None], np.asarray(rows.rows, np.float64)[np.clip(slot, 0, src - 1),
-                                                                         :d], 0.0)
+  y = MC.pair_rows_numpy(rows, inverse, k)
   w = np.asarray(weights.astype(dtype), np.float64)
-  h = np.einsum("nkd,nk->nd", y.reshape(n, k, d), w)
+  h = np.einsum("nkd,nk->nd", y, w)
   s = np.asarray(got[0], np.float64).reshape(n, d)
   xs = np.asarray(x, np.float64).reshape(n, d)
   eps_d = 2.0 ** -8 if dtype == jnp.bfloat16 else 2.0 ** -23
-  bound = (k + 2) * eps_d * (np.abs(y.reshape(n, k, d)) * w[:, :, None]).sum(1) + eps_d * np.abs(s)
+  bound = (k + 2) * eps_d * (np.abs(y) * w[:, :, None]).sum(1) + eps_d * np.abs(s)
   assert (np.abs(s - (xs + h)) <= bound + 1e-30).all()
   norm = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-6) * np.asarray(scale, np.float64)
   np.testing.assert_allclose(np.asarray(got[1], np.float64).reshape(n, d), norm,
@@ -161,27 +157,6 @@ def test_model_with_kernel_is_bitwise_the_xla_path(monkeypatch, declines):
     np.testing.assert_array_equal(a, b)
 
 
-def _numpy_rule(x, rows, inverse, weights):
-  """The model's sum by numpy (`combine_experts`' rule): each pair's row, its product with the
-  bf16 gate rounded to bf16, summed in float32 slot after slot, rounded, added to x -> ([N, D]
-  bf16, |x| + the sum of the products' magnitudes: the scale of any rounding's error)."""
-  import ml_dtypes  # noqa: PLC0415
-  bf = ml_dtypes.bfloat16
-  n, k = weights.shape
-  src, d = rows.rows.shape[0], rows.n
-  slot = np.asarray(rows.slot)[np.asarray(inverse)]
-  slot = np.where(slot < 0, slot + src, slot)
-  y = np.asarray(rows.rows).astype(np.float32)[np.clip(slot, 0, src - 1), :d]
-  y = np.where((slot < src)[:, None], y, 0).reshape(n, k, d)
-  w = np.asarray(weights).astype(bf).astype(np.float32)
-  acc = (y[:, 0] * w[:, :1]).astype(bf).astype(np.float32)
-  for j in range(1, k):
-    acc = acc + (y[:, j] * w[:, j:j + 1]).astype(bf).astype(np.float32)
-  xs = np.asarray(x).reshape(n, d).astype(np.float32)
-  mag = np.abs(xs) + np.einsum("nkd,nk->nd", np.abs(y), w)
-  return (xs + acc.astype(bf).astype(np.float32)).astype(bf), mag
-
-
 @pytest.mark.gpu
 def test_kernel_on_gpu_agrees_with_model_ops():
   """The compiled kernel at the 30B-A3B decode shape (B 256, top-8, 2,048 wide, bf16): its sum
@@ -194,7 +169,7 @@ def test_kernel_on_gpu_agrees_with_model_ops():
   args = _case(3, 256, 8, 2048, jnp.bfloat16, src_extra=5000)
   got = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6))(*args)
   want = jax.jit(functools.partial(MC.combine_add_rms_norm_ref, eps=1e-6))(*args)
-  rule, mag = _numpy_rule(*args[:4])
+  rule, mag = MC.combine_add_numpy(*args[:4])
   s = np.asarray(got[0]).reshape(rule.shape)
   ws = np.asarray(want[0], np.float32).reshape(rule.shape)
   y, wy = np.asarray(got[1], np.float32), np.asarray(want[1], np.float32)

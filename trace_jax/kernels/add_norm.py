@@ -47,12 +47,28 @@ def kernel_supported(x, h, scale) -> str | None:
     return f"x {x.dtype}{list(x.shape)} and h {h.dtype}{list(h.shape)} differ"
   if not jnp.issubdtype(x.dtype, jnp.floating):
     return f"dtype {x.dtype}"
-  d = x.shape[-1] if x.ndim else 0
+  return norm_rows_supported(x.shape[-1] if x.ndim else 0, scale)
+
+
+def norm_rows_supported(d: int, scale) -> str | None:
+  """None if a kernel body normalizes whole rows of d elements with `scale` (`add_and_norm`): d
+  a power of two up to `MAX_ROW_ELEMS` (no padded lanes in the norm's mean), scale `[d]`; else
+  the reason it does not."""
   if not (0 < d <= MAX_ROW_ELEMS and d & (d - 1) == 0):
     return f"rows of {d} elements: the kernel takes powers of two up to {MAX_ROW_ELEMS}"
   if tuple(scale.shape) != (d,):
     return f"scale of shape {tuple(scale.shape)}, not ({d},)"
   return None
+
+
+def add_and_norm(at, ok, x_ref, h, scale_ref, s_ref, y_ref, *, eps: float, rnd) -> None:
+  """Inside a kernel body: s = the rows `at(x_ref)` + h stored to `at(s_ref)`, its
+  `transformer.rms_norm` (roundings `rnd`, `row_quant.rounding`) to `at(y_ref)`; rows where
+  `ok` [R, 1]."""
+  plt = RQ.triton_primitives()
+  s = plt.load(at(x_ref), mask=ok, other=0) + h
+  plt.store(at(s_ref), s, mask=ok)
+  plt.store(at(y_ref), T.rms_norm(s, scale_ref[...], eps, rnd), mask=ok)
 
 
 def _kernel(x_ref, h_ref, scale_ref, s_ref, y_ref, *, n: int, rows: int, eps: float,
@@ -61,10 +77,8 @@ def _kernel(x_ref, h_ref, scale_ref, s_ref, y_ref, *, n: int, rows: int, eps: fl
   r0 = pl.program_id(0) * rows
   ok = ((r0 + jnp.arange(rows)) < n)[:, None]
   at = lambda ref: ref.at[pl.ds(r0, rows)]  # noqa: E731
-  s = plt.load(at(x_ref), mask=ok, other=0) + plt.load(at(h_ref), mask=ok, other=0)
-  plt.store(at(s_ref), s, mask=ok)
-  plt.store(at(y_ref), T.rms_norm(s, scale_ref[...], eps, RQ.rounding(s.dtype, interpret)),
-            mask=ok)
+  add_and_norm(at, ok, x_ref, plt.load(at(h_ref), mask=ok, other=0), scale_ref, s_ref, y_ref,
+               eps=eps, rnd=RQ.rounding(x_ref.dtype, interpret))
 
 
 def add_rms_norm(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, *,

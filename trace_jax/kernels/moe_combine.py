@@ -31,34 +31,36 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
+from trace_jax.kernels import add_norm as AN
 from trace_jax.kernels import layout as L
 from trace_jax.kernels import row_quant as RQ
 from trace_jax.models import transformer as T
 from trace_jax.settings import int_setting
 
-# Elements a program takes (whole rows: one 2,048-wide token row at the 30B-A3B shape, its k
-# expert rows read one after another) and its warps (TRACE_JAX_MOE_COMBINE_WARPS). H200, us a
+# Whole rows a program, as `add_norm` (`AN.TILE_ELEMS` elements: one 2,048-wide token row at the
+# 30B-A3B shape, its k expert rows read one after another), and its warps
+# (TRACE_JAX_MOE_COMBINE_WARPS). H200, us a
 # call alone at B 256 / 64 (session 40, bench_moe_combine): 4 warps 4.90 / 4.13, 8 3.89 / 3.26,
 # 16 3.36 / 2.37, XLA's ops 7.68 / 5.31; in the 4-layer decode step 7.9 us a call at 4 warps,
 # 5.1 at 16
-TILE_ELEMS = 2048
 NUM_WARPS = int_setting("TRACE_JAX_MOE_COMBINE_WARPS", 16, minimum=1)
-MAX_ROW_ELEMS = 8192
 
 
 def kernel_supported(x, rows: L.ChunkRows, inverse, weights, scale) -> str | None:
-  """None if the kernel combines these rows: x `[..., D]` of N tokens (floating, D a power of
-  two up to `MAX_ROW_ELEMS`: no padded lanes in the norm's mean); rows of x's dtype with D
+  """None if the kernel combines these rows: x `[..., D]` of N tokens (floating, D and scale
+  `[D]` as `add_norm.norm_rows_supported` takes them); rows of x's dtype with D
   result columns; weights `[N, k]` float32; inverse int32 `[N * k]` (pair (t, j)'s row of
-  rows' slot table); scale `[D]`. Else the reason it does not."""
+  rows' slot table). Else the reason it does not."""
   if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
     return f"x of dtype {x.dtype}, shape {list(x.shape)}"
   d = x.shape[-1]
   n = math.prod(x.shape[:-1])
-  if not (0 < d <= MAX_ROW_ELEMS and d & (d - 1) == 0):
-    return f"rows of {d} elements: the kernel takes powers of two up to {MAX_ROW_ELEMS}"
+  why = AN.norm_rows_supported(d, scale)
+  if why:
+    return why
   if rows.rows.dtype != x.dtype or rows.n != d or rows.rows.ndim != 2 or rows.rows.shape[1] < d:
     return (f"expert rows {rows.rows.dtype}{list(rows.rows.shape)} with {rows.n} columns for x "
             f"{x.dtype} of {d}")
@@ -67,8 +69,6 @@ def kernel_supported(x, rows: L.ChunkRows, inverse, weights, scale) -> str | Non
   k = weights.shape[1]
   if tuple(inverse.shape) != (n * k,) or inverse.dtype != jnp.int32:
     return f"pair rows {inverse.dtype}{list(inverse.shape)}, not int32 [{n} x {k}]"
-  if tuple(scale.shape) != (d,):
-    return f"scale of shape {tuple(scale.shape)}, not ({d},)"
   return None
 
 
@@ -93,10 +93,8 @@ def _kernel(inv_ref, slot_ref, w_ref, x_ref, rows_ref, scale_ref, s_ref, y_ref, 
 
   rnd = RQ.rounding(dt, interpret)
   h = T.combine_experts(slots(), dt, rnd)
-  at = lambda ref: ref.at[pl.ds(t0, rows)]  # noqa: E731
-  s = plt.load(at(x_ref), mask=ok, other=0) + h
-  plt.store(at(s_ref), s, mask=ok)
-  plt.store(at(y_ref), T.rms_norm(s, scale_ref[...], eps, rnd), mask=ok)
+  AN.add_and_norm(lambda ref: ref.at[pl.ds(t0, rows)], ok, x_ref, h, scale_ref, s_ref, y_ref,
+                  eps=eps, rnd=rnd)
 
 
 def combine_add_rms_norm(x: jax.Array, rows: L.ChunkRows, inverse: jax.Array, weights: jax.Array,
@@ -110,7 +108,7 @@ def combine_add_rms_norm(x: jax.Array, rows: L.ChunkRows, inverse: jax.Array, we
   d = x.shape[-1]
   n, k = weights.shape
   m = rows.slot.shape[0]
-  per = max(1, TILE_ELEMS // d)
+  per = max(1, AN.TILE_ELEMS // d)
   out = [jax.ShapeDtypeStruct((n, d), x.dtype)] * 2
   s, y = RQ.launch(
       functools.partial(_kernel, n=n, k=k, d=d, m=m, src=rows.rows.shape[0], rows=per, eps=eps,
@@ -127,3 +125,30 @@ def combine_add_rms_norm_ref(x: jax.Array, rows: L.ChunkRows, inverse: jax.Array
   (`transformer.combine_experts`), the residual add, `transformer.rms_norm` of the sum."""
   s = x + T.RoutedRows(rows, inverse, weights, x.shape).value()
   return s, T.rms_norm(s, scale, eps)
+
+
+def pair_rows_numpy(rows: L.ChunkRows, inverse, k: int):
+  """Each (token, slot) pair's row `[N, k, D]` (float64) by numpy, read as `ChunkRows.gather`
+  reads `rows.slot[inverse]` (a negative slot counts back, one past the rows reads zeros)."""
+  src, d = rows.rows.shape[0], rows.n
+  slot = np.asarray(rows.slot)[np.asarray(inverse)]
+  slot = np.where(slot < 0, slot + src, slot)
+  y = np.asarray(rows.rows).astype(np.float64)[np.clip(slot, 0, src - 1), :d]
+  return np.where((slot < src)[:, None], y, 0.0).reshape(-1, k, d)
+
+
+def combine_add_numpy(x, rows: L.ChunkRows, inverse, weights):
+  """The sum `s` of `combine_add_rms_norm` by numpy, apart from JAX and XLA (what the GPU test and
+  `bench_moe_combine` hold the kernel to): each pair's row times its gate cast to x's dtype,
+  rounded to it, summed in float32 slot after slot, rounded, added to x -> (s `[N, D]` in x's
+  dtype, |x| + the sum of the products' magnitudes: the scale of any rounding's error)."""
+  dt = np.asarray(x).dtype
+  n, k = weights.shape
+  y = pair_rows_numpy(rows, inverse, k).astype(np.float32)
+  w = np.asarray(weights).astype(dt).astype(np.float32)
+  acc = (y[:, 0] * w[:, :1]).astype(dt).astype(np.float32)
+  for j in range(1, k):
+    acc = acc + (y[:, j] * w[:, j:j + 1]).astype(dt).astype(np.float32)
+  xs = np.asarray(x).reshape(n, -1).astype(np.float32)
+  mag = np.abs(xs) + np.einsum("nkd,nk->nd", np.abs(y), w)
+  return (xs + acc.astype(dt).astype(np.float32)).astype(dt), mag

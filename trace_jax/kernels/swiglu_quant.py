@@ -37,6 +37,7 @@ from trace_jax.kernels.attention_pallas import _pow2_at_least
 from trace_jax.kernels import row_quant as RQ
 from trace_jax.kernels.row_quant import (decoded_value, encode_tile, operand_order, reciprocal,
                                          store_fields)
+from trace_jax.models import transformer as T
 from trace_jax.settings import choice_setting, int_setting
 from trace_jax.quant import formats as F
 from trace_jax.quant import qarray as Q
@@ -59,9 +60,9 @@ SPLIT_ROWS = choice_setting("TRACE_JAX_SWIGLU_SPLIT", "on", ("off", "on"))
 def swiglu(g, u, *, to_bf16=None, recip=None):
   """`nn.silu(g) * u` for bf16 g and u, rounded as XLA:GPU rounds it (module docstring): exp(-g),
   + 1, the reciprocal, g * s and * u, each rounded to bf16, in float32 arithmetic. to_bf16: the
-  rounding (`lax.reduce_precision`, which XLA never elides as excess precision; a kernel body
-  casts); recip: 1 / d (a kernel body: the PTX division)."""
-  rnd = to_bf16 or (lambda x: jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7))
+  rounding (`transformer.round_to`; a kernel body casts, `row_quant.rounding`); recip: 1 / d (a
+  kernel body: the PTX division)."""
+  rnd = to_bf16 or functools.partial(T.round_to, dtype=jnp.bfloat16)
   recip = recip or (lambda d: 1.0 / d)
   g = g.astype(jnp.float32)
   e = rnd(jnp.exp(-g))
@@ -82,8 +83,7 @@ def _swiglu_in_kernel(g, u, interpret: bool):
   """`swiglu` in a kernel body: compiled, casts round and the PTX reciprocal divides."""
   if interpret:
     return swiglu(g, u)
-  return swiglu(g, u, to_bf16=lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
-                recip=_rcp)
+  return swiglu(g, u, to_bf16=RQ.rounding(jnp.bfloat16, interpret=False), recip=_rcp)
 
 
 def kernel_supported(gu: L.ChunkRows, f: int, fmt, k_pad: int) -> str | None:
