@@ -86,8 +86,9 @@ class AddRMSNorm(nn.Module):
 
 def rms_norm(x, scale, eps: float, rnd=None):
   """RMS norm over the last axis in float32, rounded to x's dtype, then times the scale (in x's
-  dtype), rounded again: both roundings by `round_to`. Also traced inside the decode step's kernels (`kernels/qkv_append.py`, `add_norm.py`,
-  `moe_combine.py`), which pass casts as rnd."""
+  dtype), rounded again: both roundings by `round_to`. Also traced inside the decode step's
+  kernels (`kernels/qkv_append.py`, `add_norm.py`, `moe_combine.py`), which pass casts as
+  rnd."""
   rnd = rnd or functools.partial(round_to, dtype=x.dtype)
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
