@@ -38,6 +38,18 @@ for r in json.load(open(sys.argv[1]))['results']:
     $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$1] /"
   mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$1.json
 }
+# the 48-layer 8k-capacity rollout with SETTINGS (space-separated NAME=VALUE) exported, then
+# with them unset (the defaults), each side its own process on one host (~270 s a side), each
+# side's JSON kept under its name (`rollout_side`): SETTINGS_SIDE SETTINGS [DEFAULTS_SIDE]
+cap8k_settings_ab() {
+  local var
+  export $2
+  cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$1] /"
+  rollout_side $1
+  for var in $2; do unset ${var%%=*}; done
+  cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[${3:-defaults}] /"
+  rollout_side ${3:-defaults}
+}
 # the FP4 decode step at the 8k-capacity shape (prompt 512, cache for 7,680 new tokens, 256
 # generated in windows of 128): LAYERS BATCH POLICY TIMEOUT [more profile_decode.py flags]
 cap_shape_profile() {
@@ -765,17 +777,8 @@ elif [ "$stage" = s40e ]; then
 elif [ "$stage" = s41a ]; then
   # (prepared in session 40) the three decode-step kernels made defaults in session 40 on the
   # 4-layer step (1.630 -> 1.573 ms of kernels) at 48 layers: the 8k-capacity rollout with them
-  # off (TRACE_JAX_DECODE_QKV / ADD_NORM / MOE_COMBINE=xla) and with the defaults, each side its
-  # own process on one host (~270 s a side)
-  for side in xla3 defaults; do
-    if [ $side = xla3 ]; then
-      export TRACE_JAX_DECODE_QKV=xla TRACE_JAX_ADD_NORM=xla TRACE_JAX_MOE_COMBINE=xla
-    else
-      unset TRACE_JAX_DECODE_QKV TRACE_JAX_ADD_NORM TRACE_JAX_MOE_COMBINE
-    fi
-    cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$side] /"
-    rollout_side $side
-  done
+  # off (TRACE_JAX_DECODE_QKV / ADD_NORM / MOE_COMBINE=xla) and with the defaults
+  cap8k_settings_ab xla3 "TRACE_JAX_DECODE_QKV=xla TRACE_JAX_ADD_NORM=xla TRACE_JAX_MOE_COMBINE=xla"
 elif [ "$stage" = s40b ]; then
   # (prepared in session 39) every opt-in glue kernel together at 48 layers, against the
   # defaults, each side its own process on one host (~270 s a side): the q/k/v kernel, the
@@ -795,16 +798,9 @@ elif [ "$stage" = s39c ]; then
   # rollouts ran on hosts that copied guidance 7-9x slower than session 37's, so the 4-layer
   # gain, 1.634 -> 1.602 ms of kernels a step, did not show): the 8k-capacity rollout with
   # session 37's settings (the router's XLA ops, the SwiGLU row in one tile, the E2M1 index by
-  # comparisons) and with the defaults, each side its own process, ~270 s a side
-  for side in s37 s38; do
-    if [ $side = s37 ]; then
-      export TRACE_JAX_ROUTER_TOPK=xla TRACE_JAX_SWIGLU_SPLIT=off TRACE_JAX_E2M1_INDEX=midpoints
-    else
-      unset TRACE_JAX_ROUTER_TOPK TRACE_JAX_SWIGLU_SPLIT TRACE_JAX_E2M1_INDEX
-    fi
-    cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$side] /"
-    rollout_side $side
-  done
+  # comparisons) and with the defaults
+  cap8k_settings_ab s37 \
+    "TRACE_JAX_ROUTER_TOPK=xla TRACE_JAX_SWIGLU_SPLIT=off TRACE_JAX_E2M1_INDEX=midpoints" s38
 elif [ "$stage" = s38d ]; then
   # (session 38) the 48-layer rollout after s38c's defaults (call 4) took 36.4 s against 35.0,
   # its one-token calls 8.3 s against 6.3-6.7: the 4-layer prefill program's kernels with the
