@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -38,17 +38,16 @@ for r in json.load(open(sys.argv[1]))['results']:
     $OUT/bench_rollout_cap8k_48l.json | sed "s/^/[$1] /"
   mv $OUT/bench_rollout_cap8k_48l.json $OUT/bench_rollout_cap8k_48l_$1.json
 }
-# the 48-layer 8k-capacity rollout with SETTINGS (space-separated NAME=VALUE) exported, then
-# with them unset (the defaults), each side its own process on one host (~270 s a side), each
-# side's JSON kept under its name (`rollout_side`): SETTINGS_SIDE SETTINGS [DEFAULTS_SIDE]
-cap8k_settings_ab() {
-  local var
-  export $2
-  cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$1] /"
-  rollout_side $1
-  for var in $2; do unset ${var%%=*}; done
-  cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[${3:-defaults}] /"
-  rollout_side ${3:-defaults}
+# the 48-layer 8k-capacity rollout with SETTINGS (space-separated NAME=VALUE) exported (SIDE =
+# SETTINGS_SIDE) or not (the defaults; SIDE unset or DEFAULTS_SIDE), its JSON kept under the
+# side's name (`rollout_side`). One side a call: since session 40's kernels the first call
+# (compile included) takes 179-187 s and a side ~320 s, two did not fit 600 s (session 41);
+# calls while the machine is warm stay on one host: SETTINGS_SIDE SETTINGS [DEFAULTS_SIDE]
+cap8k_settings_side() {
+  local side=${SIDE:-${3:-defaults}}
+  if [ "$side" = "$1" ]; then export $2; fi
+  cap8k_2048 ${SIDE_TIMEOUT:-385} | tail -1 | sed "s/^/[$side] /"
+  rollout_side $side
 }
 # the FP4 decode step at the 8k-capacity shape (prompt 512, cache for 7,680 new tokens, 256
 # generated in windows of 128): LAYERS BATCH POLICY TIMEOUT [more profile_decode.py flags]
@@ -777,8 +776,17 @@ elif [ "$stage" = s40e ]; then
 elif [ "$stage" = s41a ]; then
   # (prepared in session 40) the three decode-step kernels made defaults in session 40 on the
   # 4-layer step (1.630 -> 1.573 ms of kernels) at 48 layers: the 8k-capacity rollout with them
-  # off (TRACE_JAX_DECODE_QKV / ADD_NORM / MOE_COMBINE=xla) and with the defaults
-  cap8k_settings_ab xla3 "TRACE_JAX_DECODE_QKV=xla TRACE_JAX_ADD_NORM=xla TRACE_JAX_MOE_COMBINE=xla"
+  # off (SIDE=xla3: TRACE_JAX_DECODE_QKV / ADD_NORM / MOE_COMBINE=xla) or with the defaults
+  cap8k_settings_side xla3 "TRACE_JAX_DECODE_QKV=xla TRACE_JAX_ADD_NORM=xla TRACE_JAX_MOE_COMBINE=xla"
+elif [ "$stage" = s41b ]; then
+  # (session 41) the router's product as one bf16 product with float32 accumulation
+  # (TRACE_JAX_ROUTER_DOT=bf16; its GPU tests passed in session 40, s39b's step did not run):
+  # the 4-layer decode step with the float32 product and with it, each side its own process;
+  # then the engine's GPU tests under session 40's defaults (cut at 230 s in session 40)
+  for side in float32 bf16; do
+    TRACE_JAX_ROUTER_DOT=$side step_4l router_dot_$side "moe/dot\|router" "router dot $side"
+  done
+  gpu_tests tests/rollout/test_engine_gpu.py "" engine ${ETEST_TIMEOUT:-300}
 elif [ "$stage" = s40b ]; then
   # (prepared in session 39) every opt-in glue kernel together at 48 layers, against the
   # defaults, each side its own process on one host (~270 s a side): the q/k/v kernel, the
@@ -788,18 +796,14 @@ elif [ "$stage" = s40b ]; then
   # the list (space-separated NAME=VALUE settings)
   optin="TRACE_JAX_DECODE_QKV=kernel TRACE_JAX_ADD_NORM=kernel TRACE_JAX_MOE_COMBINE=kernel"
   optin=${OPTIN:-"$optin TRACE_JAX_ROUTER_TOPK=fused TRACE_JAX_ROUTING=kernel"}
-  for side in defaults optin; do
-    if [ $side = optin ]; then export $optin; fi
-    cap8k_2048 ${SIDE_TIMEOUT:-275} | tail -1 | sed "s/^/[$side] /"
-    rollout_side $side
-  done
+  cap8k_settings_side optin "$optin"  # SIDE=optin, else the defaults (one side a call)
 elif [ "$stage" = s39c ]; then
   # (prepared in session 38) session 38's three defaults at 48 layers on one host (its two
   # rollouts ran on hosts that copied guidance 7-9x slower than session 37's, so the 4-layer
   # gain, 1.634 -> 1.602 ms of kernels a step, did not show): the 8k-capacity rollout with
   # session 37's settings (the router's XLA ops, the SwiGLU row in one tile, the E2M1 index by
-  # comparisons) and with the defaults
-  cap8k_settings_ab s37 \
+  # comparisons) (SIDE=s37) or with the defaults
+  cap8k_settings_side s37 \
     "TRACE_JAX_ROUTER_TOPK=xla TRACE_JAX_SWIGLU_SPLIT=off TRACE_JAX_E2M1_INDEX=midpoints" s38
 elif [ "$stage" = s38d ]; then
   # (session 38) the 48-layer rollout after s38c's defaults (call 4) took 36.4 s against 35.0,
@@ -1772,9 +1776,12 @@ elif [ "$stage" = 12l ]; then
     --policies=bf16,paper --isolate --row_timeout=240 --prompt_len=256 \
     --new_tokens=512 --repeats=2 --hf_peer=false --out=$OUT/bench_rollout_12l.json \
     2>&1 | grep -v "^I1\|^W1"
-else
+elif [ "$stage" = 48l ]; then
   timeout 560 python3 launch/bench_rollout.py --preset=qwen3_30b_a3b --batches=64,1 \
     --policies=bf16,paper --paths=kernels --isolate --row_timeout=280 --prompt_len=256 \
     --new_tokens=1024 --repeats=1 --hf_peer=false --out=$OUT/bench_rollout_48l.json \
     2>&1 | grep -v "^I1\|^W1"
+else
+  # an unknown stage ran the 48-layer rollout here until session 41 (10 device minutes lost)
+  echo "unknown stage '$stage' (the list is in this script's header)"; exit 2
 fi
