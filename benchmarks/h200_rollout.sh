@@ -20,12 +20,29 @@ if [ "${stage%_inner}" != "$stage" ]; then stage=${stage%_inner}; inner=1; else 
 [ $inner = 1 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94
+# nvidia-smi samples every 250 ms into $OUT/smi_NAME.csv while a command runs, then their
+# summary (benchmarks/gpu_clocks.py: SM clock, power, temperature and clock event reasons over
+# the busy samples; JSON smi_NAME.json): NAME COMMAND...
+with_clocks() {
+  local name=$1 field=clocks_event_reasons.active pid rc; shift
+  nvidia-smi --query-gpu=$field --format=csv,noheader >/dev/null 2>&1 \
+    || field=clocks_throttle_reasons.active  # the name before driver 535
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,$field \
+    --format=csv,noheader,nounits -lms 250 > $OUT/smi_$name.csv 2>/dev/null &
+  pid=$!
+  "$@"; rc=$?
+  kill $pid 2>/dev/null; wait $pid 2>/dev/null
+  python3 benchmarks/gpu_clocks.py $OUT/smi_$name.csv --json $OUT/smi_$name.json \
+    | sed "s/^/[clocks $name] /"
+  return $rc
+}
 # the 8k-capacity rollout (stage cap8k), 2,048 tokens a sequence, 20 GiB of host memory
-# reserved: DEFAULT_TIMEOUT (seconds for the rows; CAP_TIMEOUT overrides it)
+# reserved, the GPU's clocks sampled (`with_clocks`, name cap8k_CLOCKS, default 48l):
+# DEFAULT_TIMEOUT (seconds for the rows; CAP_TIMEOUT overrides it) [CLOCKS]
 cap8k_2048() {
   local limit=${CAP_TIMEOUT:-$1}
   HOST_RESERVE=20 ROWS_TIMEOUT=$limit ROW_TIMEOUT=$(( limit - 10 )) GEN=2048 \
-    bash $0 cap8k_inner | tail -4
+    with_clocks cap8k_${2:-48l} bash $0 cap8k_inner | tail -5
 }
 # the 48-layer 8k-capacity rollout's JSON read out (total, the window share over windows 1-6 as
 # bench_rollout reports it, window paces, the one-token calls) and kept under a side's name: SIDE
@@ -46,7 +63,7 @@ for r in json.load(open(sys.argv[1]))['results']:
 cap8k_settings_side() {
   local side=${SIDE:-${3:-defaults}}
   if [ "$side" = "$1" ]; then export $2; fi
-  cap8k_2048 ${SIDE_TIMEOUT:-385} | tail -1 | sed "s/^/[$side] /"
+  cap8k_2048 ${SIDE_TIMEOUT:-385} $side | tail -2 | sed "s/^/[$side] /"
   rollout_side $side
 }
 # the FP4 decode step at the 8k-capacity shape (prompt 512, cache for 7,680 new tokens, 256
@@ -62,9 +79,9 @@ cap_shape_profile() {
 # PATTERN, cut to WIDTH columns, tagged "[TAG] ": NAME PATTERN [TAG] [WIDTH]
 step_4l() {
   local tag=${3:+[$3] }
-  cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} --no_command_buffers \
+  with_clocks step_$1 cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} --no_command_buffers \
     --out $OUT/profile_cap_4l_b256_nocb_$1.json \
-    | grep "guidance_on\|decode loop\|$2\|Error" | cut -c1-${4:-160} | sed "s/^/$tag/"
+    | grep "guidance_on\|decode loop\|$2\|Error\|^\[clocks" | cut -c1-${4:-160} | sed "s/^/$tag/"
 }
 # Nsight Compute on one `ncu_kernels.py` case (the second launch of a kernel whose name matches
 # REGEX; no preallocation: ncu backs up the device memory in use before its replays), its pages
@@ -656,7 +673,7 @@ elif [ "$stage" = s37i ]; then
   # session 37 (call 8) both sides were cut at 215 s: a side needs >= 260 s
   for side in xla kernel; do
     TRACE_JAX_SWIGLU_QUANT=$side TRACE_JAX_ROW_QUANT_OPERAND=$side \
-      cap8k_2048 ${SIDE_TIMEOUT:-270} | tail -1 | sed "s/^/[$side] /"
+      cap8k_2048 ${SIDE_TIMEOUT:-270} | tail -2 | sed "s/^/[$side] /"
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))['results']:
   print('total s', r.get('total_s'), 'windows share', r.get('floor_over_window_steps'),

@@ -6,6 +6,7 @@ in Pallas interpret mode (its decode is inline PTX); `test_lowers_for_cuda` lowe
 
 import dataclasses
 import functools
+import os
 
 import ml_dtypes
 import numpy as np
@@ -175,6 +176,49 @@ def test_router_product_of_bf16_operands(monkeypatch):
   monkeypatch.setattr(dispatch, "_ROUTER_DOT", "bf16")  # one row: the zero second row too
   text = jax.jit(functools.partial(fresh)).lower(x[:1], w).as_text()
   assert "stablehlo.concatenate" in text and f"tensor<2x{k}xbf16>" in text
+
+
+def _all_eqns(jaxpr):
+  """A jaxpr's equations and those of the jaxprs in their parameters, depth first."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else [v]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _all_eqns(inner)
+
+
+def test_router_product_default_and_derivative(monkeypatch):
+  """The bf16 product is the GPU default, and its derivative is the float32 dot's, bit for bit
+  (float32 cotangent products rounded to the operands' bf16): a trainer with bf16 weights on
+  the GPU learns as with the float32 dot; against float64 numpy too."""
+  assert dispatch._ROUTER_DOT == ("bf16" if os.environ.get("TRACE_JAX_ROUTER_DOT") in (
+      None, "bf16") else "float32")
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.normal(size=(2, 3, 96)), jnp.bfloat16)  # [B, T, K]
+  w = jnp.asarray(rng.normal(size=(96, 24)) * 0.1, jnp.bfloat16)
+  ct = rng.normal(size=(2, 3, 24)).astype(np.float32)
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  grads = {}
+  for setting in ("bf16", "float32"):
+    monkeypatch.setattr(dispatch, "_ROUTER_DOT", setting)
+    loss = lambda x, w: jnp.sum(dispatch.float32_dot(x, w) * ct)  # noqa: E731 - traced anew
+    grad = jax.grad(loss, argnums=(0, 1))
+    grads[setting] = jax.jit(grad)(x, w)
+    # the cotangent's two products at HIGHEST precision either way (the GPU's default would
+    # be TF32; on CPU both are exact, so the values below cannot tell)
+    dots = [e for e in _all_eqns(jax.make_jaxpr(grad)(x, w).jaxpr)
+            if e.primitive.name == "dot_general"]
+    highest = [d for d in dots if "HIGHEST" in str(d.params.get("precision"))]
+    assert len(dots) == 3 and len(highest) >= 2, (setting, [d.params for d in dots])
+  for got, want in zip(grads["bf16"], grads["float32"]):
+    assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got), np.asarray(want))
+  xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  dx = np.asarray(grads["bf16"][0], np.float64)
+  assert relerr(dx, np.einsum("btn,kn->btk", ct, wf)) < 1e-2  # bf16 rounding of the result
+  dw = np.asarray(grads["bf16"][1], np.float64)
+  assert relerr(dw, np.einsum("btk,btn->kn", xf, ct)) < 1e-2
 
 
 # ------------------------------------------------------------------ layout

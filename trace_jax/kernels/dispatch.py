@@ -111,12 +111,13 @@ _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "
 # (XLA's ops), or "fused" (opt-in, not yet timed: the router's product of bf16 operands in that
 # kernel too, `router_gates`)
 _ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel", "fused"))
-# The router's float32 product of bf16 operands (the rollout's activations and weights):
-# "float32" (the default) converts them and runs XLA's float32 dot at HIGHEST precision (on the
-# H200 a split-K product and its reduction, ~9.6 us a layer of the 8k-capacity decode step,
-# session 38); "bf16" (opt-in, not yet timed) one bf16 product with float32 accumulation
-# (`bf16_operands_dot`)
-_ROUTER_DOT = _setting("TRACE_JAX_ROUTER_DOT", "float32", ("float32", "bf16"))
+# The router's float32 product of bf16 operands (the rollout's activations and weights) on the
+# GPU: "bf16" (the default) one bf16 product with float32 accumulation (`bf16_operands_dot`;
+# its derivative the float32 dot's); "float32" converts them and runs XLA's float32 dot at
+# HIGHEST precision. H200, the 4-layer 8k-capacity decode step at B 256 (session 41, one A/B,
+# each side its own process): the router product's two kernels 39.2 -> 19.7 us a step, all
+# kernels 1.589 -> 1.569 ms
+_ROUTER_DOT = _setting("TRACE_JAX_ROUTER_DOT", "bf16", ("float32", "bf16"))
 _PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
                            ("kernel", "reference")) == "kernel"
 # FP4 KV caches the Mosaic decode attention kernel reads hold bit-placed code words ("kv_words":
@@ -293,8 +294,8 @@ def _dense_bf16_call(x, w, *, out_dtype, bm, wgs, kb, splits):
 def float32_dot(x, w) -> jax.Array:
   """float32 `x [..., K] @ w [K, N]` at HIGHEST precision (XLA's default rounds float32 dot
   operands to TF32 on Hopper GPUs): the MoE router's logits. On the GPU a single row goes
-  through `_two_row_dot`; elsewhere, and for more rows, the plain dot. With
-  `TRACE_JAX_ROUTER_DOT=bf16`, bf16 x and w on the GPU: `bf16_operands_dot`."""
+  through `_two_row_dot`; elsewhere, and for more rows, the plain dot. bf16 x and w on the GPU
+  go through `bf16_operands_dot` (`TRACE_JAX_ROUTER_DOT=float32`: not)."""
   if (_ROUTER_DOT == "bf16" and on_gpu() and x.dtype == jnp.bfloat16
       and w.dtype == jnp.bfloat16):
     return bf16_operands_dot(x, w)
@@ -304,14 +305,34 @@ def float32_dot(x, w) -> jax.Array:
   return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
+@jax.custom_vjp
 def bf16_operands_dot(x, w) -> jax.Array:
   """float32 `x [..., K] @ w [K, N]` of bf16 x and w as one bf16 product with float32
   accumulation (tensor cores on the GPU). Every product of two bf16 values is exact in float32,
   as in `float32_dot`; only the accumulation's order and rounding differ, which already differ
-  between XLA's float32 dots of other row counts (the trainer's and the rollout's)."""
+  between XLA's float32 dots of other row counts (the trainer's and the rollout's). Its
+  derivative is the float32 dot's (products of the float32 cotangent at HIGHEST precision,
+  rounded to x's and w's dtypes); autodiff of the bf16 product would give float32-by-bf16
+  products at the default precision, which XLA:GPU runs as TF32 on Hopper."""
   if on_gpu() and _one_row(x):
     return _two_row_dot(x, w, preferred_element_type=jnp.float32)
   return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _bf16_operands_fwd(x, w):
+  return bf16_operands_dot(x, w), (x, w)
+
+
+def _bf16_operands_bwd(res, ct):
+  x, w = res
+  hi = jax.lax.Precision.HIGHEST
+  xf, wf, ct = x.astype(jnp.float32), w.astype(jnp.float32), ct.astype(jnp.float32)
+  dx = jnp.einsum("...n,kn->...k", ct, wf, precision=hi)
+  dw = jnp.einsum("...k,...n->kn", xf, ct, precision=hi)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+bf16_operands_dot.defvjp(_bf16_operands_fwd, _bf16_operands_bwd)
 
 
 def xla_grouped_matmul(x, parts, group_sizes, out_dtype) -> jax.Array:
