@@ -815,7 +815,7 @@ elif [ "$stage" = s42a ]; then
     --out $OUT/profile_cap_48l_b${BATCH:-255}.json | grep "guidance_on\|decode loop\|Error\|^\[clocks\|^ " | head -40
 elif [ "$stage" = s40b ]; then
   # (prepared in session 39) every opt-in glue kernel together at 48 layers, against the
-  # defaults, each side its own process on one host (~270 s a side): the q/k/v kernel, the
+  # defaults, one side a call (`cap8k_settings_side`, ~320 s a side): the q/k/v kernel, the
   # add + norm kernel, the router's product in its gates kernel, the routing tables' kernels
   # and the MoE combine kernel (deviceless census at 2 layers, B 256: 84 -> 62 kernels a step).
   # Run after s39a, s39b, s40a and s40c have shown each one correct on the GPU; OPTIN overrides

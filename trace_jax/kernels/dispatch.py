@@ -299,10 +299,22 @@ def float32_dot(x, w) -> jax.Array:
   if (_ROUTER_DOT == "bf16" and on_gpu() and x.dtype == jnp.bfloat16
       and w.dtype == jnp.bfloat16):
     return bf16_operands_dot(x, w)
-  x, w = x.astype(jnp.float32), w.astype(jnp.float32)
   if on_gpu() and _one_row(x):
-    return _two_row_dot(x, w, precision=jax.lax.Precision.HIGHEST)
-  return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    return _two_row_dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+  return _float32_product(x, w)
+
+
+def _float32_product(x, w) -> jax.Array:
+  """`x @ w` of x and w converted to float32, at HIGHEST precision."""
+  return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
+def _bf16_product(x, w) -> jax.Array:
+  if on_gpu() and _one_row(x):
+    return _two_row_dot(x, w, preferred_element_type=jnp.float32)
+  return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
@@ -311,28 +323,23 @@ def bf16_operands_dot(x, w) -> jax.Array:
   accumulation (tensor cores on the GPU). Every product of two bf16 values is exact in float32,
   as in `float32_dot`; only the accumulation's order and rounding differ, which already differ
   between XLA's float32 dots of other row counts (the trainer's and the rollout's). Its
-  derivative is the float32 dot's (products of the float32 cotangent at HIGHEST precision,
-  rounded to x's and w's dtypes); autodiff of the bf16 product would give float32-by-bf16
-  products at the default precision, which XLA:GPU runs as TF32 on Hopper."""
-  if on_gpu() and _one_row(x):
-    return _two_row_dot(x, w, preferred_element_type=jnp.float32)
-  return jnp.dot(x, w, preferred_element_type=jnp.float32)
+  derivative is the float32 dot's (`_float32_product`'s: products of the float32 cotangent at
+  HIGHEST precision, rounded to x's and w's dtypes); autodiff of the bf16 product would give
+  float32-by-bf16 products at the default precision, which XLA:GPU runs as TF32 on Hopper."""
+  return _bf16_product(x, w)
 
 
-def _bf16_operands_fwd(x, w):
-  return bf16_operands_dot(x, w), (x, w)
-
-
-def _bf16_operands_bwd(res, ct):
+def _float32_product_transposes(res, ct):
+  """`_float32_product`'s derivative at (x, w): its transposes in x and in w (each linear in
+  one operand), without its forward product, which `jax.vjp` would compute again."""
   x, w = res
-  hi = jax.lax.Precision.HIGHEST
-  xf, wf, ct = x.astype(jnp.float32), w.astype(jnp.float32), ct.astype(jnp.float32)
-  dx = jnp.einsum("...n,kn->...k", ct, wf, precision=hi)
-  dw = jnp.einsum("...k,...n->kn", xf, ct, precision=hi)
-  return dx.astype(x.dtype), dw.astype(w.dtype)
+  dx, = jax.linear_transpose(lambda a: _float32_product(a, w), x)(ct)
+  dw, = jax.linear_transpose(lambda b: _float32_product(x, b), w)(ct)
+  return dx, dw
 
 
-bf16_operands_dot.defvjp(_bf16_operands_fwd, _bf16_operands_bwd)
+bf16_operands_dot.defvjp(lambda x, w: (_bf16_product(x, w), (x, w)),
+                         _float32_product_transposes)
 
 
 def xla_grouped_matmul(x, parts, group_sizes, out_dtype) -> jax.Array:
