@@ -289,6 +289,35 @@ def test_mosaic_stream_schedule(b, s, stages, g, lazy):
   assert got.dtype == jnp.bfloat16 and relerr(got[seen], ref(q, k, v, valid)[seen]) < MOSAIC_TOL
 
 
+@pytest.mark.parametrize("b,s", [(1, 8192), (200, 1024)])
+def test_mosaic_stream_counters_given(b, s):
+  """The merges' counters as an input (`PhysicalQuery.counts`, what the q/k/v kernel zeroes in
+  the model) give the kernel's own counters' output bit for bit, and the kernel leaves them
+  zero: the same counters serve three calls in a row (two in one program, one after it), each
+  the same output; a count left behind would keep a row's last part from merging. A row spread
+  over every CTA (B 1 x 8k) and more rows than CTAs (B 200), ragged."""
+  from trace_jax.kernels import attention_mgpu as AM
+  rng = np.random.default_rng(b + s)
+  k, v = make_kv("nvfp4", (b, s, 4, 128), b + 5), make_kv("nvfp4", (b, s, 4, 128), b + 6)
+  q = jax.random.normal(jax.random.key(b + 7), (b, 32, 128), jnp.float32).astype(jnp.bfloat16)
+  lengths = jnp.asarray(np.r_[s, rng.integers(1, s + 1, b - 1)])  # row 0 whole
+  run = jax.jit(functools.partial(AM.decode_attention, schedule="stream",
+                                  out_dtype=jnp.float32))
+  own = np.asarray(run(AM.PhysicalQuery(AM.to_physical(q)), k, v, lengths))
+  counts = jnp.zeros((b * 4,), jnp.int32)
+  pq = AM.PhysicalQuery(AM.to_physical(q), counts)
+
+  @jax.jit
+  def twice(pq, k, v, lengths):
+    return run(pq, k, v, lengths), run(pq, k, v, lengths)
+
+  outs = [*twice(pq, k, v, lengths), run(pq, k, v, lengths)]
+  for got in outs:
+    np.testing.assert_array_equal(np.asarray(got), own)
+  np.testing.assert_array_equal(np.asarray(counts), np.zeros(b * 4, np.int32))
+  assert relerr(own, jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)) < MOSAIC_TOL
+
+
 @pytest.mark.parametrize("schedule,stages,g", [
     ("stream", 4, 8), ("stream", 3, 16), ("stream", 4, 5), ("splits", 4, 8), ("splits", 2, 16)])
 def test_mosaic_v_halves(schedule, stages, g):

@@ -51,9 +51,11 @@ def _bits(a):
 @pytest.mark.parametrize("layout,packing,norm,index", [
     ("logical", "nibbles", True, 5), ("mosaic", "kv_words", True, [1, 7, 0]),
     ("logical", "kv_words", False, [2, 2, 6])], ids=["logical", "mosaic", "no_norm"])
-def test_kernel_equals_xla_path(layout, packing, norm, index):
+def test_kernel_equals_xla_path(monkeypatch, layout, packing, norm, index):
   """q (in its layout), both caches (the written slot and the rest) and the new rows, bit for
-  bit."""
+  bit; with the Mosaic layout, the attention's merge counters (an output interpret mode fills
+  with garbage) zeroed (`TRACE_JAX_ATTN_COUNTS=given`)."""
+  monkeypatch.setattr(AM, "GIVEN_COUNTS", True)
   qkv, pos, (qs, ks) = _case(0)
   kc, vc = _cache(1, packing), _cache(2, packing)
   kw = dict(num_heads=NH, q_scale=qs if norm else None, k_scale=ks if norm else None, eps=1e-6,
@@ -67,6 +69,11 @@ def test_kernel_equals_xla_path(layout, packing, norm, index):
   for g, w in zip(_bits((q, *got[1:])), _bits(want)):
     np.testing.assert_array_equal(g, w)
   assert [x.packing for x in got[1:]] == [packing, packing, "nibbles", "nibbles"]
+  if layout == "mosaic":
+    assert got[0].counts.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got[0].counts), np.zeros(B * KVH, np.int32))
+    monkeypatch.setattr(AM, "GIVEN_COUNTS", False)  # the attention kernel's own counters
+    assert DQ.decode_qkv(qkv, pos, kc, vc, idx, interpret=True, **kw)[0].counts is None
 
 
 def test_reference_is_the_rope_and_norm_of_the_model():
@@ -107,6 +114,11 @@ def test_physical_query_in_decode_attention():
   run = jax.jit(functools.partial(AM.decode_attention, schedule="stream",
                                   kernel_fn=AM.emulate_stream_kernel))
   np.testing.assert_array_equal(np.asarray(run(pq, *kv, valid)), np.asarray(run(q, *kv, valid)))
+  with_counts = AM.PhysicalQuery(pq.qp, jnp.zeros((b * KVH,), jnp.int32))
+  np.testing.assert_array_equal(np.asarray(run(with_counts, *kv, valid)),
+                                np.asarray(run(q, *kv, valid)))
+  with pytest.raises(ValueError, match=r"counters int32\[4\], not int32\[8\]"):
+    run(AM.PhysicalQuery(pq.qp, jnp.zeros((4,), jnp.int32)), *kv, valid)
   ref = jax.jit(functools.partial(kernels.decode_attention, use_kernel=False))
   np.testing.assert_array_equal(np.asarray(ref(pq, *kv, valid)),
                                 np.asarray(R.decode_attention_ref(q, *kv, valid)))
@@ -156,11 +168,13 @@ def test_dispatch_writes_q_for_the_attention_that_reads_it(monkeypatch):
 
 def test_lowers_for_cuda(monkeypatch):
   """The Triton lowering accepts the kernel (the halves' split and join, the physical order's
-  transposition, the fp8 stores, the inline division), for an H200."""
+  transposition, the fp8 stores, the inline division), for an H200; the stream attention
+  lowered on its queries takes the merge counters it zeroed, with no zero fill of XLA's."""
   pytest.importorskip("jax_cuda13_plugin")
   from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: PLC0415
   h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
   monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+  monkeypatch.setattr(AM, "GIVEN_COUNTS", True)
   qkv, pos, (qs, ks) = _case(0)
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
   args = jax.tree.map(sds, (qkv, pos, _cache(1, "kv_words"), _cache(2, "kv_words"),
@@ -169,6 +183,21 @@ def test_lowers_for_cuda(monkeypatch):
       qkv, p, kc, vc, i, num_heads=NH, q_scale=qs, k_scale=ks, layout="mosaic")
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "qkv_append_nvfp4" in text
+
+  # the stream attention on the queries: the merge counters the kernel zeroed, not XLA's zero
+  # fill of the attention kernel's own (which a query without them still gets)
+  def attend(own, *a):
+    q, kc, vc, _, _ = fn(*a[:-1])
+    return AM.decode_attention(AM.PhysicalQuery(q.qp) if own else q, kc, vc, a[-1],
+                               schedule="stream")
+
+  valid = jax.ShapeDtypeStruct((B, S), jnp.bool_)
+  for own in (False, True):
+    text = jax.jit(functools.partial(attend, own)).trace(*args, valid).lower(
+        lowering_platforms=("cuda",)).as_text()
+    fills = [ln for ln in text.splitlines()
+             if "broadcast_in_dim" in ln and f"-> tensor<{B * KVH}xi32>" in ln]
+    assert "mosaic_gpu" in text and len(fills) == own, fills
 
 
 def _fused_qkv_params(params):

@@ -57,7 +57,9 @@ per KV head, padded to the wgmma N side `gp` of 8 or 16 (`query_lanes`); other s
 - per part of a row (a split, or a stream CTA's share of the row): unnormalized O^T, running
   max and sum. A row of one part writes its normalized output; otherwise the last part of a
   row to finish merges them all (`_split_merger`: plain global stores, a fence and an atomic
-  count, reads from L2) and writes the output in logical head_dim order.
+  count, reads from L2) and writes the output in logical head_dim order, then zeroes the count
+  again. The stream kernel's counters can come zeroed with the queries from the q/k/v kernel
+  (`PhysicalQuery.counts`) instead of XLA's zero fill and copy a call (`GIVEN_COUNTS`).
   (TRACE_JAX_ATTN_MERGE=xla, split schedule: the partials go out and `merge_partials`
   (`attention_pallas.combine_splits`) merges them after the kernel, splits past the live tiles
   masked out: ~5 more small kernels a call, reading every split's partials, live or not.)
@@ -159,6 +161,13 @@ V_HALVES = choice_setting("TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves")
 # the H200 (session 21). TRACE_JAX_ATTN_SCHEDULE: the other (A/B runs)
 SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "splits"))
 
+# The stream kernel's merge counters: "own" (a semaphore array of the kernel's, which XLA fills
+# with zeros and copies for every call: 48 kernels of a 48-layer step's 1,155, deviceless
+# census) or "given" (zeroed by the q/k/v kernel that writes the queries, `PhysicalQuery.counts`;
+# the kernel leaves them zero: 1,107 kernels). Opt-in (TRACE_JAX_ATTN_COUNTS=given) until its
+# GPU tests have run (stage s42b; written in session 42, when no GPU was lent)
+GIVEN_COUNTS = choice_setting("TRACE_JAX_ATTN_COUNTS", "own", ("given", "own")) == "given"
+
 
 def default_v_halves(overlap: bool, merge: bool) -> bool:
   """Whether `decode_attention` puts decoded V through SMEM in halves unless told (`V_HALVES`):
@@ -215,8 +224,13 @@ class PhysicalQuery:
   """A decode step's queries `[B, H, 128]` already in this kernel's physical head_dim order
   (`to_physical`), H = KVH x G with G one of `GP_CHOICES` (the kernel's query lanes, so no
   padding): what the q/k/v kernel of `qkv_append.py` writes where the decode attention runs
-  this kernel, which then reads it as it is. Shaped like the logical q it stands for."""
+  this kernel, which then reads it as it is. Shaped like the logical q it stands for.
+
+  counts: int32 `[B x KVH]` zeros for the stream kernel's merges (`_split_merger`), made by that
+  kernel (or None: the kernel's own, which XLA fills and copies for each call: 47 copies of a
+  48-layer step). The kernel leaves them zero, so they are zeros after the call as before it."""
   qp: jax.Array
+  counts: jax.Array | None = None
 
   shape = property(lambda self: self.qp.shape)
   dtype = property(lambda self: self.qp.dtype)
@@ -449,8 +463,8 @@ def _split_merger(gp: int, heads: int, out_dtype):
   sum; bi, part, n_parts, slot0 int32 scalars: batch row, this part's index among the row's
   n_parts, the partials slot of part 0 (part p's is slot0 + p); refs: part_o / part_ml (the
   partials, float32 [slots, 4, 2, 64, gp] / [slots, 4, 2, gp] in any shape of that order),
-  counts (a zeroed int32 semaphore a row and KV head), out `[B, H, 128]` (logical head_dim
-  order, out_dtype bfloat16 or float32)) -> nothing.
+  counts (a zeroed int32 counter a row and KV head; the last part zeroes it again), out
+  `[B, H, 128]` (logical head_dim order, out_dtype bfloat16 or float32)) -> nothing.
 
   A row of one part writes O / l from its registers. Otherwise each part stores its partials
   with plain global stores, fences (`fence.acq_rel.gpu`), and one thread of the warpgroup
@@ -612,11 +626,15 @@ def _split_merger(gp: int, heads: int, out_dtype):
       for cb in range(nb):  # the lanes' max and sum: once, by the threads holding row 0
         store2(addr(ml_base, ml_elem(part, 0, cb), 4), split(mreg[cb]), first_row)
         store2(addr(ml_base, ml_elem(part, 1, cb), 4), split(lreg[cb]), first_row)
-      last = counted_in_last(t, addr(cnt_base, add(mul(bi, c(KV_HEADS)), wg), 4),
-                             arith.subi(n_parts, c(1)))
+      count_addr = addr(cnt_base, add(mul(bi, c(KV_HEADS)), wg), 4)
+      last = counted_in_last(t, count_addr, arith.subi(n_parts, c(1)))
       is_last = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, last, c(0)))
       with ir.InsertionPoint(is_last.then_block):
         merge_from_memory()
+        # every part has counted in: the count back to 0 leaves the counters as they came
+        asm(llvm.StructType.get_literal([]), [count_addr, arith.extui(
+            i32, arith.cmpi(arith.CmpIPredicate.eq, t, c(0)))],
+            "{\n.reg .pred p;\nsetp.ne.u32 p, $1, 0;\n@p st.global.u32 [$0], 0;\n}", "l,r")
         scf.yield_([])
       scf.yield_([])
     with ir.InsertionPoint(branch.else_block):
@@ -933,8 +951,8 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
 
 @functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
                                              "heads", "out_dtype", "placed", "v_halves"))
-def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
-                       v_factor: float, heads: int, stages: int = 2,
+def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts=None, *,
+                       k_factor: float, v_factor: float, heads: int, stages: int = 2,
                        lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
                        placed: bool = False, v_halves: bool = False):
   """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
@@ -943,7 +961,9 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   part (`_split_merger`: written out, or counted in and merged by the row's last part) and
   start the next row's state, its queries fetched (TMA) while the part is merged. No CTA is
   launched for splits past a row's live tiles, and the tiles spread evenly over the SMs
-  whatever the rows' lengths. Operands as `mgpu_decode_kernel`; returns (o float32
+  whatever the rows' lengths. Operands as `mgpu_decode_kernel`, and counts (int32 [B x 4]
+  zeros, `PhysicalQuery.counts`: the merges' counters, zeros again after the call; None: a
+  semaphore array of the kernel's own, which XLA zero-fills for each call); returns (o float32
   [B + n_ctas, 4, 2, 64, gp], ml float32 [B + n_ctas, 4, 2, gp]: the parts' partials,
   scratch; the attention [B, 4 * heads, 128] in out_dtype, logical head_dim order)."""
   import jax.experimental.pallas as pl
@@ -958,10 +978,16 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
   step = _tile_step(gp, k_factor, v_factor, lazy_tau, False, placed, v_halves)
   merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
+  given = () if counts is None else (counts,)
+
   def decode_attention_stream(units_gmem, rows_gmem, q_gmem, kc_gmem, vc_gmem, ks_gmem,
-                              vs_gmem, kg_gmem, vg_gmem, vf_gmem, o_gmem, ml_gmem, out_gmem,
-                              q_smem, v_smem, p_smem, red_smem, vote_smem, q_bar):
-    counts = pl.get_global(plgpu.SemaphoreType.REGULAR((b * KV_HEADS,)))  # zeroed each call
+                              vs_gmem, kg_gmem, vg_gmem, vf_gmem, *refs, q_smem, v_smem, p_smem,
+                              red_smem, vote_smem, q_bar):
+    if given:  # an input the merges count into in place (zeros in, zeros out)
+      counts, o_gmem, ml_gmem, out_gmem = refs
+    else:  # zeroed each call
+      counts = pl.get_global(plgpu.SemaphoreType.REGULAR((b * KV_HEADS,)))
+      o_gmem, ml_gmem, out_gmem = refs
     ci = lax.axis_index("c")
     n = units_gmem[ci, 0]
     entry = lambda i: units_gmem[ci, 1 + i]  # noqa: E731  (an L1 hit but once a 128 B line)
@@ -1033,7 +1059,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor:
       decode_attention_stream, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
       num_threads=KV_HEADS + 1, thread_name="wg",
       compiler_params=_compiler_params(AUTO_BARRIERS), scratch_types=_scratch(gp, v_halves),
-  )(units, rows, qp, kc, vc, ks, vs, kg, vg, vf)
+  )(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *given)
 
 
 def _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_pad: int, k_factor: float,
@@ -1134,8 +1160,8 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
   return o, ml, merge_partials(kt, o, ml, split_tiles, n_splits, heads).astype(out_dtype)
 
 
-def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_factor: float,
-                          v_factor: float, heads: int, stages: int = 2,
+def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts=None, *,
+                          k_factor: float, v_factor: float, heads: int, stages: int = 2,
                           lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
                           placed: bool = False, v_halves: bool = False):
   """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
@@ -1143,7 +1169,7 @@ def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, *, k_fact
   and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
   row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
   writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
-  del stages, v_halves  # (the order of the work, not modelled)
+  del stages, v_halves, counts  # (the order of the work and its counters, not modelled)
   b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
@@ -1294,11 +1320,17 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   split_tiles = -(-tiles // (splits or default_splits(b, s)))
   n_splits = -(-tiles // split_tiles)
 
+  counts = None
   if isinstance(q, PhysicalQuery):
     if query_lanes(g) != g:
       raise ValueError(f"Mosaic decode attention kernel: physical queries of {g} heads per KV "
                        f"head, the kernel reads {query_lanes(g)} lanes")
     qp = q.qp.reshape(b, kvh, g, hd)
+    if q.counts is not None and stream:
+      counts = q.counts
+      if counts.shape != (b * kvh,) or counts.dtype != jnp.int32:
+        raise ValueError(f"Mosaic decode attention kernel: counters {counts.dtype}"
+                         f"{list(counts.shape)}, not int32[{b * kvh}] (a row and KV head)")
   else:
     qp = to_physical(q.astype(jnp.bfloat16).reshape(b, kvh, g, hd))
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, query_lanes(g) - g), (0, 0)))
@@ -1317,7 +1349,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   if stream:
     units, rows = stream_tables(kt, tiles, min(NUM_SMS, b * tiles))
     res = (kernel_fn or mgpu_stream_kernel)(
-        units, rows, qp, kc, vc, ks, vs, kg, vg, vf,
+        units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
         v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, placed=placed,
         v_halves=v_halves)

@@ -94,9 +94,10 @@ def _join_halves(a, b):
 
 
 def _kernel(idx_ref, pos_ref, freq_ref, qs_ref, ks_ref, x_ref, *refs, num_heads, kv_heads, eps,
-            norm, layout, interpret, **kw):
+            norm, layout, counts, interpret, **kw):
   # refs: 6 aliased cache inputs (their buffers are the outputs), 6 cache outputs, 6 new-row
-  # outputs (`kv_append.write_rows`), q's row
+  # outputs (`kv_append.write_rows`), q's row, with `counts` the row's attention merge
+  # counters (`attention_mgpu.GIVEN_COUNTS`)
   caches, rows, q_ref = refs[6:12], refs[12:18], refs[18]
   b = pl.program_id(0)
   dt = x_ref.dtype
@@ -110,6 +111,8 @@ def _kernel(idx_ref, pos_ref, freq_ref, qs_ref, ks_ref, x_ref, *refs, num_heads,
 
   q = norm_rope(x_ref[pl.ds(0, num_heads), :], qs_ref)
   q_ref[...] = AM.to_physical(q) if layout == "mosaic" else q
+  if counts:  # zeroed here, where XLA would fill and copy them a layer
+    refs[19][...] = jnp.zeros(refs[19].shape, refs[19].dtype)
   k = norm_rope(x_ref[pl.ds(num_heads, kv_heads), :], ks_ref)
   v = x_ref[pl.ds(num_heads + kv_heads, kv_heads), :]
   kv_append.write_rows(b, idx_ref[b], [k.astype(jnp.float32), v.astype(jnp.float32)], caches,
@@ -134,8 +137,9 @@ def decode_qkv(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
   """One decode token's attention inputs: qkv `[B, (H + 2 KVH) hd]` (the fused projection),
   positions `[B]` (rope's), the caches and the slot `index` (a scalar or `[B]`); q_scale /
   k_scale `[hd]` the per-head norms' scales (None: no norm). Returns (q, k_cache, v_cache, kq,
-  vq): q `[B, H, hd]` (layout "logical"), or an `attention_mgpu.PhysicalQuery` ("mosaic"); kq/vq
-  the new rows as nibble-packed `QArray`s `[B, 1, KVH, hd]`."""
+  vq): q `[B, H, hd]` (layout "logical"), or an `attention_mgpu.PhysicalQuery` ("mosaic", with
+  the zeroed counters its stream kernel merges by: `PhysicalQuery.counts`); kq/vq the new rows
+  as nibble-packed `QArray`s `[B, 1, KVH, hd]`."""
   why = kernel_supported(qkv, k_cache, v_cache, num_heads, layout)
   if why:
     raise ValueError(f"q/k/v kernel: {why}")
@@ -149,16 +153,22 @@ def decode_qkv(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
   args = (jnp.asarray(positions, jnp.int32), T.rope_inv_freq(hd, theta), qs, ks,
           qkv.reshape(b, rows, hd))
   specs = [whole(a) for a in args[:4]] + [pl.BlockSpec((None, rows, hd), lambda i: (i, 0, 0))]
+  counts = layout == "mosaic" and AM.GIVEN_COUNTS  # the stream attention's merge counters
   body = functools.partial(
       _kernel, num_heads=num_heads, kv_heads=kvh, eps=eps, norm=q_scale is not None,
-      layout=layout, interpret=interpret, fmt=k_cache.fmt, recip=reciprocal(interpret),
-      packings=(k_cache.packing, v_cache.packing))
-  *kv, q = kv_append.cache_call(
+      layout=layout, counts=counts, interpret=interpret, fmt=k_cache.fmt,
+      recip=reciprocal(interpret), packings=(k_cache.packing, v_cache.packing))
+  more_out = [jax.ShapeDtypeStruct((b, num_heads, hd), qkv.dtype)]
+  more_specs = [pl.BlockSpec((None, num_heads, hd), lambda i: (i, 0, 0))]
+  if counts:
+    more_out.append(jax.ShapeDtypeStruct((b, kvh), jnp.int32))
+    more_specs.append(pl.BlockSpec((None, kvh), lambda i: (i, 0)))
+  k_new, v_new, kq, vq, q, *zeros = kv_append.cache_call(
       body, args, specs, k_cache, v_cache, index, interpret=interpret, name="qkv_append_nvfp4",
-      num_warps=NUM_WARPS,
-      more_out=[jax.ShapeDtypeStruct((b, num_heads, hd), qkv.dtype)],
-      more_specs=[pl.BlockSpec((None, num_heads, hd), lambda i: (i, 0, 0))])
-  return (AM.PhysicalQuery(q) if layout == "mosaic" else q, *kv)
+      num_warps=NUM_WARPS, more_out=more_out, more_specs=more_specs)
+  if layout == "mosaic":
+    q = AM.PhysicalQuery(q, zeros[0].reshape(b * kvh) if counts else None)
+  return q, k_new, v_new, kq, vq
 
 
 def decode_qkv_ref(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
