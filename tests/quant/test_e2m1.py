@@ -76,6 +76,27 @@ def test_bit_packing_roundtrip():
   np.testing.assert_array_equal(np.asarray(e2m1.unpack_bits(jnp.asarray(packed))), bits)
 
 
+def test_nibble_mantissa_bits_equal_unpacked_bit_packing():
+  """The compact guidance payload straight from nibble-packed codes equals unpacking the codes,
+  taking each code's mantissa bit and packing eight a byte: every byte value at every one of a
+  word's four places (the others random), and random arrays; its layout checked by hand."""
+  rng = np.random.default_rng(3)
+  words = rng.integers(0, 256, size=(4, 256, 4), dtype=np.uint8)
+  for j in range(4):
+    words[j, :, j] = np.arange(256)
+  cases = [words.reshape(4, 1024), rng.integers(0, 256, size=(3, 2, 36), dtype=np.uint8)]
+  for packed in cases:
+    want = e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack_nibbles(jnp.asarray(packed))))
+    got = jax.jit(e2m1.nibble_mantissa_bits)(jnp.asarray(packed))
+    assert got.dtype == jnp.uint8 and got.shape == packed.shape[:-1] + (packed.shape[-1] // 4,)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # codes 1, 0, 3, 2, 5, 4, 7, 6 (mantissa bits 1 0 1 0 1 0 1 0) -> 0b01010101
+  codes = np.array([1, 0, 3, 2, 5, 4, 7, 6], np.uint8)
+  assert int(e2m1.nibble_mantissa_bits(e2m1.pack_nibbles(jnp.asarray(codes)))[0]) == 0x55
+  with pytest.raises(ValueError, match="multiple of 4"):
+    e2m1.nibble_mantissa_bits(jnp.zeros((6,), jnp.uint8))
+
+
 def test_mantissa_bits_alternate_along_grid():
   bits = np.asarray(e2m1.mantissa_bit(jnp.arange(16, dtype=jnp.uint8)))
   np.testing.assert_array_equal(bits, [0, 1] * 8)

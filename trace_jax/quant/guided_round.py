@@ -77,10 +77,9 @@ def make_guidance(q: Q.QArray, compact: bool = True) -> Guidance:
   if not q.fmt.is_fp4:
     raise ValueError(f"guided rounding is defined for FP4 formats, not {q.fmt.name}")
   q = Q.with_packing(q, "nibbles")  # the trainer reads nibble-packed codes
-  if compact:
-    bits = e2m1.mantissa_bit(q.blocked_codes())
-    bits = bits.reshape(*bits.shape[:-2], -1)
-    payload = jnp.moveaxis(e2m1.pack_bits(bits), -1, q.axis)
+  if compact:  # (blocks are whole bytes of bits: the element order is the codes')
+    codes = jnp.moveaxis(q.codes, q.axis, -1)
+    payload = jnp.moveaxis(e2m1.nibble_mantissa_bits(codes), -1, q.axis)
   else:
     payload = q.codes
   return Guidance(payload, q.scales, q.global_scale, q.fmt, q.axis, q.shape, compact)
