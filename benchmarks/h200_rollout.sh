@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -805,24 +805,31 @@ elif [ "$stage" = s41b ]; then
   done
   gpu_tests tests/rollout/test_engine_gpu.py "" engine ${ETEST_TIMEOUT:-300}
 elif [ "$stage" = s42b ]; then
-  # (session 42) the stream attention's merge counters zeroed by the q/k/v kernel
-  # (TRACE_JAX_ATTN_COUNTS=given, opt-in until this runs) instead of XLA's zero fill and its 47
-  # copy kernels a 48-layer step: the GPU tests (the counters given against the kernel's own,
-  # bit for bit, three calls on the same counters left zero; the one-layer model's decode with
-  # both kernels against XLA's path), then the 48-layer 8k-capacity rollout with them (side
-  # "given"), or with the kernel's own (SIDE=own, or where the tests failed), clocks sampled
-  export TRACE_JAX_ATTN_COUNTS=given
-  gpu_tests tests/kernels/test_attention_gpu.py "counters_given" counters ${TEST_TIMEOUT:-100}
-  gpu_tests tests/kernels/test_qkv_append.py "model_with_kernel_on_gpu" qkv_model \
-    ${TEST_TIMEOUT:-100}
-  for log in $OUT/test_counters.txt $OUT/test_qkv_model.txt; do
-    grep -q " passed" $log && ! grep -qE "[0-9]+ (failed|errors?)" $log || SIDE=own
-  done
-  cap8k_settings_side own "TRACE_JAX_ATTN_COUNTS=own" given
+  # (session 42) the GPU tests of session 42's opt-ins (any sm_90 card), then stage s42d at once
+  # (a warm machine is kept 30 s). TRACE_JAX_ATTN_COUNTS=given: the stream attention's merge
+  # counters zeroed by the q/k/v kernel instead of XLA's zero fill and its 47 copy kernels a
+  # 48-layer step (the counters given against the kernel's own, bit for bit, three calls on the
+  # same counters left zero; the one-layer model's decode with both kernels against XLA's path).
+  # TRACE_JAX_GUIDANCE_BITS=kernel: the q/k/v and expert input kernels write the guidance bits
+  # of what they quantize (the q/k/v kernel's bits of its own rows; the expert input kernels'
+  # model against XLA's ops, records bit for bit)
+  export TRACE_JAX_ATTN_COUNTS=given TRACE_JAX_GUIDANCE_BITS=kernel
+  gpu_tests tests/kernels/test_attention_gpu.py "counters_given" counters ${TEST_TIMEOUT:-150}
+  gpu_tests tests/kernels/test_qkv_append.py \
+    "model_with_kernel_on_gpu or (agrees_with_xla_path and mosaic)" qkv_model ${TEST_TIMEOUT:-150}
+  gpu_tests tests/kernels/test_glue_in_model.py "expert_input_kernels" expert_in \
+    ${TEST_TIMEOUT:-120}
+elif [ "$stage" = s42d ]; then
+  # (session 42) the 48-layer 8k-capacity rollout with session 42's opt-ins (side "given": the
+  # attention counters from the q/k/v kernel, the guidance bits from the quantizing kernels;
+  # deviceless census 1,074 -> 1,032 kernels a step with the bits, 1,155 -> 1,107 with the
+  # counters) or without them (SIDE=own), clocks sampled. After s42b's tests have passed
+  export TRACE_JAX_ATTN_COUNTS=given TRACE_JAX_GUIDANCE_BITS=kernel
+  cap8k_settings_side own "TRACE_JAX_ATTN_COUNTS=own TRACE_JAX_GUIDANCE_BITS=xla" given
 elif [ "$stage" = s42c ]; then
   # (session 42) s42b's GPU tests alone (any sm_90 card: an H100 where no H200 is lent), and
   # the attention kernels' other GPU tests under the given counters
-  export TRACE_JAX_ATTN_COUNTS=given
+  export TRACE_JAX_ATTN_COUNTS=given TRACE_JAX_GUIDANCE_BITS=kernel
   gpu_tests tests/kernels/test_attention_gpu.py "counters_given" counters ${TEST_TIMEOUT:-150}
   gpu_tests tests/kernels/test_qkv_append.py "gpu" qkv ${TEST_TIMEOUT:-150}
   gpu_tests tests/kernels/test_attention_gpu.py "mosaic_stream or model_decode" attn_stream \

@@ -103,8 +103,8 @@ def test_expert_input_kernels_in_model_on_gpu(monkeypatch):
   def counted(name):
     fn = getattr(kernels, name)
 
-    def wrapper(*args):
-      out = fn(*args)
+    def wrapper(*args, **kw):
+      out = fn(*args, **kw)
       used[name] += out is not None
       return out
     return wrapper

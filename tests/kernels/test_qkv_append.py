@@ -54,21 +54,30 @@ def _bits(a):
 def test_kernel_equals_xla_path(monkeypatch, layout, packing, norm, index):
   """q (in its layout), both caches (the written slot and the rest) and the new rows, bit for
   bit; with the Mosaic layout, the attention's merge counters (an output interpret mode fills
-  with garbage) zeroed (`TRACE_JAX_ATTN_COUNTS=given`)."""
+  with garbage) zeroed (`TRACE_JAX_ATTN_COUNTS=given`) and the new rows' compact guidance bits
+  (`guidance_bits`) as `make_guidance` makes them from the reference's rows."""
   monkeypatch.setattr(AM, "GIVEN_COUNTS", True)
   qkv, pos, (qs, ks) = _case(0)
   kc, vc = _cache(1, packing), _cache(2, packing)
   kw = dict(num_heads=NH, q_scale=qs if norm else None, k_scale=ks if norm else None, eps=1e-6,
             theta=1e6, layout=layout)
   idx = jnp.asarray(index, jnp.int32)
-  got = jax.jit(functools.partial(DQ.decode_qkv, interpret=True, **kw))(qkv, pos, kc, vc, idx)
+  bits = layout == "mosaic"  # the new rows' guidance bits written by the kernel too
+  got = jax.jit(functools.partial(DQ.decode_qkv, interpret=True, guidance_bits=bits, **kw))(
+      qkv, pos, kc, vc, idx)
   want = jax.jit(functools.partial(DQ.decode_qkv_ref, **kw))(qkv, pos, kc, vc, idx)
   assert isinstance(got[0], AM.PhysicalQuery) == (layout == "mosaic")
   q = got[0].qp if layout == "mosaic" else got[0]
   assert q.shape == (B, NH, HD) and q.dtype == qkv.dtype
-  for g, w in zip(_bits((q, *got[1:])), _bits(want)):
+  for g, w in zip(_bits((q, *got[1:5])), _bits(want), strict=True):
     np.testing.assert_array_equal(g, w)
-  assert [x.packing for x in got[1:]] == [packing, packing, "nibbles", "nibbles"]
+  assert [x.packing for x in got[1:5]] == [packing, packing, "nibbles", "nibbles"]
+  if not bits:
+    assert got[5] is None
+  else:  # as `make_guidance` makes them from the reference's rows
+    for g, w in zip(got[5], want[3:], strict=True):
+      assert g.shape == (B, 1, KVH, HD // 8) and g.dtype == jnp.uint8
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(tq.make_guidance(w).payload))
   if layout == "mosaic":
     assert got[0].counts.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got[0].counts), np.zeros(B * KVH, np.int32))
@@ -168,8 +177,9 @@ def test_dispatch_writes_q_for_the_attention_that_reads_it(monkeypatch):
 
 def test_lowers_for_cuda(monkeypatch):
   """The Triton lowering accepts the kernel (the halves' split and join, the physical order's
-  transposition, the fp8 stores, the inline division), for an H200; the stream attention
-  lowered on its queries takes the merge counters it zeroed, with no zero fill of XLA's."""
+  transposition, the fp8 stores, the inline division, the guidance bits), for an H200; the
+  stream attention lowered on its queries takes the merge counters it zeroed, with no zero
+  fill of XLA's."""
   pytest.importorskip("jax_cuda13_plugin")
   from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: PLC0415
   h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
@@ -180,14 +190,15 @@ def test_lowers_for_cuda(monkeypatch):
   args = jax.tree.map(sds, (qkv, pos, _cache(1, "kv_words"), _cache(2, "kv_words"),
                             jnp.zeros((B,), jnp.int32), qs, ks))
   fn = lambda qkv, p, kc, vc, i, qs, ks: DQ.decode_qkv(  # noqa: E731
-      qkv, p, kc, vc, i, num_heads=NH, q_scale=qs, k_scale=ks, layout="mosaic")
+      qkv, p, kc, vc, i, num_heads=NH, q_scale=qs, k_scale=ks, layout="mosaic",
+      guidance_bits=True)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "qkv_append_nvfp4" in text
 
   # the stream attention on the queries: the merge counters the kernel zeroed, not XLA's zero
   # fill of the attention kernel's own (which a query without them still gets)
   def attend(own, *a):
-    q, kc, vc, _, _ = fn(*a[:-1])
+    q, kc, vc, *_ = fn(*a[:-1])
     return AM.decode_attention(AM.PhysicalQuery(q.qp) if own else q, kc, vc, a[-1],
                                schedule="stream")
 
@@ -268,7 +279,10 @@ def test_kernel_on_gpu_agrees_with_xla_path(layout):
   kc, vc = _cache(8, "kv_words", b=b, s=384), _cache(9, "kv_words", b=b, s=384)
   idx = jnp.asarray(np.arange(b) * 5 % 384, jnp.int32)
   kw = dict(num_heads=NH, q_scale=qs, k_scale=ks, eps=1e-6, theta=1e6, layout=layout)
-  got = jax.jit(functools.partial(DQ.decode_qkv, **kw))(qkv, pos, kc, vc, idx)
+  got = jax.jit(functools.partial(DQ.decode_qkv, guidance_bits=layout == "mosaic", **kw))(
+      qkv, pos, kc, vc, idx)
+  for bits, rows in zip(got[5] or (), got[3:5]):  # the kernel's guidance bits of its own rows
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(tq.make_guidance(rows).payload))
   want = jax.jit(functools.partial(DQ.decode_qkv_ref, **kw))(qkv, pos, kc, vc, idx)
   q = np.asarray(got[0].qp if layout == "mosaic" else got[0], np.float32)
   wq = np.asarray(want[0], np.float32)

@@ -112,16 +112,20 @@ def _same_operand(got, want):
                          ids=["bf16_3d_pad_rows", "k192_kpad256_few_tokens"])
 def test_operand_equals_reference(shape, k_pad, n_rows, tile):
   """The value written as an operand's rows (each row to its 8 destinations, zero rows past
-  them, zero columns past K): the kernel in interpret mode against its reference, and the
-  reference against the layout rule itself (numpy)."""
+  them, zero columns past K) and the codes' guidance bits: the kernel in interpret mode against
+  its reference, and the reference against the layout rule itself (numpy)."""
   x = rows_case(shape, jnp.bfloat16, 5)
   n = int(np.prod(shape[:-1]))
   dest = _operand_case(n, 8, 6)
   got = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand(
-      a, "nvfp4", d, n_rows=n_rows, k_pad=k_pad, interpret=True, tile_elems=tile))(x, dest)
+      a, "nvfp4", d, n_rows=n_rows, k_pad=k_pad, guidance_bits=True, interpret=True,
+      tile_elems=tile))(x, dest)
   want = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand_ref(
       a, "nvfp4", d, n_rows=n_rows, k_pad=k_pad))(x, dest)
   _same_operand(got, want)
+  # the guidance bits the kernel wrote, as `make_guidance` makes them from the codes
+  assert got[2].shape == shape[:-1] + (shape[-1] // 8,) and got[2].dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(tq.make_guidance(want[0]).payload))
   _same((want[0], tq.quantize_with_value(x, "nvfp4", second_level="row", validate=False)[1]),
         tq.quantize_with_value(x, "nvfp4", second_level="row", validate=False))
   from trace_jax.kernels import layout  # noqa: PLC0415
@@ -147,10 +151,11 @@ def test_operand_lowers_for_cuda(monkeypatch):
   monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
   args = (jax.ShapeDtypeStruct((256, 1, 2048), jnp.bfloat16),
           jax.ShapeDtypeStruct((256, 8), jnp.int32))
-  text = jax.jit(lambda a, d: row_quant.quantize_rows_to_operand(
-      a, "nvfp4", d, n_rows=2080, k_pad=2048)).trace(*args).lower(
-          lowering_platforms=("cuda",)).as_text()
-  assert "row_quant_operand_nvfp4" in text
+  for bits in (False, True):  # with the guidance bits too
+    text = jax.jit(lambda a, d, b=bits: row_quant.quantize_rows_to_operand(
+        a, "nvfp4", d, n_rows=2080, k_pad=2048, guidance_bits=b)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "row_quant_operand_nvfp4" in text
 
 
 @pytest.mark.gpu

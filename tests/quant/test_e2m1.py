@@ -1,5 +1,7 @@
 """E2M1 element rules: exhaustive codes, every tie, saturation, packing, stochastic rounding."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -79,7 +81,8 @@ def test_bit_packing_roundtrip():
 def test_nibble_mantissa_bits_equal_unpacked_bit_packing():
   """The compact guidance payload straight from nibble-packed codes equals unpacking the codes,
   taking each code's mantissa bit and packing eight a byte: every byte value at every one of a
-  word's four places (the others random), and random arrays; its layout checked by hand."""
+  word's four places (the others random), and random arrays, with the words formed either way;
+  its layout checked by hand."""
   rng = np.random.default_rng(3)
   words = rng.integers(0, 256, size=(4, 256, 4), dtype=np.uint8)
   for j in range(4):
@@ -87,9 +90,11 @@ def test_nibble_mantissa_bits_equal_unpacked_bit_packing():
   cases = [words.reshape(4, 1024), rng.integers(0, 256, size=(3, 2, 36), dtype=np.uint8)]
   for packed in cases:
     want = e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack_nibbles(jnp.asarray(packed))))
-    got = jax.jit(e2m1.nibble_mantissa_bits)(jnp.asarray(packed))
-    assert got.dtype == jnp.uint8 and got.shape == packed.shape[:-1] + (packed.shape[-1] // 4,)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for in_kernel in (False, True):  # the words by slices (XLA) or by sums (kernel bodies)
+      got = jax.jit(functools.partial(e2m1.nibble_mantissa_bits, in_kernel=in_kernel))(
+          jnp.asarray(packed))
+      assert got.dtype == jnp.uint8 and got.shape == packed.shape[:-1] + (packed.shape[-1] // 4,)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # codes 1, 0, 3, 2, 5, 4, 7, 6 (mantissa bits 1 0 1 0 1 0 1 0) -> 0b01010101
   codes = np.array([1, 0, 3, 2, 5, 4, 7, 6], np.uint8)
   assert int(e2m1.nibble_mantissa_bits(e2m1.pack_nibbles(jnp.asarray(codes)))[0]) == 0x55

@@ -128,3 +128,10 @@ def test_guidance_errors():
     tq.make_guidance(tq.quantize(jnp.ones((2, 32)), "mxfp8"))
   with pytest.raises(TypeError, match="QArray"):
     tq.make_guidance(jnp.ones((2, 32)))
+  # a kernel's payload is taken as it is, where it is what make_guidance would make
+  np.testing.assert_array_equal(np.asarray(tq.make_guidance(q, payload=g.payload).payload),
+                                np.asarray(g.payload))
+  with pytest.raises(ValueError, match=r"compact uint8\[2, 4\].*uint8\[2, 8\]"):
+    tq.make_guidance(q, payload=jnp.zeros((2, 8), jnp.uint8))
+  with pytest.raises(ValueError, match="compact"):
+    tq.make_guidance(q, compact=False, payload=g.payload)

@@ -99,6 +99,11 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 # q/k norms, rotary embedding and K/V append as one kernel (`decode_qkv`), or XLA's ops and
 # the K/V append kernel ("xla")
 _DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "kernel", ("xla", "kernel"))
+# a guided layer's compact guidance bits of K, V (`decode_qkv`) and the experts' input
+# (`quantize_rows_to_operand`) written by the kernels that quantize them ("kernel"; 3
+# element-wise XLA kernels a guided layer fewer) or made by XLA from their codes ("xla"; the
+# default until their GPU tests run: stage s42b, session 42)
+_GUIDANCE_BITS = _setting("TRACE_JAX_GUIDANCE_BITS", "xla", ("xla", "kernel"))
 # a residual add and the RMS norm after it as one kernel (`add_rms_norm`), or XLA's two
 _ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "kernel", ("xla", "kernel"))
 # the MoE's output (its gates' weighted sum of the down kernel's rows), the residual add and
@@ -618,14 +623,17 @@ def _kv_append(k_cache, v_cache, k, v, index):
 
 
 def decode_qkv(qkv, positions, k_cache, v_cache, index, *, num_heads: int, q_scale=None,
-               k_scale=None, eps: float = 1e-6, theta: float = 10000.0):
+               k_scale=None, eps: float = 1e-6, theta: float = 10000.0,
+               guidance_bits: bool = False):
   """A decode step's attention inputs by the Pallas kernel of `qkv_append.py`: from the fused
   q/k/v projection's rows qkv `[B, (H + 2 KVH) hd]`, the per-head RMS norms (q_scale, k_scale
   `[hd]`; None: none) and rotary embedding at `positions` `[B]`, K and V written into the NVFP4
-  caches at `index`. Returns (q, k_cache, v_cache, kq, vq), q as `decode_attention` will read
-  it (an `attention_mgpu.PhysicalQuery` where that is the Mosaic kernel, else `[B, H, hd]`),
-  or None where the caller's XLA path applies: with `TRACE_JAX_DECODE_QKV=xla`, off the GPU,
-  with the K/V append kernel off, and for shapes it does not take."""
+  caches at `index`. Returns (q, k_cache, v_cache, kq, vq, bits), q as `decode_attention` will
+  read it (an `attention_mgpu.PhysicalQuery` where that is the Mosaic kernel, else `[B, H,
+  hd]`), bits the new rows' compact guidance payloads (kbits, vbits) where guidance_bits asks
+  for them and `TRACE_JAX_GUIDANCE_BITS=kernel`, else None; or None where the caller's XLA path
+  applies: with `TRACE_JAX_DECODE_QKV=xla`, off the GPU, with the K/V append kernel off, and
+  for shapes it does not take."""
   if (_DECODE_QKV != "kernel" or _KV_APPEND != "kernel" or not on_gpu()
       or not isinstance(k_cache, QArray)):
     return None
@@ -638,15 +646,17 @@ def decode_qkv(qkv, positions, k_cache, v_cache, index, *, num_heads: int, q_sca
             and DQ.mosaic_layout_supported(k_cache, num_heads) is None)
   layout = "mosaic" if mosaic else "logical"
   return _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale,
-                     num_heads=num_heads, eps=eps, theta=theta, layout=layout)
+                     num_heads=num_heads, eps=eps, theta=theta, layout=layout,
+                     guidance_bits=guidance_bits and _GUIDANCE_BITS == "kernel")
 
 
-@_lowered_once("num_heads", "eps", "theta", "layout")
+@_lowered_once("num_heads", "eps", "theta", "layout", "guidance_bits")
 def _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale, *, num_heads, eps,
-                theta, layout):
+                theta, layout, guidance_bits):
   from trace_jax.kernels import qkv_append as DQ  # noqa: PLC0415 - Pallas imports stay lazy
   return DQ.decode_qkv(qkv, positions, k_cache, v_cache, index, num_heads=num_heads,
-                       q_scale=q_scale, k_scale=k_scale, eps=eps, theta=theta, layout=layout)
+                       q_scale=q_scale, k_scale=k_scale, eps=eps, theta=theta, layout=layout,
+                       guidance_bits=guidance_bits)
 
 
 def add_rms_norm(x, h, scale, eps: float):
@@ -754,13 +764,16 @@ def _topk_gates(logits, *, k, normalize):
   return router_topk.topk_gates(logits, k, normalize=normalize)
 
 
-def quantize_rows_to_operand(x, fmt, inverse, copies: int, w, tables=None):
+def quantize_rows_to_operand(x, fmt, inverse, copies: int, w, tables=None,
+                             guidance_bits: bool = False):
   """An activation site quantized for a grouped matmul with `w` whose sorted row p is x's row
   order[p] // copies (a MoE layer's expert input: x one row a token, `inverse` [N * copies] the
-  sorted position of each (token, slot) pair): `(q, OperandRows)`, q as `quantize_rows` gives
-  it and the dequantized value laid out for `grouped_matmul(..., w, tables=tables)` with no row
-  gather, from the Pallas kernel of `row_quant.py`; or None where the caller's path applies (as
-  `quantize_rows`, w not an FP4 expert weight, `TRACE_JAX_ROW_QUANT_OPERAND=xla`)."""
+  sorted position of each (token, slot) pair): `(q, OperandRows, bits)`, q as `quantize_rows`
+  gives it, the dequantized value laid out for `grouped_matmul(..., w, tables=tables)` with no
+  row gather, and q's compact guidance payload where guidance_bits asks for it and
+  `TRACE_JAX_GUIDANCE_BITS=kernel` (else None), from the Pallas kernel of `row_quant.py`; or
+  None where the caller's path applies (as `quantize_rows`, w not an FP4 expert weight,
+  `TRACE_JAX_ROW_QUANT_OPERAND=xla`)."""
   if (_ROW_QUANT != "kernel" or _ROW_QUANT_OPERAND != "kernel" or not on_gpu()
       or not isinstance(w, PackedWeight) or not w.experts):
     return None
@@ -771,13 +784,15 @@ def quantize_rows_to_operand(x, fmt, inverse, copies: int, w, tables=None):
   n = x.size // k
   n_rows, k_pad = fp4_mgpu.operand_shape(n * copies, w, tables)
   return _quantize_rows_to_operand(x, inverse.reshape(n, copies), fmt=fmt, n_rows=n_rows,
-                                   k_pad=k_pad)
+                                   k_pad=k_pad,
+                                   guidance_bits=guidance_bits and _GUIDANCE_BITS == "kernel")
 
 
-@_lowered_once("fmt", "n_rows", "k_pad")
-def _quantize_rows_to_operand(x, dest, *, fmt, n_rows, k_pad):
+@_lowered_once("fmt", "n_rows", "k_pad", "guidance_bits")
+def _quantize_rows_to_operand(x, dest, *, fmt, n_rows, k_pad, guidance_bits):
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
-  return row_quant.quantize_rows_to_operand(x, fmt, dest, n_rows=n_rows, k_pad=k_pad)
+  return row_quant.quantize_rows_to_operand(x, fmt, dest, n_rows=n_rows, k_pad=k_pad,
+                                            guidance_bits=guidance_bits)
 
 
 def swiglu_quantize_rows(gu, f: int, fmt, w_down, tables=None):

@@ -59,15 +59,19 @@ def kernel_supported(k_cache, k_new) -> str | None:
   return None
 
 
-def write_rows(b, slot, xs, caches, rows, *, fmt, recip, packings) -> None:
+def write_rows(b, slot, xs, caches, rows, *, fmt, recip, packings, bits=None) -> None:
   """Inside a kernel body: sequence b's new K and V rows `xs` (float32 [KVH, hd] each) encoded
   (`encode_tile`) and stored: nibble-packed into the new-row outputs `rows`, and into the cache
   outputs `caches` at slot `slot` (codes bit-placed where the cache's packing is "kv_words").
-  Both are six refs: K's codes, block scales and row scales, then V's."""
+  Both are six refs: K's codes, block scales and row scales, then V's. bits: two refs (K's,
+  V's) for the rows' compact guidance payloads (`e2m1.nibble_mantissa_bits`, [KVH, hd / 8]),
+  or None."""
   for j, x in enumerate(xs):
     kvh, hd = x.shape
     blk, packed = encode_tile(x.reshape(kvh, hd // fmt.block, fmt.block), fmt, recip)
     fields = (packed.reshape(kvh, hd // 2), blk.scales, blk.g.reshape(kvh, 1))
+    if bits is not None:
+      bits[j][...] = e2m1.nibble_mantissa_bits(fields[0], in_kernel=True)
     for f, val in enumerate(fields):
       rows[3 * j + f][...] = val  # the new rows stay nibble-packed
       if f == 0 and packings[j] == "kv_words":

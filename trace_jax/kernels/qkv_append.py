@@ -94,10 +94,10 @@ def _join_halves(a, b):
 
 
 def _kernel(idx_ref, pos_ref, freq_ref, qs_ref, ks_ref, x_ref, *refs, num_heads, kv_heads, eps,
-            norm, layout, counts, interpret, **kw):
+            norm, layout, counts, guidance_bits, interpret, **kw):
   # refs: 6 aliased cache inputs (their buffers are the outputs), 6 cache outputs, 6 new-row
   # outputs (`kv_append.write_rows`), q's row, with `counts` the row's attention merge
-  # counters (`attention_mgpu.GIVEN_COUNTS`)
+  # counters (`attention_mgpu.GIVEN_COUNTS`), with `guidance_bits` K's and V's guidance bits
   caches, rows, q_ref = refs[6:12], refs[12:18], refs[18]
   b = pl.program_id(0)
   dt = x_ref.dtype
@@ -116,7 +116,7 @@ def _kernel(idx_ref, pos_ref, freq_ref, qs_ref, ks_ref, x_ref, *refs, num_heads,
   k = norm_rope(x_ref[pl.ds(num_heads, kv_heads), :], ks_ref)
   v = x_ref[pl.ds(num_heads + kv_heads, kv_heads), :]
   kv_append.write_rows(b, idx_ref[b], [k.astype(jnp.float32), v.astype(jnp.float32)], caches,
-                       rows, **kw)
+                       rows, bits=refs[-2:] if guidance_bits else None, **kw)
 
 
 def _scales(q_scale, k_scale, hd: int, dtype):
@@ -133,13 +133,15 @@ def _scales(q_scale, k_scale, hd: int, dtype):
 
 def decode_qkv(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *, num_heads: int,
                q_scale=None, k_scale=None, eps: float = 1e-6, theta: float = 10000.0,
-               layout: str = "logical", interpret: bool = False):
+               layout: str = "logical", guidance_bits: bool = False, interpret: bool = False):
   """One decode token's attention inputs: qkv `[B, (H + 2 KVH) hd]` (the fused projection),
   positions `[B]` (rope's), the caches and the slot `index` (a scalar or `[B]`); q_scale /
   k_scale `[hd]` the per-head norms' scales (None: no norm). Returns (q, k_cache, v_cache, kq,
-  vq): q `[B, H, hd]` (layout "logical"), or an `attention_mgpu.PhysicalQuery` ("mosaic", with
-  the zeroed counters its stream kernel merges by: `PhysicalQuery.counts`); kq/vq the new rows
-  as nibble-packed `QArray`s `[B, 1, KVH, hd]`."""
+  vq, bits): q `[B, H, hd]` (layout "logical"), or an `attention_mgpu.PhysicalQuery` ("mosaic",
+  with the zeroed counters its stream kernel merges by: `PhysicalQuery.counts`); kq/vq the new
+  rows as nibble-packed `QArray`s `[B, 1, KVH, hd]`; bits, with guidance_bits, their compact
+  guidance payloads (`make_guidance(kq).payload`, uint8 `[B, 1, KVH, hd / 8]`, K's then V's),
+  else None."""
   why = kernel_supported(qkv, k_cache, v_cache, num_heads, layout)
   if why:
     raise ValueError(f"q/k/v kernel: {why}")
@@ -156,19 +158,22 @@ def decode_qkv(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *,
   counts = layout == "mosaic" and AM.GIVEN_COUNTS  # the stream attention's merge counters
   body = functools.partial(
       _kernel, num_heads=num_heads, kv_heads=kvh, eps=eps, norm=q_scale is not None,
-      layout=layout, counts=counts, interpret=interpret, fmt=k_cache.fmt,
-      recip=reciprocal(interpret), packings=(k_cache.packing, v_cache.packing))
+      layout=layout, counts=counts, guidance_bits=guidance_bits, interpret=interpret,
+      fmt=k_cache.fmt, recip=reciprocal(interpret), packings=(k_cache.packing, v_cache.packing))
   more_out = [jax.ShapeDtypeStruct((b, num_heads, hd), qkv.dtype)]
   more_specs = [pl.BlockSpec((None, num_heads, hd), lambda i: (i, 0, 0))]
   if counts:
     more_out.append(jax.ShapeDtypeStruct((b, kvh), jnp.int32))
     more_specs.append(pl.BlockSpec((None, kvh), lambda i: (i, 0)))
-  k_new, v_new, kq, vq, q, *zeros = kv_append.cache_call(
+  if guidance_bits:
+    more_out += [jax.ShapeDtypeStruct((b, 1, kvh, hd // 8), jnp.uint8)] * 2
+    more_specs += [pl.BlockSpec((None, None, kvh, hd // 8), lambda i: (i, 0, 0, 0))] * 2
+  k_new, v_new, kq, vq, q, *more = kv_append.cache_call(
       body, args, specs, k_cache, v_cache, index, interpret=interpret, name="qkv_append_nvfp4",
       num_warps=NUM_WARPS, more_out=more_out, more_specs=more_specs)
   if layout == "mosaic":
-    q = AM.PhysicalQuery(q, zeros[0].reshape(b * kvh) if counts else None)
-  return q, k_new, v_new, kq, vq
+    q = AM.PhysicalQuery(q, more[0].reshape(b * kvh) if counts else None)
+  return q, k_new, v_new, kq, vq, tuple(more[-2:]) if guidance_bits else None
 
 
 def decode_qkv_ref(qkv, positions, k_cache: tq.QArray, v_cache: tq.QArray, index, *,

@@ -174,10 +174,11 @@ def launch(body, *args, programs: int, out_shape, interpret: bool, num_warps: in
 
 
 def _encode_rows(x_ref, codes_ref, scales_ref, g_ref, *, fmt, recip, n: int, nb: int,
-                 rows: int, nb_pad: int):
+                 rows: int, nb_pad: int, bits_ref=None):
   """Inside a kernel body: the program's rows of x loaded, encoded and their codes, block
-  scales and row scales stored -> (the encoding, `at` (the rows' blocks of a ref), the
-  [R, NB] mask)."""
+  scales and row scales stored, and their compact guidance bits where `bits_ref` is given
+  ([N, NB, block / 8], `e2m1.nibble_mantissa_bits`) -> (the encoding, `at` (the rows' blocks
+  of a ref), the [R, NB] mask)."""
   r0 = pl.program_id(0) * rows
   row_ok = (r0 + jnp.arange(rows)) < n
   ok = row_ok[:, None] & (jnp.arange(nb_pad) < nb)[None, :]
@@ -185,6 +186,9 @@ def _encode_rows(x_ref, codes_ref, scales_ref, g_ref, *, fmt, recip, n: int, nb:
   x = triton_primitives().load(at(x_ref), mask=ok[:, :, None], other=0).astype(jnp.float32)
   blk, packed = encode_tile(x, fmt, recip)  # codes [R, NB, 16], scales [R, NB]
   store_fields(at, codes_ref, scales_ref, g_ref, blk, packed, r0, rows, ok, row_ok)
+  if bits_ref is not None:
+    triton_primitives().store(at(bits_ref), e2m1.nibble_mantissa_bits(packed, in_kernel=True),
+                              mask=ok[:, :, None])
   return blk, at, ok
 
 
@@ -194,10 +198,11 @@ def _kernel(x_ref, codes_ref, scales_ref, g_ref, val_ref, **kw):
                             mask=ok[:, :, None])
 
 
-def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, copies: int,
-                    n_rows: int, **kw):
+def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *bits_ref,
+                    copies: int, n_rows: int, **kw):
   """`_kernel` with the value written as an operand's rows: row i to rows dest[i, :]; the
-  operand's rows past n * copies get zeros, `rows` of them a program."""
+  operand's rows past n * copies get zeros, `rows` of them a program; the rows' guidance bits
+  where a `bits_ref` output follows."""
   plt = triton_primitives()
   n, rows, nb_pad = kw["n"], kw["rows"], kw["nb_pad"]
   r0 = pl.program_id(0) * rows
@@ -208,7 +213,8 @@ def _operand_kernel(x_ref, dest_ref, codes_ref, scales_ref, g_ref, op_ref, *, co
   # (interpret mode drops those updates)
   dests = [plt.load(dest_ref.at[pl.ds(r0, rows), jnp.int32(j)], mask=row_ok, other=n_rows)
            for j in range(copies)]
-  blk = _encode_rows(x_ref, codes_ref, scales_ref, g_ref, **kw)[0]
+  blk = _encode_rows(x_ref, codes_ref, scales_ref, g_ref, bits_ref=(bits_ref or [None])[0],
+                     **kw)[0]
   value = operand_order(decoded_value(blk).astype(op_ref.dtype))  # [R, C, 64]
   c = jnp.arange(nb_pad // 4)
   cols = (c[None, :, None], jnp.arange(64)[None, None, :])
@@ -254,9 +260,11 @@ def quantize_rows(x: jax.Array, fmt, *, interpret: bool = False, tile_elems: int
 
 
 def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int, k_pad: int,
-                             interpret: bool = False, tile_elems: int = TILE_ELEMS,
-                             num_warps: int | None = None):
-  """`(q, operand)`: q as `quantize_rows` gives it, and `layout.OperandRows` of the dequantized
+                             guidance_bits: bool = False, interpret: bool = False,
+                             tile_elems: int = TILE_ELEMS, num_warps: int | None = None):
+  """`(q, operand, bits)`: q as `quantize_rows` gives it, bits (with guidance_bits, else None)
+  its compact guidance payload (`make_guidance(q).payload`, uint8 `[..., K / 8]`), and
+  `layout.OperandRows` of the dequantized
   value laid out for an FP4 matmul kernel (`layout.permute_k_rows`), x's row i (its leading
   axes flattened) at the operand's rows dest[i, :], rows past N * copies zeros. dest: int
   [N, copies] holding each of range(N * copies) once (a MoE layer's `inverse`, reshaped: the
@@ -279,16 +287,19 @@ def quantize_rows_to_operand(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,
   rows = max(1, tile_elems // (nb_pad * fmt.block))
   out_shape = field_shapes(n, nb, fmt,
                            jax.ShapeDtypeStruct((n_rows, k_pad // 64, 64), jnp.bfloat16))
+  if guidance_bits:
+    out_shape.append(jax.ShapeDtypeStruct((n, nb, fmt.block // 8), jnp.uint8))
   xb = x.reshape(n, nb, fmt.block)
   dest = dest.astype(jnp.int32)
   programs = max(-(-n // rows), -(-(n_rows - n * copies) // rows))
-  codes, scales, g, op = launch(
+  codes, scales, g, op, *bits = launch(
       functools.partial(_operand_kernel, fmt=fmt, n=n, nb=nb, rows=rows, nb_pad=nb_pad,
                         copies=copies, n_rows=n_rows, recip=reciprocal(interpret)),
       xb, dest, programs=programs, out_shape=out_shape, interpret=interpret,
       num_warps=num_warps or OPERAND_WARPS, name="row_quant_operand_nvfp4")
   q = _row_qarray(codes, scales, g, x.shape, fmt)
-  return q, layout.OperandRows(op.reshape(n_rows, k_pad), n * copies)
+  bits = bits[0].reshape(*lead, k // 8) if guidance_bits else None
+  return q, layout.OperandRows(op.reshape(n_rows, k_pad), n * copies), bits
 
 
 def quantize_rows_to_operand_ref(x: jax.Array, fmt, dest: jax.Array, *, n_rows: int,

@@ -113,11 +113,12 @@ def activation_site(x: jax.Array, site: str, guided_layer: bool, ctx: QuantConte
 
 
 def record_quantized(q: tq.QArray, site: str, guided_layer: bool, ctx: QuantContext,
-                     records: dict) -> None:
+                     records: dict, payload=None) -> None:
   """A rollout site's records from its quantized activation q: its guidance (guided layers,
-  FP4 formats, `ctx.record_guidance`) and its codes (`ctx.record_codes`)."""
+  FP4 formats, `ctx.record_guidance`; payload: its compact bits where the kernel that made q
+  wrote them) and its codes (`ctx.record_codes`)."""
   if ctx.record_guidance and guided_layer and q.fmt.is_fp4:
-    records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact)
+    records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact, payload=payload)
   if ctx.record_codes:
     records[codes_key(site)] = q
 

@@ -155,12 +155,14 @@ class Attention(nn.Module):
     x = activation_site(x, "attn/in", self.guided, ctx, guidance, records)
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     kv_fmt = ctx.activation_format("kv/k")
+    guided_kv = kv_fmt is not None and kv_fmt.is_fp4 and ctx.record_guidance and self.guided
     fused = self._fused_qkv(nq + 2 * nkv)
     prepared = None
     if fused is not None:  # one call, not three (a decode step's FP4 GEMVs)
       qkv = kernels.matmul(x.astype(dt), fused, out_dtype=dt)
       if t == 1 and cache is not None and kv_fmt is not None:
-        prepared = self._decode_qkv(qkv[:, 0], positions[:, 0], cache, cache_index)
+        prepared = self._decode_qkv(qkv[:, 0], positions[:, 0], cache, cache_index,
+                                    guided_kv and ctx.policy.guidance_compact)
       if prepared is None:
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:
@@ -176,8 +178,10 @@ class Attention(nn.Module):
     if cache is not None and kv_fmt is not None:
       # a decode step's rows: the q/k/v kernel, or the K/V append kernel where it applies
       # (`kernels.decode_qkv`, `kernels.append_kv`)
-      fused = (prepared[1:] if prepared is not None
+      fused = (prepared[1:5] if prepared is not None
                else kernels.append_kv(cache.k, cache.v, k, v, cache_index) if t == 1 else None)
+      # the kernel's compact guidance bits of the new rows, where it wrote them
+      kv_bits = (prepared[5] if prepared is not None else None) or (None, None)
       if fused is not None:
         k_cache, v_cache, kq, vq = fused
         layer = kvc.LayerKV(k_cache, v_cache)
@@ -188,9 +192,9 @@ class Attention(nn.Module):
         kq, vq = (tq.map_blocked(kvq, lambda a, i=i: a[i], kvq.shape[1:], axis=kvq.axis - 1)
                   for i in (0, 1))
         layer = kvc.write_layer(cache, kq, vq, cache_index)
-      if ctx.record_guidance and self.guided and kv_fmt.is_fp4:
-        records["kv/k"] = tq.make_guidance(kq, ctx.policy.guidance_compact)
-        records["kv/v"] = tq.make_guidance(vq, ctx.policy.guidance_compact)
+      if guided_kv:
+        records["kv/k"] = tq.make_guidance(kq, ctx.policy.guidance_compact, kv_bits[0])
+        records["kv/v"] = tq.make_guidance(vq, ctx.policy.guidance_compact, kv_bits[1])
       if ctx.record_codes:
         records[codes_key("kv/k")], records[codes_key("kv/v")] = kq, vq
     else:
@@ -238,9 +242,10 @@ class Attention(nn.Module):
       k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
     return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v
 
-  def _decode_qkv(self, qkv, positions, cache, cache_index):
+  def _decode_qkv(self, qkv, positions, cache, cache_index, guidance_bits: bool):
     """A decode token's attention inputs by one kernel (`kernels.decode_qkv`: q as the decode
-    attention reads it, the caches with K/V written, the new rows), or None where
+    attention reads it, the caches with K/V written, the new rows and, where guidance_bits
+    asks and the kernel writes them, their compact guidance bits), or None where
     `_qk_norm_rope` and the K/V write apply (norms over the whole projection, clipping, and
     wherever the kernel does not)."""
     c = self.config
@@ -251,7 +256,8 @@ class Attention(nn.Module):
               else [None, None])
     return kernels.decode_qkv(qkv, positions, cache.k, cache.v, cache_index,
                               num_heads=c.num_heads, q_scale=scales[0], k_scale=scales[1],
-                              eps=c.rms_norm_eps, theta=c.rope_theta)
+                              eps=c.rms_norm_eps, theta=c.rope_theta,
+                              guidance_bits=guidance_bits)
 
   def _fused_qkv(self, n: int):
     """The q_proj kernel where the rollout's weight sync put q, k and v side by side in it
@@ -509,11 +515,13 @@ def _experts_input_site(x, inverse, k, w_gu, tables, guided, ctx, guidance, reco
   fmt = ctx.activation_format(site)
   fused = None
   if (guidance is None or guidance.get(site) is None) and ctx.mode == "rollout" and fmt:
-    fused = kernels.quantize_rows_to_operand(x, fmt, inverse, k, w_gu, tables)
+    bits = ctx.record_guidance and guided and fmt.is_fp4 and ctx.policy.guidance_compact
+    fused = kernels.quantize_rows_to_operand(x, fmt, inverse, k, w_gu, tables,
+                                             guidance_bits=bits)
   if fused is None:
     return activation_site(x, site, guided, ctx, guidance, records).reshape(-1, x.shape[-1])
-  q, operand = fused
-  record_quantized(q, site, guided, ctx, records)
+  q, operand, bits = fused  # bits: the guidance payload, where the kernel wrote it
+  record_quantized(q, site, guided, ctx, records, payload=bits)
   return operand
 
 

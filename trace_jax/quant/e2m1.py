@@ -155,19 +155,27 @@ def pack_bits(bits: jax.Array) -> jax.Array:
   return jnp.sum(b * weights, axis=-1, dtype=jnp.uint8)
 
 
-def nibble_mantissa_bits(packed: jax.Array) -> jax.Array:
+def nibble_mantissa_bits(packed: jax.Array, *, in_kernel: bool = False) -> jax.Array:
   """`pack_bits(mantissa_bit(unpack_nibbles(packed)))` from nibble-packed codes `(..., n)`, n a
-  multiple of 4: `(..., n / 4)`. Element-wise on each byte's two mantissa bits (bits 0 and 4)
-  rather than a sum over eight, so XLA can fuse it into what reads the guidance (the step's
-  records, a gather): the 48-layer FP4 decode step's 96 reduction kernels of the guided sites
-  (4 a guided layer) became 63 element-wise ones, the rest fused, 1,107 -> 1,074 kernels a
-  step (deviceless census, B 256, session 42)."""
+  multiple of 4: `(..., n / 4)`. Each 4-byte word's eight mantissa bits (its bits 4i) moved
+  together by shifts, masks and ors, element-wise rather than a sum over eight, so XLA can
+  fuse it into what reads the guidance (the step's records, a gather): the 48-layer FP4 decode
+  step's 96 reduction kernels of the guided sites (4 a guided layer) became 63 element-wise
+  ones, the rest fused, 1,107 -> 1,074 kernels a step (deviceless census, B 256, session 42).
+  in_kernel: the words as Pallas kernel bodies form them (`_bytes_to_words`; the Triton
+  lowering slices no register arrays), else by slices XLA fuses."""
   if packed.shape[-1] % 4:
     raise ValueError(f"nibble_mantissa_bits needs a last axis that is a multiple of 4, got "
                      f"{packed.shape}")
-  b = packed.astype(jnp.uint8).reshape(*packed.shape[:-1], packed.shape[-1] // 4, 4)
-  pair = (b & 1) | ((b >> 3) & 2)  # a byte's two codes' mantissa bits, in bits 0 and 1
-  return pair[..., 0] | (pair[..., 1] << 2) | (pair[..., 2] << 4) | (pair[..., 3] << 6)
+  if in_kernel:
+    w = _bytes_to_words(packed)
+  else:
+    b = packed.astype(jnp.uint32).reshape(*packed.shape[:-1], packed.shape[-1] // 4, 4)
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+  m = w & jnp.uint32(0x11111111)  # code i's mantissa bit is bit 4i
+  m = (m | (m >> 3)) & jnp.uint32(0x03030303)  # pairs: bits 8k, 8k + 1
+  m = (m | (m >> 6)) & jnp.uint32(0x000F000F)  # quads: bits 16k .. 16k + 3
+  return ((m | (m >> 12)) & jnp.uint32(0xFF)).astype(jnp.uint8)
 
 
 def unpack_bits(packed: jax.Array) -> jax.Array:

@@ -70,14 +70,23 @@ def guidance_bits_per_element(fmt: str | F.Format, compact: bool = True) -> floa
   return (1.0 if compact else 4.0) + 8.0 / fmt.block
 
 
-def make_guidance(q: Q.QArray, compact: bool = True) -> Guidance:
-  """The guidance the rollout keeps for a quantized FP4 site."""
+def make_guidance(q: Q.QArray, compact: bool = True, payload: jax.Array | None = None
+                  ) -> Guidance:
+  """The guidance the rollout keeps for a quantized FP4 site. payload: its compact bits where a
+  kernel that made q wrote them (`e2m1.nibble_mantissa_bits` of q's nibble-packed codes, the
+  blocked axis 8 elements a byte), else None: made here."""
   if not isinstance(q, Q.QArray):
     raise TypeError(f"make_guidance expects a QArray, got {type(q).__name__}")
   if not q.fmt.is_fp4:
     raise ValueError(f"guided rounding is defined for FP4 formats, not {q.fmt.name}")
   q = Q.with_packing(q, "nibbles")  # the trainer reads nibble-packed codes
-  if compact:  # (blocks are whole bytes of bits: the element order is the codes')
+  if payload is not None:
+    want = q.shape[:q.axis] + (q.shape[q.axis] // 8,) + q.shape[q.axis + 1:]
+    if not compact or tuple(payload.shape) != want or payload.dtype != jnp.uint8:
+      raise ValueError(f"a given guidance payload is compact uint8{list(want)} for codes of "
+                       f"shape {list(q.shape)}, got {'compact ' if compact else ''}"
+                       f"{payload.dtype}{list(payload.shape)}")
+  elif compact:  # (blocks are whole bytes of bits: the element order is the codes')
     codes = jnp.moveaxis(q.codes, q.axis, -1)
     payload = jnp.moveaxis(e2m1.nibble_mantissa_bits(codes), -1, q.axis)
   else:
