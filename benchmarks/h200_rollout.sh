@@ -822,13 +822,13 @@ elif [ "$stage" = s42b ]; then
 elif [ "$stage" = s42d ]; then
   # (session 42) the 48-layer 8k-capacity rollout with session 42's opt-ins (side "given": the
   # attention counters from the q/k/v kernel, the guidance bits from the quantizing kernels;
-  # deviceless census 1,074 -> 1,032 kernels a step with the bits, 1,155 -> 1,107 with the
-  # counters) or without them (SIDE=own), clocks sampled. After s42b's tests have passed
+  # deviceless census 1,155 -> 1,107 kernels a step with the counters, 1,074 -> 1,011 with the
+  # bits) or without them (SIDE=own), clocks sampled. After s42b's tests have passed
   export TRACE_JAX_ATTN_COUNTS=given TRACE_JAX_GUIDANCE_BITS=kernel
   cap8k_settings_side own "TRACE_JAX_ATTN_COUNTS=own TRACE_JAX_GUIDANCE_BITS=xla" given
 elif [ "$stage" = s42c ]; then
-  # (session 42) s42b's GPU tests alone (any sm_90 card: an H100 where no H200 is lent), and
-  # the attention kernels' other GPU tests under the given counters
+  # (session 42) more GPU tests under session 42's opt-ins (any sm_90 card): all of the q/k/v
+  # kernel's and the Mosaic attention's stream schedule and model decode ones
   export TRACE_JAX_ATTN_COUNTS=given TRACE_JAX_GUIDANCE_BITS=kernel
   gpu_tests tests/kernels/test_attention_gpu.py "counters_given" counters ${TEST_TIMEOUT:-150}
   gpu_tests tests/kernels/test_qkv_append.py "gpu" qkv ${TEST_TIMEOUT:-150}

@@ -112,12 +112,18 @@ def activation_site(x: jax.Array, site: str, guided_layer: bool, ctx: QuantConte
   return tq.fake_quant(x, fmt, second_level="row", validate=False)
 
 
+def records_guidance(fmt, guided_layer: bool, ctx: QuantContext) -> bool:
+  """Whether a rollout site quantized in `fmt` records guidance: guided layers, FP4 formats,
+  `ctx.record_guidance`."""
+  return bool(ctx.record_guidance and guided_layer and fmt is not None and fmt.is_fp4)
+
+
 def record_quantized(q: tq.QArray, site: str, guided_layer: bool, ctx: QuantContext,
                      records: dict, payload=None) -> None:
-  """A rollout site's records from its quantized activation q: its guidance (guided layers,
-  FP4 formats, `ctx.record_guidance`; payload: its compact bits where the kernel that made q
-  wrote them) and its codes (`ctx.record_codes`)."""
-  if ctx.record_guidance and guided_layer and q.fmt.is_fp4:
+  """A rollout site's records from its quantized activation q: its guidance
+  (`records_guidance`; payload: its compact bits where the kernel that made q wrote them) and
+  its codes (`ctx.record_codes`)."""
+  if records_guidance(q.fmt, guided_layer, ctx):
     records[site] = tq.make_guidance(q, compact=ctx.policy.guidance_compact, payload=payload)
   if ctx.record_codes:
     records[codes_key(site)] = q

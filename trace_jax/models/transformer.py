@@ -28,7 +28,7 @@ from trace_jax import quant as tq
 from trace_jax.models import kv_cache as kvc
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.sites import (QuantContext, activation_site, apply_weight, codes_key,
-                                    record_quantized)
+                                    record_quantized, records_guidance)
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -155,7 +155,7 @@ class Attention(nn.Module):
     x = activation_site(x, "attn/in", self.guided, ctx, guidance, records)
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     kv_fmt = ctx.activation_format("kv/k")
-    guided_kv = kv_fmt is not None and kv_fmt.is_fp4 and ctx.record_guidance and self.guided
+    guided_kv = records_guidance(kv_fmt, self.guided, ctx)
     fused = self._fused_qkv(nq + 2 * nkv)
     prepared = None
     if fused is not None:  # one call, not three (a decode step's FP4 GEMVs)
@@ -181,7 +181,7 @@ class Attention(nn.Module):
       fused = (prepared[1:5] if prepared is not None
                else kernels.append_kv(cache.k, cache.v, k, v, cache_index) if t == 1 else None)
       # the kernel's compact guidance bits of the new rows, where it wrote them
-      kv_bits = (prepared[5] if prepared is not None else None) or (None, None)
+      kv_bits = prepared[5] if prepared is not None and prepared[5] else (None, None)
       if fused is not None:
         k_cache, v_cache, kq, vq = fused
         layer = kvc.LayerKV(k_cache, v_cache)
@@ -515,7 +515,7 @@ def _experts_input_site(x, inverse, k, w_gu, tables, guided, ctx, guidance, reco
   fmt = ctx.activation_format(site)
   fused = None
   if (guidance is None or guidance.get(site) is None) and ctx.mode == "rollout" and fmt:
-    bits = ctx.record_guidance and guided and fmt.is_fp4 and ctx.policy.guidance_compact
+    bits = records_guidance(fmt, guided, ctx) and ctx.policy.guidance_compact
     fused = kernels.quantize_rows_to_operand(x, fmt, inverse, k, w_gu, tables,
                                              guidance_bits=bits)
   if fused is None:
