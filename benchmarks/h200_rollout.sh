@@ -812,7 +812,8 @@ elif [ "$stage" = s42b ]; then
   # same counters left zero; the one-layer model's decode with both kernels against XLA's path).
   # TRACE_JAX_GUIDANCE_BITS=kernel: the q/k/v and expert input kernels write the guidance bits
   # of what they quantize (the q/k/v kernel's bits of its own rows; the expert input kernels'
-  # model against XLA's ops, records bit for bit)
+  # model against XLA's ops, records bit for bit). All passed in session 43; both are the GPU
+  # defaults since, and the settings below keep the stage as it ran
   export TRACE_JAX_ATTN_COUNTS=given TRACE_JAX_GUIDANCE_BITS=kernel
   gpu_tests tests/kernels/test_attention_gpu.py "counters_given" counters ${TEST_TIMEOUT:-150}
   gpu_tests tests/kernels/test_qkv_append.py \

@@ -164,9 +164,9 @@ SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "split
 # The stream kernel's merge counters: "own" (a semaphore array of the kernel's, which XLA fills
 # with zeros and copies for every call: 48 kernels of a 48-layer step's 1,155, deviceless
 # census) or "given" (zeroed by the q/k/v kernel that writes the queries, `PhysicalQuery.counts`;
-# the kernel leaves them zero: 1,107 kernels). Opt-in (TRACE_JAX_ATTN_COUNTS=given) until its
-# GPU tests have run (stage s42b; written in session 42, when no GPU was lent)
-GIVEN_COUNTS = choice_setting("TRACE_JAX_ATTN_COUNTS", "own", ("given", "own")) == "given"
+# the kernel leaves them zero: 1,107 kernels). "given" is the default since its H200 tests
+# passed (stage s42b, session 43); TRACE_JAX_ATTN_COUNTS=own for the kernel's own
+GIVEN_COUNTS = choice_setting("TRACE_JAX_ATTN_COUNTS", "given", ("given", "own")) == "given"
 
 
 def default_v_halves(overlap: bool, merge: bool) -> bool:

@@ -101,9 +101,9 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 _DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "kernel", ("xla", "kernel"))
 # a guided layer's compact guidance bits of K, V (`decode_qkv`) and the experts' input
 # (`quantize_rows_to_operand`) written by the kernels that quantize them ("kernel"; 3
-# element-wise XLA kernels a guided layer fewer) or made by XLA from their codes ("xla"; the
-# default until their GPU tests run: stage s42b, session 42)
-_GUIDANCE_BITS = _setting("TRACE_JAX_GUIDANCE_BITS", "xla", ("xla", "kernel"))
+# element-wise XLA kernels a guided layer fewer; the GPU default since their H200 tests passed,
+# stage s42b, session 43) or made by XLA from their codes ("xla")
+_GUIDANCE_BITS = _setting("TRACE_JAX_GUIDANCE_BITS", "kernel", ("xla", "kernel"))
 # a residual add and the RMS norm after it as one kernel (`add_rms_norm`), or XLA's two
 _ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "kernel", ("xla", "kernel"))
 # the MoE's output (its gates' weighted sum of the down kernel's rows), the residual add and
