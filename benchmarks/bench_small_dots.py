@@ -140,8 +140,8 @@ def main():
                  GBps="weight bytes / us"),
       read_ceiling_TBps=bench_util.READ_CEILING_TBPS, rows=[])
 
-  def timed(fn, x, copies):
-    multi = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+  def timed(fn, x, copies, options=None):
+    multi = jax.jit(lambda x, ws: [fn(x, w) for w in ws], compiler_options=options)
     compiled = multi.lower(x, copies).compile()
     _, tim = profiler.measure(compiled, aggregate=False, iterations=args.iters)(x, copies)
     n = len(copies)
@@ -150,12 +150,13 @@ def main():
     return statistics.median(per_iter), len(tim[0]) / n, names
 
   def row(name, fn, x, w, ref, wbytes):
+    fn, options = fn if isinstance(fn, tuple) else (fn, None)  # (fn, XLA compiler options)
     n = int(min(16, max(1, np.ceil(2.5 * bench_util.L2_BYTES / wbytes))))
     copies = [jnp.copy(w) for _ in range(n)]
-    got = np.asarray(jax.jit(fn)(x, w), np.float64)
+    got = np.asarray(jax.jit(fn, compiler_options=options)(x, w), np.float64)
     err = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
     try:
-      us, kernels, names = timed(fn, x, copies)
+      us, kernels, names = timed(fn, x, copies, options)
       r = dict(name=name, us=us, kernels_per_call=kernels, kernel_names=names[:6],
                GBps=wbytes / us / 1e3, relerr_max=err)
     except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
@@ -256,6 +257,12 @@ def main():
               x, w[None], jnp.asarray([x.shape[0]], jnp.int32), out_dtype=jnp.bfloat16,
               config_override=_dense_launch(x.shape[0], w.shape[0], w.shape[1])),
       }
+      # XLA's product with its Triton GEMM fusions off (cuBLAS / cuBLASLt picks the launch,
+      # split-K included), as a program's `compiler_options` can set it
+      xla = dv["xla"]
+      dv["xla_cublas"] = (xla, {"xla_gpu_enable_triton_gemm": False})
+      dv["xla_cublaslt"] = (xla, {"xla_gpu_enable_triton_gemm": False,
+                                  "xla_gpu_enable_cublaslt": True})
       if r >= 128:  # the bf16 kernel with 128 / 256 rows a chunk (`bf16_mgpu.dense_matmul`)
         for bm, wgs, kb, sp in DENSE_LAUNCHES:
           dv[f"mgpu_bm{bm}_wg{wgs}_kb{kb}_s{sp}"] = functools.partial(
