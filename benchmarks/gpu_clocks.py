@@ -11,12 +11,15 @@ predict. Whether the clock drops under the long load is what this records.
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
 utilization.gpu,clocks_event_reasons.active --format=csv,noheader,nounits -lms 250 > s.csv &
   python3 benchmarks/gpu_clocks.py s.csv --json s.json
+  python3 benchmarks/gpu_clocks.py a.csv b.csv --plot clocks.png   # SM clock and power in time
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
 import sys
 
@@ -76,12 +79,63 @@ def summarize(samples: list[dict], busy_util: float = 50.0) -> dict:
   return out
 
 
+def seconds(samples: list[dict]) -> list[float]:
+  """Each sample's time in seconds after the first (`nvidia-smi`'s "YYYY/MM/DD HH:MM:SS.mmm")."""
+  t = [datetime.datetime.strptime(s["time"], "%Y/%m/%d %H:%M:%S.%f") for s in samples]
+  return [(x - t[0]).total_seconds() for x in t]
+
+
+def plot(paths: list[str], out: str, busy_util: float = 50.0) -> str:
+  """One panel a CSV: the SM clock and the board's power over time, samples in which the power
+  cap held the clock (`sw_power_cap`) marked; PNG at `out`."""
+  import matplotlib  # noqa: PLC0415 - plotting only
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, axes = plt.subplots(len(paths), 1, figsize=(10, 3.2 * len(paths)), squeeze=False)
+  for ax, path in zip(axes[:, 0], paths):
+    with open(path) as f:
+      samples = parse(f)
+    if not samples:
+      raise ValueError(f"{path}: no nvidia-smi samples in it")
+    t = seconds(samples)
+    ax.plot(t, [s["sm_mhz"] for s in samples], color="tab:blue", lw=1, label="SM clock, MHz")
+    capped = [(x, s["sm_mhz"]) for x, s in zip(t, samples)
+              if s["reasons"] & 0x4 and s["util"] >= busy_util]
+    if capped:
+      ax.scatter(*zip(*capped), s=6, color="tab:red", zorder=3,
+                 label="busy, held by the power cap")
+    busy = [s["sm_mhz"] for s in samples if s["util"] >= busy_util]
+    if busy:  # the busy range in view (the idle clock at the start would flatten it)
+      ax.set_ylim(min(busy) - 150, max(s["sm_mhz"] for s in samples) + 30)
+    ax.set_ylabel("SM clock, MHz")
+    ax.set_xlabel("s after the first sample")
+    ax.set_title(os.path.basename(path), fontsize=9)
+    right = ax.twinx()
+    right.plot(t, [s["power_w"] for s in samples], color="tab:orange", lw=1, alpha=0.7,
+               label="power, W")
+    right.set_ylabel("power, W")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="center left")
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("csv")
+  ap.add_argument("csv", nargs="+")
   ap.add_argument("--json", default="")
   ap.add_argument("--busy_util", type=float, default=50.0)
+  ap.add_argument("--plot", default="", help="draw every CSV given into this PNG and exit")
   args = ap.parse_args(argv)
+  if args.plot:
+    print(plot(args.csv, args.plot, args.busy_util))
+    return 0
+  if len(args.csv) > 1:
+    ap.error("one CSV a summary (several only with --plot)")
+  args.csv = args.csv[0]
   with open(args.csv) as f:
     summary = summarize(parse(f), args.busy_util)
   if args.json:

@@ -50,3 +50,25 @@ def test_reason_names_and_no_busy_samples():
   assert gpu_clocks.reason_names(0) == []
   idle = gpu_clocks.parse(["t, 345, 3201, 75.5, 30, 0, 0x0000000000000001"])
   assert gpu_clocks.summarize(idle) == dict(samples=1, busy_samples=0)
+
+
+def test_plot_draws_every_csv_and_names_an_empty_one(tmp_path):
+  rng = np.random.default_rng(3)
+  paths = []
+  for name in ("a", "b"):
+    lines, *_ = _lines(rng, 40)
+    path = tmp_path / f"{name}.csv"
+    path.write_text("\n".join(lines) + "\n")
+    paths.append(str(path))
+  png = tmp_path / "clocks.png"
+  assert gpu_clocks.main(paths + ["--plot", str(png)]) == 0
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert gpu_clocks.seconds(gpu_clocks.parse(lines))[1] == 1.001  # :00.000 -> :01.001
+  empty = tmp_path / "empty.csv"
+  empty.write_text("Failed to query\n")
+  try:
+    gpu_clocks.plot([paths[0], str(empty)], str(tmp_path / "x.png"))
+  except ValueError as e:
+    assert "empty.csv" in str(e)
+  else:
+    raise AssertionError("an empty CSV was drawn")
