@@ -977,12 +977,6 @@ GPU_COMMAND_BUFFERS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,
 }
-# The GEMM emitter for the products XLA compiles in the rollout programs (the bf16 attention
-# output projection, the lm_head, the prefill's dense products): "default", XLA's autotuned
-# choice, or "cublas", its Triton GEMM fusions off (`xla_gpu_enable_triton_gemm`). An A/B
-# setting (stage s43a): in session 32 XLA's o projection took 12.1 us a layer of the 8k-capacity
-# decode step against 3.9 us of weight bytes
-XLA_GEMM = choice_setting("TRACE_JAX_XLA_GEMM", "default", ("default", "cublas"))
 
 
 class RolloutEngine:
@@ -1152,10 +1146,7 @@ class RolloutEngine:
 
   def _jit(self, fn, command_buffers: bool | None = None, **kw):
     on = self.command_buffers if command_buffers is None else command_buffers
-    options = dict(GPU_COMMAND_BUFFERS) if on else {}
-    if XLA_GEMM == "cublas":
-      options["xla_gpu_enable_triton_gemm"] = False
-    return jax.jit(fn, compiler_options=options or None, **kw)
+    return jax.jit(fn, compiler_options=GPU_COMMAND_BUFFERS if on else None, **kw)
 
   def _program(self, key):
     # Shared across engines: a new engine with the same config reuses compiled programs.
