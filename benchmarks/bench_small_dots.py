@@ -23,7 +23,9 @@ time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
   broadcast to two), `mgpu` (the bf16 grouped
   Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group), and from 128 rows
   `mgpu_bm{rows a chunk}_wg{warpgroups}_kb{K tiles a step}_s{K splits}` (the same kernel with
-  128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`).
+  128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`), `xla_cublas` / `xla_cublaslt` (`xla`
+  compiled with XLA's Triton GEMM fusions off: at 256 rows on an H100 8-31% slower than XLA's
+  choice, session 43).
 - `router_bf16`: the router's operands as bf16 (the rollout's), one bf16 product with float32
   accumulation (`dispatch.bf16_operands_dot`: the products exact, as in float32).
 - `route_tail`: softmax, top-8 and the weights' normalization of router logits [R, 128], as the
