@@ -100,7 +100,7 @@ def plot(paths: list[str], out: str, busy_util: float = 50.0) -> str:
     t = seconds(samples)
     ax.plot(t, [s["sm_mhz"] for s in samples], color="tab:blue", lw=1, label="SM clock, MHz")
     capped = [(x, s["sm_mhz"]) for x, s in zip(t, samples)
-              if s["reasons"] & 0x4 and s["util"] >= busy_util]
+              if s["util"] >= busy_util and "sw_power_cap" in reason_names(s["reasons"])]
     if capped:
       ax.scatter(*zip(*capped), s=6, color="tab:red", zorder=3,
                  label="busy, held by the power cap")

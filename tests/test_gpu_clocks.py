@@ -6,6 +6,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -66,9 +67,5 @@ def test_plot_draws_every_csv_and_names_an_empty_one(tmp_path):
   assert gpu_clocks.seconds(gpu_clocks.parse(lines))[1] == 1.001  # :00.000 -> :01.001
   empty = tmp_path / "empty.csv"
   empty.write_text("Failed to query\n")
-  try:
+  with pytest.raises(ValueError, match="empty.csv"):
     gpu_clocks.plot([paths[0], str(empty)], str(tmp_path / "x.png"))
-  except ValueError as e:
-    assert "empty.csv" in str(e)
-  else:
-    raise AssertionError("an empty CSV was drawn")

@@ -118,6 +118,13 @@ def records_guidance(fmt, guided_layer: bool, ctx: QuantContext) -> bool:
   return bool(ctx.record_guidance and guided_layer and fmt is not None and fmt.is_fp4)
 
 
+def wants_guidance_bits(fmt, guided_layer: bool, ctx: QuantContext) -> bool:
+  """Whether a kernel that quantizes a rollout site should write its compact guidance bits
+  (the payload `record_quantized` takes): the site records guidance (`records_guidance`) and
+  the policy keeps it compact."""
+  return records_guidance(fmt, guided_layer, ctx) and ctx.policy.guidance_compact
+
+
 def record_quantized(q: tq.QArray, site: str, guided_layer: bool, ctx: QuantContext,
                      records: dict, payload=None) -> None:
   """A rollout site's records from its quantized activation q: its guidance

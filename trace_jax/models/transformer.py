@@ -28,7 +28,8 @@ from trace_jax import quant as tq
 from trace_jax.models import kv_cache as kvc
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.sites import (QuantContext, activation_site, apply_weight, codes_key,
-                                    record_quantized, records_guidance)
+                                    record_quantized, records_guidance,
+                                    wants_guidance_bits)
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -155,14 +156,13 @@ class Attention(nn.Module):
     x = activation_site(x, "attn/in", self.guided, ctx, guidance, records)
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     kv_fmt = ctx.activation_format("kv/k")
-    guided_kv = records_guidance(kv_fmt, self.guided, ctx)
     fused = self._fused_qkv(nq + 2 * nkv)
     prepared = None
     if fused is not None:  # one call, not three (a decode step's FP4 GEMVs)
       qkv = kernels.matmul(x.astype(dt), fused, out_dtype=dt)
       if t == 1 and cache is not None and kv_fmt is not None:
         prepared = self._decode_qkv(qkv[:, 0], positions[:, 0], cache, cache_index,
-                                    guided_kv and ctx.policy.guidance_compact)
+                                    wants_guidance_bits(kv_fmt, self.guided, ctx))
       if prepared is None:
         q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:
@@ -192,7 +192,7 @@ class Attention(nn.Module):
         kq, vq = (tq.map_blocked(kvq, lambda a, i=i: a[i], kvq.shape[1:], axis=kvq.axis - 1)
                   for i in (0, 1))
         layer = kvc.write_layer(cache, kq, vq, cache_index)
-      if guided_kv:
+      if records_guidance(kv_fmt, self.guided, ctx):
         records["kv/k"] = tq.make_guidance(kq, ctx.policy.guidance_compact, kv_bits[0])
         records["kv/v"] = tq.make_guidance(vq, ctx.policy.guidance_compact, kv_bits[1])
       if ctx.record_codes:
@@ -515,9 +515,8 @@ def _experts_input_site(x, inverse, k, w_gu, tables, guided, ctx, guidance, reco
   fmt = ctx.activation_format(site)
   fused = None
   if (guidance is None or guidance.get(site) is None) and ctx.mode == "rollout" and fmt:
-    bits = records_guidance(fmt, guided, ctx) and ctx.policy.guidance_compact
-    fused = kernels.quantize_rows_to_operand(x, fmt, inverse, k, w_gu, tables,
-                                             guidance_bits=bits)
+    fused = kernels.quantize_rows_to_operand(
+        x, fmt, inverse, k, w_gu, tables, guidance_bits=wants_guidance_bits(fmt, guided, ctx))
   if fused is None:
     return activation_site(x, site, guided, ctx, guidance, records).reshape(-1, x.shape[-1])
   q, operand, bits = fused  # bits: the guidance payload, where the kernel wrote it
