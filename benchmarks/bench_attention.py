@@ -276,7 +276,8 @@ def main():
     kfn = mosaic_fn if variant.startswith("mosaic") else kernel_fn
     k, v = make_kv(data_fmt, shape, kk), make_kv(data_fmt, shape, kv)
     if variant.endswith("kvwords"):
-      k, v = (jax.jit(functools.partial(tq.with_packing, packing="kv_words"))(x) for x in (k, v))
+      pack = functools.partial(tq.with_packing, packing="kv_words")
+      k, v = (jax.eval_shape(pack, x) if args.dry else jax.jit(pack)(x) for x in (k, v))
     q = (jax.ShapeDtypeStruct((b, H, HD), jnp.bfloat16) if args.dry
          else jax.random.normal(kq, (b, H, HD), jnp.bfloat16))
     valid = np.ones((b, s), bool)

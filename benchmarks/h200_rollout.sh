@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -804,6 +804,57 @@ elif [ "$stage" = s41b ]; then
     TRACE_JAX_ROUTER_DOT=$side step_4l router_dot_$side "moe/dot\|router" "router dot $side"
   done
   gpu_tests tests/rollout/test_engine_gpu.py "" engine ${ETEST_TIMEOUT:-300}
+elif [ "$stage" = s44a ]; then
+  # (session 44) two SMEM load orders, same products (deviceless SASS: same instruction
+  # counts, no spills), each side its own process: TRACE_JAX_PREFETCH_CODES=on (the FP4
+  # matmul kernels load tile j + 1's code words before decoding tile j) on the GEMV and the
+  # expert rows at 2,208 rows (the capacity batch's), off / on twice; TRACE_JAX_ATTN_PREFETCH_V=on (the
+  # decode attention loads V's words and scales with K's, before the S product) on the decode
+  # rows and the rollout-shaped live rows, off / on. JSONs bench_kernels_SIDE_REP.json,
+  # bench_attention_prefetch_v_SIDE.json (CODE_REPS="": no matmul rows; V_SIDES: the order).
+  # Ran in session 44: the codes' order no faster (GEMV 37.0 / 36.9 and 37.0 / 37.2 us kernel;
+  # gate+up 2,208 rows 73.2 / 72.8, 73.0 / 74.9; down 42.1 / 44.5, 42.2 / 43.0), removed (its
+  # patch: results/session44_h200_2026-12-05/prefetch_codes.patch; CODE_REPS now runs two
+  # equal sides); V's order kept as an opt-in
+  rows='ffn_8192x28672_B1_nvfp4$,moe_gateup_E128_K2048_N1536_M2208_nvfp4_auto$'
+  rows+=',moe_down_E128_K768_N2048_M2208_nvfp4_auto$'
+  for rep in ${CODE_REPS-}; do
+    for side in off on; do
+      mkdir -p $OUT/k_$side
+      TRACE_JAX_PREFETCH_CODES=$side timeout -k 5 ${BK_TIMEOUT:-100} python3 \
+        benchmarks/bench_kernels.py --iters 20 --only "$rows" --out $OUT/k_$side 2>&1 \
+        | grep -v "^I1\|^W1\|Autotuning" | grep -A6 "us_call" | cut -c1-120 \
+        | sed "s/^/[codes $side $rep] /"
+      mv $OUT/k_$side/bench_kernels.json $OUT/bench_kernels_${side}_$rep.json 2>/dev/null
+    done
+  done
+  for side in ${V_SIDES:-off on}; do
+    TRACE_JAX_ATTN_PREFETCH_V=$side timeout -k 5 ${BA_TIMEOUT:-140} python3 \
+      benchmarks/bench_attention.py --what decode --formats nvfp4_mosaic_kvwords \
+      --batches 16,64 --contexts 8192,32768 --live 256x8192x1600,64x8192x1536 \
+      --live_kernels stream --budget_s $(( ${BA_TIMEOUT:-140} - 30 )) \
+      --out $OUT/bench_attention_prefetch_v_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 \
+      | cut -c1-120 | sed "s/^/[v $side] /"
+  done
+  rm -f $OUT/*.png
+elif [ "$stage" = s44c ]; then
+  # (session 44) the o projection's dot writing bf16 itself (TRACE_JAX_XLA_DOT_OUT=bf16; s44b's
+  # 48-layer profile: 48 float32 -> bf16 converts of 2.4 us a step after XLA's dot): its GPU
+  # test, then the 4-layer decode step at the 8k-capacity shape each way, each side its own
+  # process. Ran on an H100 in session 44: with bf16 out XLA split the product in two kernels
+  # (a float32 partial product and a reduction: 17.0 us a layer against 11.2 + 2.6 for the
+  # dot and the convert); removed (results/session44_h200_2026-12-05/xla_dot_out.patch)
+  gpu_tests tests/kernels/test_kernels_gpu.py "xla_bf16_product" xla_dot_out ${TEST_TIMEOUT:-90}
+  for side in float32 bf16; do
+    TRACE_JAX_XLA_DOT_OUT=$side step_4l xla_dot_$side "o_proj\|nvjet" "dot out $side"
+  done
+elif [ "$stage" = s44b ]; then
+  # (session 44) s42a with command buffers off: with them on (s42a, session 44) the profiler
+  # sees the decode windows' graphs, not their kernels (11 kernels a step); the 48-layer step
+  # at the 8k-capacity shape kernel by kernel, clocks sampled beside it
+  with_clocks profile_48l_nocb cap_shape_profile 48 ${BATCH:-255} paper ${PROFILE_TIMEOUT:-400} \
+    --no_command_buffers --out $OUT/profile_cap_48l_b${BATCH:-255}_nocb.json \
+    | grep "guidance_on\|decode loop\|Error\|^\[clocks\|^ " | head -40
 elif [ "$stage" = s43a ]; then
   # (session 43) the bf16 attention projections at 256 rows with XLA's Triton GEMM fusions off
   # (`bench_small_dots` rows xla_cublas / xla_cublaslt beside xla and the Mosaic kernel: in the
@@ -853,7 +904,9 @@ elif [ "$stage" = s42a ]; then
   # cut at 4 layers did not show at 48): the decode step at the 8k-capacity shape profiled at
   # 48 layers as the rollout runs it (command buffers on, B 255, 256 new tokens in windows of
   # 128), the GPU's clocks sampled beside it: the wall step against the kernels' sum gives the
-  # time between kernels; the clocks say whether the SM clock drops under the long load
+  # time between kernels; the clocks say whether the SM clock drops under the long load. Ran in
+  # session 44: with command buffers on the profiler sees the windows' graphs, not their
+  # kernels (its wall step is the useful figure); s44b is the same step with them off
   with_clocks profile_48l cap_shape_profile 48 ${BATCH:-255} paper ${PROFILE_TIMEOUT:-540} \
     --out $OUT/profile_cap_48l_b${BATCH:-255}.json | grep "guidance_on\|decode loop\|Error\|^\[clocks\|^ " | head -40
 elif [ "$stage" = s40b ]; then

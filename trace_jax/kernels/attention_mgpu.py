@@ -154,6 +154,16 @@ AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "of
 # v1_decode_overlap.patch.) TRACE_JAX_ATTN_V_SMEM=whole: the other (A/B)
 V_HALVES = choice_setting("TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves")) == "halves"
 
+# With V in halves: a tile's V code words and scale bytes loaded from SMEM with K's, before the
+# S product ("on"), so that the loads' latency runs under the S product and the softmax, or
+# after the softmax, where V is decoded ("off", the default). No spills at 96 registers, the
+# same instruction count (deviceless SASS), the same outputs. H200, one run a side (session
+# 44), kernel us off -> on: B 16 x 8k 37.6 -> 37.5, B 16 x 32k 121.4 -> 119.1, B 64 x 8k
+# 121.3 -> 118.6, B 64 x 32k 432.0 -> 424.1; rollout-shaped (8k cache, L live) B 256 L 1,600
+# 102.8 -> 104.2, B 64 L 1,536 31.2 -> 31.4: 2% faster over whole caches, 1% slower at the
+# rollout's shape, so off until a second run decides. TRACE_JAX_ATTN_PREFETCH_V=on: the A/B side
+PREFETCH_V = choice_setting("TRACE_JAX_ATTN_PREFETCH_V", "off", ("off", "on")) == "on"
+
 
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
 # a run of (row, tile) units crossing rows) or "splits" (`mgpu_decode_kernel`: a CTA per row and
@@ -675,7 +685,14 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                     plgpu.load(ks_s, (), layout=wgmma_layout))
 
+    early = None
+    if PREFETCH_V and v_halves:  # (`PREFETCH_V`)
+      early = (plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
+               plgpu.load(vs_s, (), layout=wgmma_layout))
+
     def v_operands():
+      if early is not None:
+        return early
       return (plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
               plgpu.load(vs_s, (), layout=wgmma_layout))
 
