@@ -141,12 +141,15 @@ def test_dense_lowers_for_cuda():
 def test_dense_dispatch(monkeypatch):
   """With TRACE_JAX_BF16_DENSE=kernel (the default), a bf16 dense product of 129-256 rows on the
   GPU goes through `dense_matmul` (here around the kernel's jnp model) where `dense_launch`
-  gives enough CTAs; fewer rows, narrower outputs and the "xla" setting keep XLA's dot."""
+  gives enough CTAs; fewer rows, narrower outputs and the "xla" setting keep XLA's dot. The
+  kernel gets rows padded to whole chunks (`DENSE_ROWS` "chunks", the default), or with
+  "exact" the rows as they are where they are a multiple of 8 (200), else padded to one (255
+  -> 256) and told the count, so no slice follows it."""
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   calls = []
 
   def model(*args, **kw):
-    calls.append((args[0].shape, kw["bm"], kw["wgs"], kw["kb"]))
+    calls.append((args[0].shape, kw["bm"], kw["wgs"], kw["kb"], kw["rows"]))
     return bf16_mgpu.emulate_chunked_matmul(*args, **kw)
 
   monkeypatch.setattr(bf16_mgpu, "bf16_chunked_matmul", model)
@@ -159,7 +162,18 @@ def test_dense_dispatch(monkeypatch):
     got = dispatch.matmul(x, w, jnp.float32)
     assert got.shape == (2, 100, 4096) and len(calls) == n_calls, setting
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-  assert calls == [((256, K), 128, 2, 2)]
+  assert calls == [((256, K), 128, 2, 2, None)]
+  x255 = jnp.asarray(rng.standard_normal((3, 85, K)), jnp.bfloat16)  # the rollout's 255 rows
+  want255 = np.asarray(x255, np.float64) @ np.asarray(w, np.float64)
+  monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", "exact")
+  jax.clear_caches()  # (read when the call is traced)
+  for xs, want_xs, operand in ((x, want, (200, K, 200)), (x255, want255, (256, K, 255))):
+    got = dispatch.matmul(xs, w, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), want_xs, rtol=1e-5, atol=1e-5)
+    shape, *launch, rows = calls.pop()
+    assert (*shape, rows) == operand and launch == [128, 2, 2]
+  monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", "chunks")
+  jax.clear_caches()
   dispatch.matmul(x[:, :60], w, jnp.float32)  # 120 rows: XLA
   dispatch.matmul(x, w[:, :512], jnp.float32)  # 8 CTAs: XLA
   wide = jnp.zeros((K, bf16_mgpu.DENSE_MAX_N + 128), jnp.bfloat16)  # an lm_head: untimed, XLA

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from trace_jax.kernels import fp4_mgpu as F
+from trace_jax.settings import choice_setting
 
 KB = 2  # 64-wide K tiles per pipeline step: 64 KB of weights per step with 4 warpgroups
 WGS = 4  # compute warpgroups, 64 output columns each
@@ -76,23 +77,27 @@ BM_CHOICES = F.BM_CHOICES + (128, 256)
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "stages", "splits", "n_inner", "out_dtype",
-                                             "wgs", "kb"))
+                                             "wgs", "kb", "rows"))
 def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
                         splits: int = 1, n_inner: int = 1, out_dtype=jnp.bfloat16,
-                        wgs: int = WGS, kb: int = KB):
+                        wgs: int = WGS, kb: int = KB, rows: int | None = None):
   """The raw kernel. xc: bf16 [R, K] (R >= max(chunk_row) + bm, rows % 8 == 0); w: bf16
-  [E, K, N]; chunk_expert / chunk_row as for `fp4_mgpu.fp4_chunked_matmul`, or both None: a
-  dense product, chunk c of expert 0 from row c * bm, C = R // bm (no tables: as operands XLA
-  made them two small kernels a call). Returns out_dtype [splits, C, bm, N]: out[s, c, i, n] =
-  row i of chunk c times column n over K part s. wgs: compute warpgroups (64 columns each), kb:
-  64-wide K tiles a pipeline step."""
+  [E, K, N]; chunk_expert / chunk_row as for `fp4_mgpu.fp4_chunked_matmul`. Returns out_dtype
+  [splits, C, bm, N]: out[s, c, i, n] = row i of chunk c times column n over K part s.
+  Both tables None: a dense product, chunk c of expert 0 from row c * bm, C = ceil(R / bm) (no
+  tables: as operands XLA made them two small kernels a call), returning [splits, rows, N]
+  (rows <= R, default R): the last chunk's rows past R are read as zeros and none past rows is
+  written (TMA skips what lies out of bounds), so the caller pads only to a multiple of 8 (the
+  operand's TMA tiling) and slices nothing (at the rollout's 255 rows, session 44: a pad to 256
+  rows and a slice back were two kernels a layer, 1.5 + 2.4 us). wgs: compute warpgroups (64
+  columns each), kb: 64-wide K tiles a pipeline step."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   F._patch_register_pool()
 
   _, k, n = w.shape
   dense = chunk_expert is None
-  n_chunks = xc.shape[0] // bm if dense else chunk_expert.shape[0]
+  n_chunks = -(-xc.shape[0] // bm) if dense else chunk_expert.shape[0]
   n_tiles = n // 64
   assert xc.shape[1] == k and n_tiles % (wgs * n_inner) == 0 and k % (64 * kb * splits) == 0
   assert bm in BM_CHOICES
@@ -115,8 +120,9 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
           wg = lax.axis_index("wg")
           col0 = (n_idx * wgs + wg) * 64
           eval_pipeline(acc_ref)
-          F.store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg],
-                       out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
+          out = (out_gmem.at[s_idx, pl.ds(row0, bm), pl.ds(col0, 64)] if dense
+                 else out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
+          F.store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg], out)
 
       def body(_, x_smem, w_smem, acc_ref):
         wg = lax.axis_index("wg")
@@ -142,8 +148,9 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
       F.run_tile_chain(tile_pipeline, (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e]), n_outer,
                        n_inner)
 
+  out_shape = (splits, rows or xc.shape[0], n) if dense else (splits, n_chunks, bm, n)
   return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n), out_dtype),
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(n_tiles // wgs // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
@@ -163,6 +170,14 @@ def dense_stages(bm: int, kb: int, wgs: int, k_steps: int, out_dtype) -> int:
 # session32_h200_2026-12-04, `bench_small_dots.py`): q/k/v 2048 x 5120 14.94 against XLA's
 # 19.69 (80 CTAs); o 4096 x 2048 23.21 against 17.47 (32 CTAs: left to XLA by DENSE_MIN_CTAS).
 DENSE_LAUNCH = dict(bm=128, wgs=2, kb=2, splits=1)
+# How `dense_matmul` meets rows that are not whole chunks: "chunks" (the default) pads them to
+# whole chunks and slices the output back (at the rollout's 255 rows two XLA kernels a layer,
+# a pad to 256 and a slice of [255, 5120]: 1.5 + 2.4 us in the 48-layer step, session 44);
+# "exact" pads to a multiple of 8 only (TMA's tiling of the operand: none at 200 or 256 rows)
+# and the kernel writes exactly the rows asked for (TMA reads zeros past the operand's end and
+# skips stores past the output's). Lowered on CPU; not yet run on a GPU (stage s44d).
+# TRACE_JAX_BF16_DENSE_ROWS=exact: the A/B side
+DENSE_ROWS = choice_setting("TRACE_JAX_BF16_DENSE_ROWS", "chunks", ("chunks", "exact"))
 DENSE_MIN_CTAS = 64
 DENSE_MAX_N = 8192  # past the attention projections' widths (the lm_head's 151,936): untimed
 
@@ -189,17 +204,19 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, spli
   on the GPU (`dispatch.BF16_DENSE`, TRACE_JAX_BF16_DENSE=xla opts out), where `dense_launch`
   gives a launch; at 256 rows no launch beat XLA's dot for o 4096 x 2048 (17.47 us; best
   17.70)."""
-  m, k = x.shape
-  n = w.shape[1]
-  c = -(-m // bm)
+  k = x.shape[1]
   part = jnp.float32 if splits > 1 else out_dtype
   stages = dense_stages(bm, kb, wgs, k // (64 * kb) // splits, part)
   if stages < 1:
     raise ValueError(f"bm={bm} wgs={wgs} kb={kb} does not fit SMEM")
-  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, c * bm - m), (0, 0)))
-  out = (kernel_fn or bf16_chunked_matmul)(xc, w[None], None, None, bm=bm, stages=stages,
-                                           splits=splits, out_dtype=part, wgs=wgs, kb=kb)
-  out = out.reshape(splits, c * bm, n)[:, :m]
+  m = x.shape[0]
+  # "exact" (`DENSE_ROWS`): rows padded to a multiple of 8 only, the kernel's last chunk reads
+  # zeros past them and writes none past m; "chunks": padded to whole chunks, sliced back
+  pad = -m % 8 if DENSE_ROWS == "exact" else -m % bm
+  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, pad), (0, 0)))
+  out = (kernel_fn or bf16_chunked_matmul)(
+      xc, w[None], None, None, bm=bm, stages=stages, splits=splits, out_dtype=part, wgs=wgs,
+      kb=kb, rows=m if DENSE_ROWS == "exact" else None)[:, :m]
   return (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(out_dtype)
 
 
@@ -207,9 +224,13 @@ def emulate_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, splits: i
                            out_dtype=jnp.bfloat16, **unused_config):
   """A `jnp` model of `bf16_chunked_matmul` (same inputs and output; unused chunks give 0), for
   CPU tests of the wrapper's tables, K split and output gather."""
-  if chunk_expert is None:  # a dense product (see there)
-    c = xc.shape[0] // bm
-    chunk_expert, chunk_row = np.zeros((c,), np.int32), np.arange(c, dtype=np.int32) * bm
+  if chunk_expert is None:  # a dense product (see there): [splits, rows, N]
+    r = xc.shape[0]
+    c = -(-r // bm)
+    out = emulate_chunked_matmul(jnp.pad(xc, ((0, c * bm - r), (0, 0))), w,
+                                 np.zeros((c,), np.int32), np.arange(c, dtype=np.int32) * bm,
+                                 bm=bm, splits=splits, out_dtype=out_dtype)
+    return out.reshape(splits, c * bm, -1)[:, :unused_config.get("rows") or r]
   rows = chunk_row[:, None] + jnp.arange(bm)[None, :]
   xr = xc.astype(jnp.float32)[rows]  # [C, bm, K]
   ce = jnp.maximum(chunk_expert, 0)
