@@ -74,13 +74,14 @@ cap_shape_profile() {
     --path kernels --batch $batch --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 \
     --decode_chunk 128 --repeats 1 "$@" 2>&1 | grep -v "^I1\|^W1"
 }
-# cap_shape_profile's 4-layer step at B 256, command buffers off (the environment's settings
-# are the caller's), JSON profile_cap_4l_b256_nocb_NAME.json: its totals and the lines matching
-# PATTERN, cut to WIDTH columns, tagged "[TAG] ": NAME PATTERN [TAG] [WIDTH]
+# cap_shape_profile's 4-layer step at B STEP_BATCH (256), command buffers off (the
+# environment's settings are the caller's), JSON profile_cap_4l_bSTEP_BATCH_nocb_NAME.json: its
+# totals and the lines matching PATTERN, cut to WIDTH columns, tagged "[TAG] ":
+# NAME PATTERN [TAG] [WIDTH]
 step_4l() {
-  local tag=${3:+[$3] }
-  with_clocks step_$1 cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-170} --no_command_buffers \
-    --out $OUT/profile_cap_4l_b256_nocb_$1.json \
+  local tag=${3:+[$3] } b=${STEP_BATCH:-256}
+  with_clocks step_$1 cap_shape_profile 4 $b paper ${PROF_TIMEOUT:-170} --no_command_buffers \
+    --out $OUT/profile_cap_4l_b${b}_nocb_$1.json \
     | grep "guidance_on\|decode loop\|$2\|Error\|^\[clocks" | cut -c1-${4:-160} | sed "s/^/$tag/"
 }
 # Nsight Compute on one `ncu_kernels.py` case (the second launch of a kernel whose name matches
@@ -847,11 +848,7 @@ elif [ "$stage" = s44d ]; then
   gpu_tests tests/kernels/test_kernels_gpu.py "bf16_dense_rows_chunks" dense_rows \
     ${TEST_TIMEOUT:-120}
   for side in chunks exact; do
-    TRACE_JAX_BF16_DENSE_ROWS=$side with_clocks step_255_$side cap_shape_profile 4 255 paper \
-      ${PROF_TIMEOUT:-170} --no_command_buffers \
-      --out $OUT/profile_cap_4l_b255_nocb_dense_rows_$side.json \
-      | grep "guidance_on\|decode loop\|attn/\|Error\|^\[clocks" | cut -c1-160 \
-      | sed "s/^/[rows $side] /"
+    TRACE_JAX_BF16_DENSE_ROWS=$side STEP_BATCH=255 step_4l dense_rows_$side "attn/" "rows $side"
   done
 elif [ "$stage" = s44c ]; then
   # (session 44) the o projection's dot writing bf16 itself (TRACE_JAX_XLA_DOT_OUT=bf16; s44b's

@@ -400,15 +400,10 @@ def _lower_all(sds, b, s, kvh, h, hd):
         assert "mosaic" in lowered.as_text()
       for heads, schedule, prefetch in ((h, "stream", False), (16 * kvh, "splits", False),
                                         (h, "stream", True)):  # V in halves, 4 stages
-        AM.PREFETCH_V, was = prefetch, AM.PREFETCH_V  # V's loads with K's (`PREFETCH_V`,
-        jax.clear_caches()  # read when the kernel is traced)
-        try:
-          lowered = jax.jit(functools.partial(AM.decode_attention, schedule=schedule, stages=4,
-                                              v_halves=True)).trace(
-              sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
-                  lowering_platforms=("cuda",))
-        finally:
-          AM.PREFETCH_V = was
+        lowered = jax.jit(functools.partial(AM.decode_attention, schedule=schedule, stages=4,
+                                            v_halves=True, prefetch_v=prefetch)).trace(
+            sds((b, heads, hd), jnp.bfloat16), kv, kv, sds((b, s), jnp.bool_)).lower(
+                lowering_platforms=("cuda",))
         assert "mosaic" in lowered.as_text()
 
 

@@ -336,7 +336,7 @@ def test_mosaic_v_halves(schedule, stages, g):
 
 
 @pytest.mark.parametrize("schedule,g", [("stream", 8), ("stream", 16), ("splits", 8)])
-def test_mosaic_prefetch_v(monkeypatch, schedule, g):
+def test_mosaic_prefetch_v(schedule, g):
   """V's code words and scales loaded with K's (TRACE_JAX_ATTN_PREFETCH_V=on) give the default
   load order's output bit for bit (the same registers, decoded later), V in halves, ragged
   rows, float32 out."""
@@ -345,12 +345,9 @@ def test_mosaic_prefetch_v(monkeypatch, schedule, g):
   k, v = make_kv("nvfp4", (b, s, 4, 128), 24), make_kv("nvfp4", (b, s, 4, 128), 25)
   q = jax.random.normal(jax.random.key(26), (b, 4 * g, 128), jnp.float32).astype(jnp.bfloat16)
   lengths = jnp.asarray([1000, 999, 513, 64, 65, 17, 1])
-  kw = dict(schedule=schedule, out_dtype=jnp.float32, stages=4, v_halves=True)
-  outs = []
-  for on in (False, True):  # (read when the kernel is traced: caches cleared between)
-    monkeypatch.setattr(AM, "PREFETCH_V", on)
-    jax.clear_caches()
-    outs.append(np.asarray(_mosaic(q, k, v, lengths, **kw)))
+  outs = [np.asarray(AM.decode_attention(q, k, v, lengths, schedule=schedule, stages=4,
+                                         v_halves=True, prefetch_v=on, out_dtype=jnp.float32))
+          for on in (False, True)]
   np.testing.assert_array_equal(outs[1], outs[0])
   assert relerr(outs[1], jax.jit(kernels.decode_attention_ref)(q, k, v, lengths)) < MOSAIC_TOL
 

@@ -288,19 +288,18 @@ def test_bf16_grouped_ragged():
 
 @pytest.mark.parametrize("mode,rows", [("chunks", 200), ("exact", 200), ("exact", 255)])
 @pytest.mark.parametrize("bm,wgs,kb,splits", [(256, 2, 1, 1), (128, 1, 1, 2), (128, 2, 2, 1)])
-def test_bf16_dense_rows_chunks(monkeypatch, bm, wgs, kb, splits, mode, rows):
+def test_bf16_dense_rows_chunks(bm, wgs, kb, splits, mode, rows):
   """The bf16 kernel with 128 / 256 rows a chunk (`bf16_mgpu.dense_matmul`), K 512, N 640,
   against the float32 reference: 200 rows, a partial chunk (`DENSE_ROWS` "chunks": padded to
   whole chunks and sliced back; "exact": read past the operand's end as zeros), and 255, the
   rollout's capacity batch ("exact": padded to 256, the output written for 255 rows only)."""
   from trace_jax.kernels import bf16_mgpu
-  monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", mode)
-  jax.clear_caches()  # (read when the call is traced)
   x = jax.random.normal(jax.random.key(bm + splits), (rows, 512), jnp.float32
                         ).astype(jnp.bfloat16)
   w = (rand_w((512, 640), 13) * 0.05).astype(jnp.bfloat16)
   got = jax.jit(functools.partial(bf16_mgpu.dense_matmul, bm=bm, wgs=wgs, kb=kb,
-                                  splits=splits, out_dtype=jnp.float32))(x, w)
+                                  splits=splits, out_dtype=jnp.float32,
+                                  exact_rows=mode == "exact"))(x, w)
   ref = reference.matmul_ref(x.astype(jnp.float32), w.astype(jnp.float32))
   assert relerr(got, ref) < TOL
 

@@ -663,12 +663,14 @@ def _bf16_smem(shape, swizzle: int):
 
 
 def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None,
-               overlap: bool, placed: bool = False, v_halves: bool = False):
+               overlap: bool, placed: bool = False, v_halves: bool = False,
+               prefetch_v: bool = False):
   """The kernels' work on one 64-token tile, shared by both schedules: (wg, q [gp, 128] SMEM
   ref of this warpgroup's queries, the pipeline slot's tile refs, scratch refs, state) ->
   state (m [gp] running max in log2 units, l [64, gp] per-thread partial sums, o0 / o1
   [64, gp] unnormalized O^T halves). v_halves: V goes through SMEM one head_dim half at a
-  time (`V_HALVES`)."""
+  time (`V_HALVES`); prefetch_v: with v_halves, V's words and scales loaded with K's
+  (`PREFETCH_V`)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax import lax
@@ -685,16 +687,13 @@ def _tile_step(gp: int, k_factor: float, v_factor: float, lazy_tau: float | None
     k0, k1 = decode(plgpu.load(kc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
                     plgpu.load(ks_s, (), layout=wgmma_layout))
 
-    early = None
-    if PREFETCH_V and v_halves:  # (`PREFETCH_V`)
-      early = (plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
-               plgpu.load(vs_s, (), layout=wgmma_layout))
-
     def v_operands():
-      if early is not None:
-        return early
       return (plgpu.load(vc_s.at[:, pl.ds(16 * wg, 16)], (), layout=wgmma_layout),
               plgpu.load(vs_s, (), layout=wgmma_layout))
+
+    if prefetch_v and v_halves:  # loaded now, decoded after the softmax
+      early = v_operands()
+      v_operands = lambda: early  # noqa: E731
 
     def decode_v():  # V to SMEM (the last tile's PV wgmma, its reader, has completed)
       v_smem[wg] = decode_stacked(*v_operands())
@@ -787,12 +786,13 @@ def _compiler_params(auto_barriers: bool):
 
 @functools.partial(jax.jit, static_argnames=("split_tiles", "n_splits", "stages", "k_factor",
                                              "v_factor", "overlap", "lazy_tau", "heads",
-                                             "out_dtype", "placed", "v_halves"))
+                                             "out_dtype", "placed", "v_halves",
+                                             "prefetch_v"))
 def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                        k_factor: float, v_factor: float, stages: int = 2,
                        overlap: bool = False, lazy_tau: float | None = LAZY_TAU,
                        heads: int | None = None, out_dtype=jnp.bfloat16, placed: bool = False,
-                       v_halves: bool = False):
+                       v_halves: bool = False, prefetch_v: bool = False):
   """The raw kernel, split schedule: CTA (row, split) runs tiles [split * split_tiles, ...) of
   its row. kt int32 [B]: 64-token tiles each row needs (through its last visible slot; later
   tiles are neither computed nor loaded: the pipeline's grid is dynamic). qp bf16
@@ -829,7 +829,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
   col_sum = _column_reducer("add", gp)
   if v_halves and overlap:
     raise ValueError("V through SMEM in halves takes no overlap")
-  step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap, placed, v_halves)
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, overlap, placed, v_halves, prefetch_v)
   if heads is not None:
     merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
@@ -967,11 +967,12 @@ def stream_tables(kt, s_tiles: int, n_ctas: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "k_factor", "v_factor", "lazy_tau",
-                                             "heads", "out_dtype", "placed", "v_halves"))
+                                             "heads", "out_dtype", "placed", "v_halves",
+                                             "prefetch_v"))
 def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts=None, *,
                        k_factor: float, v_factor: float, heads: int, stages: int = 2,
                        lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                       placed: bool = False, v_halves: bool = False):
+                       placed: bool = False, v_halves: bool = False, prefetch_v: bool = False):
   """The raw kernel, stream schedule: one CTA per SM (`units.shape[0]`), each streaming its run
   of (row, tile) units from `stream_tables` through one pipeline (a dynamic grid of the run's
   length), crossing rows: at a row's last tile or the run's end the warpgroups finish the
@@ -992,7 +993,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts=None,
   b, n_ctas = rows.shape[0], units.shape[0]
   gp = qp.shape[2]
   col_sum = _column_reducer("add", gp)
-  step = _tile_step(gp, k_factor, v_factor, lazy_tau, False, placed, v_halves)
+  step = _tile_step(gp, k_factor, v_factor, lazy_tau, False, placed, v_halves, prefetch_v)
   merger = _split_merger(gp, heads, jnp.dtype(out_dtype))
 
   given = () if counts is None else (counts,)
@@ -1145,14 +1146,15 @@ def _to_kernel_layout(m, l, o):
 def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_splits: int,
                    k_factor: float, v_factor: float, stages: int = 2, overlap: bool = False,
                    lazy_tau: float | None = LAZY_TAU, heads: int | None = None,
-                   out_dtype=jnp.bfloat16, placed: bool = False, v_halves: bool = False):
+                   out_dtype=jnp.bfloat16, placed: bool = False, v_halves: bool = False,
+                   prefetch_v: bool = False):
   """A `jnp` model of `mgpu_decode_kernel` (same inputs and outputs): decodes the codes in
   their natural order (un-placing "kv_words"), multiplies in the kernel's physical head_dim
   order, runs the same online softmax per 64-token tile (tiles at or past `kt` leave the state
   as it is), and with `heads` the merged output (`merge_partials`, the combine the in-kernel
   merge equals). Lets CPU tests cover the plumbing around the kernel."""
   # (the order of the softmax sum, and of the kernel's work, not modelled)
-  del stages, overlap, v_halves
+  del stages, overlap, v_halves, prefetch_v
   b = kc.shape[0]
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf,
                                           n_splits * split_tiles * TILE, k_factor, v_factor,
@@ -1180,13 +1182,14 @@ def emulate_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, n_sp
 def emulate_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts=None, *,
                           k_factor: float, v_factor: float, heads: int, stages: int = 2,
                           lazy_tau: float | None = LAZY_TAU, out_dtype=jnp.bfloat16,
-                          placed: bool = False, v_halves: bool = False):
+                          placed: bool = False, v_halves: bool = False,
+                          prefetch_v: bool = False):
   """A `jnp` model of `mgpu_stream_kernel` (same inputs and outputs) that follows its tables:
   every CTA steps through its units (all CTAs at once, a scan over steps), skips empty ones,
   and at a part's end writes the part's partials to slot row + CTA and starts afresh; then each
   row combines its parts (`rows`: first CTA, count) in order (`_combine_parts`). Slots no part
   writes hold NaN, so a table that points a row at a slot nobody wrote poisons its output."""
-  del stages, v_halves, counts  # (the order of the work and its counters, not modelled)
+  del stages, v_halves, prefetch_v, counts  # (the order of the work, its counters: not modelled)
   b, n_ctas, gp = rows.shape[0], units.shape[0], qp.shape[2]
   s_tiles = -(-kc.shape[1] // TILE)
   kp, vp, kg, vg, vf = _emulated_operands(kc, vc, ks, vs, kg, vg, vf, s_tiles * TILE,
@@ -1296,6 +1299,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
                      splits: int | None = None, stages: int | None = None, overlap: bool = False,
                      lazy_tau: float | None = LAZY_TAU, merge: bool = MERGE_IN_KERNEL,
                      schedule: str | None = None, v_halves: bool | None = None,
+                     prefetch_v: bool = PREFETCH_V,
                      kernel_fn=None) -> jax.Array:
   """The Mosaic kernel path of `decode_attention_ref` for NVFP4 K/V `[B, S, 4, 128]`: q
   `[B, H, 128]` bf16 (H <= 64; or a `PhysicalQuery`), valid `[B, S]` or lengths `[B]`. The
@@ -1303,7 +1307,7 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
   (default `SCHEDULE`; splits, overlap, or XLA's merge ask for the split kernel). overlap: see
   `mgpu_decode_kernel`. merge: the split combine in the kernel (else XLA's, after it).
   v_halves: decoded V through SMEM in halves (None: `V_HALVES`, whole with overlap or XLA's
-  merge).
+  merge). prefetch_v: with V in halves, V's loads with K's (`PREFETCH_V`).
   kernel_fn replaces the kernel (tests pass `emulate_kernel` / `emulate_stream_kernel`)."""
   b, h, hd, s, kvh = R.check_decode_args(q, k, v, valid)
   why = kernel_supported(q, k, v)
@@ -1369,13 +1373,14 @@ def decode_attention(q, k, v, valid, *, scale: float | None = None, out_dtype=No
         units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts,
         stages=stages, lazy_tau=lazy_tau, k_factor=float(2 ** ROW_SHIFT * scale * LOG2E),
         v_factor=float(2 ** ROW_SHIFT), heads=g, out_dtype=kernel_dtype, placed=placed,
-        v_halves=v_halves)
+        v_halves=v_halves, prefetch_v=prefetch_v)
     return res[2].astype(out_dtype)
   res = (kernel_fn or mgpu_decode_kernel)(
       kt, qp, kc, vc, ks, vs, kg, vg, vf, split_tiles=split_tiles, n_splits=n_splits,
       stages=stages, overlap=overlap, lazy_tau=lazy_tau,
       k_factor=float(2 ** ROW_SHIFT * scale * LOG2E), v_factor=float(2 ** ROW_SHIFT),
-      heads=g if merge else None, out_dtype=kernel_dtype, placed=placed, v_halves=v_halves)
+      heads=g if merge else None, out_dtype=kernel_dtype, placed=placed, v_halves=v_halves,
+      prefetch_v=prefetch_v)
   if merge:
     return res[2].astype(out_dtype)
   o, ml = res

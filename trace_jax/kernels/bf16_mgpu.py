@@ -81,7 +81,7 @@ BM_CHOICES = F.BM_CHOICES + (128, 256)
 def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
                         splits: int = 1, n_inner: int = 1, out_dtype=jnp.bfloat16,
                         wgs: int = WGS, kb: int = KB, rows: int | None = None):
-  """The raw kernel. xc: bf16 [R, K] (R >= max(chunk_row) + bm, rows % 8 == 0); w: bf16
+  """The raw kernel. xc: bf16 [R, K] (R >= max(chunk_row) + bm, R % 8 == 0); w: bf16
   [E, K, N]; chunk_expert / chunk_row as for `fp4_mgpu.fp4_chunked_matmul`. Returns out_dtype
   [splits, C, bm, N]: out[s, c, i, n] = row i of chunk c times column n over K part s.
   Both tables None: a dense product, chunk c of expert 0 from row c * bm, C = ceil(R / bm) (no
@@ -196,32 +196,33 @@ def dense_launch(rows: int, k: int, n: int) -> dict | None:
 
 
 def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, splits: int = 1,
-                 out_dtype=jnp.bfloat16, kernel_fn=None):
+                 out_dtype=jnp.bfloat16, kernel_fn=None, exact_rows: bool | None = None):
   """x [M, K] @ bf16 w [K, N] through this kernel with the rows as chunks of bm (128 / 256:
   one or two chunks at decode batches, so the weight is read once or twice): a CTA computes
   64 * wgs columns of a chunk over a K part (splits > 1: float32 parts added by XLA).
   kernel_fn: the kernel's stand-in (`emulate_chunked_matmul` in CPU tests). The engine's path
   on the GPU (`dispatch.BF16_DENSE`, TRACE_JAX_BF16_DENSE=xla opts out), where `dense_launch`
   gives a launch; at 256 rows no launch beat XLA's dot for o 4096 x 2048 (17.47 us; best
-  17.70)."""
+  17.70). exact_rows: `DENSE_ROWS` "exact" (None: the setting)."""
   k = x.shape[1]
   part = jnp.float32 if splits > 1 else out_dtype
   stages = dense_stages(bm, kb, wgs, k // (64 * kb) // splits, part)
   if stages < 1:
     raise ValueError(f"bm={bm} wgs={wgs} kb={kb} does not fit SMEM")
   m = x.shape[0]
-  # "exact" (`DENSE_ROWS`): rows padded to a multiple of 8 only, the kernel's last chunk reads
-  # zeros past them and writes none past m; "chunks": padded to whole chunks, sliced back
-  pad = -m % 8 if DENSE_ROWS == "exact" else -m % bm
-  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, pad), (0, 0)))
+  if exact_rows is None:
+    exact_rows = DENSE_ROWS == "exact"
+  # exact: rows padded to a multiple of 8 only, the kernel's last chunk reads zeros past them
+  # and writes none past m; else padded to whole chunks and sliced back
+  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, -m % (8 if exact_rows else bm)), (0, 0)))
   out = (kernel_fn or bf16_chunked_matmul)(
       xc, w[None], None, None, bm=bm, stages=stages, splits=splits, out_dtype=part, wgs=wgs,
-      kb=kb, rows=m if DENSE_ROWS == "exact" else None)[:, :m]
+      kb=kb, rows=m if exact_rows else None)[:, :m]
   return (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(out_dtype)
 
 
 def emulate_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, splits: int = 1,
-                           out_dtype=jnp.bfloat16, **unused_config):
+                           out_dtype=jnp.bfloat16, rows: int | None = None, **unused_config):
   """A `jnp` model of `bf16_chunked_matmul` (same inputs and output; unused chunks give 0), for
   CPU tests of the wrapper's tables, K split and output gather."""
   if chunk_expert is None:  # a dense product (see there): [splits, rows, N]
@@ -230,9 +231,9 @@ def emulate_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, splits: i
     out = emulate_chunked_matmul(jnp.pad(xc, ((0, c * bm - r), (0, 0))), w,
                                  np.zeros((c,), np.int32), np.arange(c, dtype=np.int32) * bm,
                                  bm=bm, splits=splits, out_dtype=out_dtype)
-    return out.reshape(splits, c * bm, -1)[:, :unused_config.get("rows") or r]
-  rows = chunk_row[:, None] + jnp.arange(bm)[None, :]
-  xr = xc.astype(jnp.float32)[rows]  # [C, bm, K]
+    return out.reshape(splits, c * bm, -1)[:, :rows or r]
+  row_ids = chunk_row[:, None] + jnp.arange(bm)[None, :]
+  xr = xc.astype(jnp.float32)[row_ids]  # [C, bm, K]
   ce = jnp.maximum(chunk_expert, 0)
   c, k = ce.shape[0], xc.shape[1]
   w_s = w.astype(jnp.float32)[ce].reshape(c, splits, k // splits, -1)
