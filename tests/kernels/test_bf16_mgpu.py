@@ -142,10 +142,12 @@ def test_dense_dispatch(monkeypatch):
   """With TRACE_JAX_BF16_DENSE=kernel (the default), a bf16 dense product of 129-256 rows on the
   GPU goes through `dense_matmul` (here around the kernel's jnp model) where `dense_launch`
   gives enough CTAs; fewer rows, narrower outputs and the "xla" setting keep XLA's dot. The
-  kernel gets rows padded to whole chunks (`DENSE_ROWS` "chunks", the default), or with
-  "exact" the rows as they are where they are a multiple of 8 (200), else padded to one (255
+  kernel gets rows padded to whole chunks (`DENSE_ROWS` "chunks"), or with "exact" (the
+  default) the rows as they are where they are a multiple of 8 (200), else padded to one (255
   -> 256) and told the count, so no slice follows it."""
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", "chunks")
+  jax.clear_caches()  # (read when the call is traced)
   calls = []
 
   def model(*args, **kw):

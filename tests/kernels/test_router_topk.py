@@ -138,23 +138,42 @@ def test_kernel_on_gpu_against_model_ops():
   np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-6, atol=0)
 
 
+def float64_gates(x, w, k, normalize):
+  """The router's gates in float64 from the bf16 operands (exact products and sums): weights
+  `[N, k]` at the experts of each row's top k, and the logits."""
+  logits = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  p = np.exp(logits - logits.max(axis=1, keepdims=True))
+  p /= p.sum(axis=1, keepdims=True)
+  idx = np.argsort(-p, axis=1, kind="stable")[:, :k]
+  top = np.take_along_axis(p, idx, axis=1)
+  return (top / top.sum(axis=1, keepdims=True) if normalize else top), idx, logits
+
+
 @pytest.mark.gpu
 def test_router_gates_on_gpu_against_product_then_gates():
   """The compiled router gates kernel (the product on the tensor cores) at the 30B-A3B router
-  (B 256, D 2048, 128 experts, top-8) against XLA:GPU's bf16 product and ops: experts equal
-  but where the two products' logits of the k-th and next expert are within 1e-5 of each
-  other, weights to 1e-5 relative."""
+  (B 255 and 256, D 2048, 128 experts, top-8) against XLA:GPU's bf16 product and ops, both
+  judged by float64 gates of the same operands: experts equal to XLA's but where the k-th and
+  next expert's float64 logits are within 1e-4 of each other; weights no further from float64
+  than twice XLA's own distance (at least 1e-6 relative). The float32 sums over K 2,048 run in
+  another order in each (session 40: 3e-5 relative apart where a logit is ~10, so the bound is
+  set by XLA's own error, not a fixed 1e-5)."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU backend")
-  x, w = router_case(256, 2048, 128, 3)
-  got = jax.jit(lambda x, w: router_topk.router_gates(x, w, 8, normalize=True))(x, w)
-  want = jax.jit(lambda x, w: router_topk.router_gates_ref(x, w, 8, normalize=True))(x, w)
-  logits = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
-  gap = -np.diff(np.sort(logits, axis=1)[:, ::-1][:, 7:9], axis=1)[:, 0]
-  differ = (np.asarray(got[1]) != np.asarray(want[1])).any(axis=1)
-  assert (gap[differ] < 1e-5).all(), gap[differ]
-  np.testing.assert_allclose(np.asarray(got[0])[~differ], np.asarray(want[0])[~differ],
-                             rtol=1e-5, atol=0)
+  for n in (255, 256):
+    x, w = router_case(n, 2048, 128, n)
+    got = jax.jit(lambda x, w: router_topk.router_gates(x, w, 8, normalize=True))(x, w)
+    want = jax.jit(lambda x, w: router_topk.router_gates_ref(x, w, 8, normalize=True))(x, w)
+    w64, i64, logits = float64_gates(x, w, 8, True)
+    gap = -np.diff(np.sort(logits, axis=1)[:, ::-1][:, 7:9], axis=1)[:, 0]
+    differ = (np.asarray(got[1]) != np.asarray(want[1])).any(axis=1)
+    assert (gap[differ] < 1e-4).all(), (n, gap[differ])
+    same = ~differ & (np.asarray(want[1]) == i64).all(axis=1)
+    err = {name: np.max(np.abs(np.asarray(g[0], np.float64)[same] - w64[same]) / w64[same])
+           for name, g in (("kernel", got), ("xla", want))}
+    print(f"B {n}: weights' largest relative error against float64 {err}, "
+          f"{int(differ.sum())} rows route otherwise than XLA")
+    assert err["kernel"] <= max(2 * err["xla"], 1e-6), (n, err)
 
 
 def test_in_model_routes_as_the_xla_ops(monkeypatch):

@@ -170,14 +170,14 @@ def dense_stages(bm: int, kb: int, wgs: int, k_steps: int, out_dtype) -> int:
 # session32_h200_2026-12-04, `bench_small_dots.py`): q/k/v 2048 x 5120 14.94 against XLA's
 # 19.69 (80 CTAs); o 4096 x 2048 23.21 against 17.47 (32 CTAs: left to XLA by DENSE_MIN_CTAS).
 DENSE_LAUNCH = dict(bm=128, wgs=2, kb=2, splits=1)
-# How `dense_matmul` meets rows that are not whole chunks: "chunks" (the default) pads them to
-# whole chunks and slices the output back (at the rollout's 255 rows two XLA kernels a layer,
-# a pad to 256 and a slice of [255, 5120]: 1.5 + 2.4 us in the 48-layer step, session 44);
-# "exact" pads to a multiple of 8 only (TMA's tiling of the operand: none at 200 or 256 rows)
-# and the kernel writes exactly the rows asked for (TMA reads zeros past the operand's end and
-# skips stores past the output's). Lowered on CPU; not yet run on a GPU (stage s44d).
-# TRACE_JAX_BF16_DENSE_ROWS=exact: the A/B side
-DENSE_ROWS = choice_setting("TRACE_JAX_BF16_DENSE_ROWS", "chunks", ("chunks", "exact"))
+# How `dense_matmul` meets rows that are not whole chunks: "exact" (the default) pads them to a
+# multiple of 8 only (TMA's tiling of the operand: none at 200 or 256 rows) and the kernel writes
+# exactly the rows asked for (TMA reads zeros past the operand's end and skips stores past the
+# output's); "chunks" pads them to whole chunks and slices the output back. At the rollout's 255
+# rows "chunks" costs a slice of [255, 5120] a layer (H100, 4-layer decode step at B 255,
+# session 45: 120 -> 116 kernels and 1.763 -> 1.750 ms of kernels a step with "exact"; the pad
+# to 256 stays). TRACE_JAX_BF16_DENSE_ROWS=chunks: the A/B side
+DENSE_ROWS = choice_setting("TRACE_JAX_BF16_DENSE_ROWS", "exact", ("chunks", "exact"))
 DENSE_MIN_CTAS = 64
 DENSE_MAX_N = 8192  # past the attention projections' widths (the lm_head's 151,936): untimed
 
