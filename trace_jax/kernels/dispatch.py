@@ -47,9 +47,10 @@ Decode routing tables: `sort_by_group` and `count_by_group` order and count (tok
 by comparisons up to `SMALL_SORT` rows (one reduction kernel each, no sort or scatter), by
 XLA's sort and scatters above it. `route` gives them with the FP4 grouped kernel's chunk tables
 (all of them from three reductions and a look-up, `_routed_by_counts`);
-`TRACE_JAX_ROUTING=kernel` computes all of them in two Pallas kernels (`routing.py`, opt-in:
-faster than XLA's alone, 7.7 against 10.5 us at 2,048 rows on the H200, but the decode step
-was not shorter with them, session 34). Up to `ROW_CHUNK_ROWS` rows on the GPU (one token's
+on the GPU two Pallas kernels compute all of them (`routing.py`; `TRACE_JAX_ROUTING=xla` opts
+out). Since the router's top-k is a kernel of its own XLA no longer splits it when they run:
+4-layer decode step at B 255 on an H100 (session 45) 116 -> 103 kernels a step, 1.774 -> 1.765
+ms of kernels. Up to `ROW_CHUNK_ROWS` rows on the GPU (one token's
 top-k: a batch-1 decode step) `route` orders nothing: every row is a chunk of its own in the
 caller's order, its expert the row's id, so the tables are the ids and two constants
 (`row_chunks`).
@@ -141,7 +142,7 @@ SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
 # against 100.9 (XLA bf16 17.3). Not timed past 256 rows.
 DENSE_GROUP_ROWS = int_setting("TRACE_JAX_DENSE_GROUP_ROWS", 256, minimum=0)
 _SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
-_ROUTING = _setting("TRACE_JAX_ROUTING", "xla", ("kernel", "xla"))
+_ROUTING = _setting("TRACE_JAX_ROUTING", "kernel", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
 # the default), up to its MAX_ROWS (kernel), or never (tokamax); tokamax's ragged_dot above
 _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "kernel"))
@@ -516,10 +517,9 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   `grouped_matmul` of these rows with `w` (a packed expert weight up to `SMALL_SORT` rows,
   or bf16 experts for `bf16_mgpu` up to its `MAX_ROWS`), or None (the grouped matmul builds
   them if it needs them). With tables, up to `SMALL_SORT` rows: four small XLA kernels a layer
-  (`_routed_by_counts`; nine before session 26). With `TRACE_JAX_ROUTING=kernel`, on the GPU,
-  for a packed expert weight and up to `routing.MAX_ROWS` rows, all of them come from two
-  Pallas kernels (`routing.py`; off by default: their one-kernel predecessor was slower than
-  the XLA kernels on the H200, 15.4 against 10.4 us at 2,048 rows, session 33)."""
+  (`_routed_by_counts`; nine before session 26). On the GPU, for a packed expert weight and up
+  to `routing.MAX_ROWS` rows, all of them come from two Pallas kernels (`routing.py`, the
+  default since session 45; `TRACE_JAX_ROUTING=xla`: the XLA kernels)."""
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
