@@ -30,8 +30,7 @@ time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
   accumulation (`dispatch.bf16_operands_dot`: the products exact, as in float32).
 - `route_tail`: softmax, top-8 and the weights' normalization of router logits [R, 128], as the
   model does them (for its kernel count); `route_topk{n}`: the same in one kernel
-  (`router_topk.py`) with n tokens a program; `route_fused`: the router's bf16 product too
-  (`router_topk.router_gates`), to set beside `router_pad2` + `route_tail`.
+  (`router_topk.py`) with n tokens a program.
 
 Each is checked against a float64 numpy product (max |got - ref| / max |ref|) and timed with
 CUPTI device time (`profiler.measure`, all kernels of the call, median over iterations), the
@@ -231,12 +230,6 @@ def main():
         row(f"route_topk{rows_a_program}_r{r}", topk, logits, jnp.zeros((8,), jnp.float32),
             top / top.sum(-1, keepdims=True), 1024)
 
-      def fused(x, w):  # the router's product, softmax, top-8 and weights in one kernel
-        v, i = router_topk.router_gates(x, w, 8, normalize=True)
-        return v + i.astype(jnp.float32) * 0
-
-      row(f"route_fused_r{r}", fused, jnp.asarray(xr, jnp.bfloat16),
-          jnp.asarray(wr, jnp.bfloat16), top / top.sum(-1, keepdims=True), wr.size * 2)
     # dense bf16 projections
     for shape_tag, (k, n) in (("qkv", (2048, 5120)), ("o", (4096, 2048))):
       if shape_tag not in products:

@@ -85,7 +85,7 @@ __all__ = ["add_rms_norm", "append_kv", "combine_add_rms_norm", "combine_in_kern
            "count_by_group", "decode_attention", "decode_qkv", "float32_dot", "grouped_backend",
            "grouped_matmul", "kv_packing", "matmul", "on_gpu",
            "prefill_attention", "prepare_weight", "quantize_rows", "quantize_rows_to_operand",
-           "route", "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
+           "route", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
@@ -113,10 +113,9 @@ _MOE_COMBINE = _setting("TRACE_JAX_MOE_COMBINE", "kernel", ("xla", "kernel"))
 _ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
 _SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
 _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
-# The router's gates: "kernel" (softmax, top-k and weights in one kernel, `topk_gates`), "xla"
-# (XLA's ops), or "fused" (opt-in, not yet timed: the router's product of bf16 operands in that
-# kernel too, `router_gates`)
-_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel", "fused"))
+# The router's gates: "kernel" (softmax, top-k and weights in one kernel, `topk_gates`) or "xla"
+# (XLA's ops)
+_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel"))
 # The router's float32 product of bf16 operands (the rollout's activations and weights) on the
 # GPU: "bf16" (the default) one bf16 product with float32 accumulation (`bf16_operands_dot`;
 # its derivative the float32 dot's); "float32" converts them and runs XLA's float32 dot at
@@ -737,25 +736,6 @@ def topk_gates(logits, k: int, normalize: bool):
   if router_topk.kernel_supported(logits, k):
     return None
   return _topk_gates(logits, k=k, normalize=normalize)
-
-
-def router_gates(x, w, k: int, normalize: bool):
-  """A MoE router's (gate weights, experts) from its input x `[N, D]` and weights w `[D, E]`,
-  both bf16, by one Pallas kernel that also computes the logits (`router_topk.router_gates`:
-  the products exact, the float32 sums in its own order), or None where the caller's ops
-  apply: unless `TRACE_JAX_ROUTER_TOPK=fused` (opt-in), off the GPU, other dtypes and shapes."""
-  if _ROUTER_TOPK != "fused" or not on_gpu():
-    return None
-  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
-  if router_topk.router_supported(x, w, k):
-    return None
-  return _router_gates(x, w, k=k, normalize=normalize)
-
-
-@_lowered_once("k", "normalize")
-def _router_gates(x, w, *, k, normalize):
-  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
-  return router_topk.router_gates(x, w, k, normalize=normalize)
 
 
 @_lowered_once("k", "normalize")

@@ -15,11 +15,10 @@ The GPU default (`dispatch.topk_gates`; `TRACE_JAX_ROUTER_TOPK=xla` opts out). O
 without, 147 kernels a step against 151; the experts equal XLA's, 3 of 2,048 weights differ by
 a few float32 ulps (2.8e-7 relative at most).
 
-`router_gates` is the same kernel with the router's product in it (opt-in,
-`TRACE_JAX_ROUTER_TOPK=fused`, not yet timed): bf16 x and router weights, their products exact
-in float32 and summed in float32 by Triton's dot over K chunks (its reference
-`router_gates_ref`: XLA's bf16 product with float32 accumulation, then `topk_gates_ref`). It
-leaves XLA's split-K product and its reduction, two kernels a layer, out of the decode step.
+The router's product inside this kernel (`router_gates`, sessions 39-45) is gone: on an H100
+at B 255 it took 37 us a layer against 9.6 for XLA's bf16 product and this kernel, and its
+weights were 6.4e-5 from float64 gates against XLA's 5.1e-6 (session 45, stage s45a; its code:
+benchmarks/results/session45_h200_2026-12-05/router_gates.patch).
 
 Lowering: a portable Pallas body, `interpret=True` on CPU, the Triton lowering on the GPU (as
 `row_quant`). The top-k is k rounds of a row maximum, each taking the lowest index that holds
@@ -124,62 +123,3 @@ def topk_gates_ref(logits: jax.Array, k: int, *, normalize: bool):
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return weights, idx
-
-
-# The router's product in the same kernel (`router_gates`): K taken in chunks of this many
-# (a power of two dividing the model width), rows a program at least 16 (Triton's dot)
-K_CHUNK = 128
-MIN_DOT_ROWS = 16
-
-
-def router_supported(x, w, k: int) -> str | None:
-  """None if `router_gates` takes bf16 `x [N, D]` and router weights `w [D, E]` and top-k."""
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-    return f"x {list(x.shape)} and w {list(w.shape)}: the kernel takes [N, D] @ [D, E]"
-  if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-    return f"x {x.dtype} and w {w.dtype}: the kernel takes bf16 (exact products in float32)"
-  if x.shape[1] % K_CHUNK:
-    return f"model width {x.shape[1]}: the kernel takes multiples of {K_CHUNK}"
-  return kernel_supported(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32), k)
-
-
-def _router_kernel(x_ref, wr_ref, w_ref, i_ref, *, n: int, d: int, e: int, e_pad: int, k: int,
-                   normalize: bool, rows: int):
-  plt = RQ.triton_primitives()
-  r0 = pl.program_id(0) * rows
-  row_ok = (r0 + jnp.arange(rows)) < n
-  col = jnp.arange(e_pad)
-  col_ok = col < e
-
-  def step(c, acc):  # logits += x[:, chunk] @ w[chunk, :], bf16 products, float32 sums
-    xs = plt.load(x_ref.at[pl.ds(r0, rows), pl.ds(c * K_CHUNK, K_CHUNK)],
-                  mask=row_ok[:, None], other=0.0)
-    ws = plt.load(wr_ref.at[pl.ds(c * K_CHUNK, K_CHUNK), pl.ds(0, e_pad)],
-                  mask=col_ok[None, :], other=0.0)
-    return acc + jnp.dot(xs, ws, preferred_element_type=jnp.float32)
-
-  logits = jax.lax.fori_loop(0, d // K_CHUNK, step, jnp.zeros((rows, e_pad), jnp.float32))
-  ok = row_ok[:, None] & col_ok[None, :]
-  _gates(jnp.where(ok, logits, -jnp.inf), ok, row_ok, col, w_ref, i_ref, r0=r0, rows=rows,
-         e_pad=e_pad, k=k, normalize=normalize)
-
-
-def router_gates(x: jax.Array, w: jax.Array, k: int, *, normalize: bool,
-                 interpret: bool = False, num_warps: int = NUM_WARPS, rows: int = ROWS):
-  """`topk_gates` of the router's logits `x @ w` computed in the same kernel: bf16 x `[N, D]`
-  and w `[D, E]`, their products exact in float32 and summed in float32 (in the kernel's order,
-  not XLA's: the logits agree with `router_gates_ref`'s to float32 accumulation, so an expert
-  can differ where two logits are that close)."""
-  why = router_supported(x, w, k)
-  if why:
-    raise ValueError(f"router gates kernel: {why}")
-  return _gates_call(_router_kernel, x, w, e=w.shape[1], k=k, normalize=normalize,
-                     rows=max(rows, MIN_DOT_ROWS), interpret=interpret, num_warps=num_warps,
-                     name="router_gates", d=x.shape[1])
-
-
-def router_gates_ref(x: jax.Array, w: jax.Array, k: int, *, normalize: bool):
-  """`router_gates` in XLA ops: the bf16 product with float32 accumulation, then
-  `topk_gates_ref`."""
-  return topk_gates_ref(jnp.dot(x, w, preferred_element_type=jnp.float32), k,
-                        normalize=normalize)
