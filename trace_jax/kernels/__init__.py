@@ -25,7 +25,8 @@ out as the expert kernel's operand, each token's row at its pairs' sorted rows),
 `swiglu_quantize_rows` makes the expert down input (SwiGLU, its site's codes and the down
 kernel's operand) from the gate/up kernel's rows left ungathered (`ChunkRows`,
 `swiglu_quant.py`), `topk_gates` makes a router's gates in one kernel (`router_topk.py`,
-`TRACE_JAX_ROUTER_TOPK=xla` opts out), `decode_qkv` makes a decode step's q (norm, rope,
+`TRACE_JAX_ROUTER_TOPK=xla` opts out; opt-in `router_gates` sums the router product's split-K
+parts there too, `TRACE_JAX_ROUTER_SUM=kernel`), `decode_qkv` makes a decode step's q (norm, rope,
 the Mosaic attention's head_dim order) and writes its K/V rows in one kernel
 (`qkv_append.py`, `TRACE_JAX_DECODE_QKV=xla` opts out), `add_rms_norm` a decode step's
 residual adds and the norms after them (`add_norm.py`, `TRACE_JAX_ADD_NORM=xla`),
@@ -45,7 +46,7 @@ from trace_jax.kernels.dispatch import (add_rms_norm, append_kv, combine_add_rms
                                         import_gpu_libraries, kv_packing,
                                         matmul, on_gpu,
                                         prefill_attention, quantize_rows,
-                                        quantize_rows_to_operand, route,
+                                        quantize_rows_to_operand, route, router_gates,
                                         sort_by_group, swiglu_quantize_rows, topk_gates)
 from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
@@ -58,4 +59,4 @@ __all__ = ["ChunkRows", "OperandRows", "PackedWeight", "add_rms_norm", "append_k
            "grouped_matmul", "import_gpu_libraries", "kv_packing", "matmul",
            "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route",
-           "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
+           "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]

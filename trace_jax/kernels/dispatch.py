@@ -85,7 +85,7 @@ __all__ = ["add_rms_norm", "append_kv", "combine_add_rms_norm", "combine_in_kern
            "count_by_group", "decode_attention", "decode_qkv", "float32_dot", "grouped_backend",
            "grouped_matmul", "kv_packing", "matmul", "on_gpu",
            "prefill_attention", "prepare_weight", "quantize_rows", "quantize_rows_to_operand",
-           "route", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
+           "route", "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
 _ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
 _ATTENTION_KERNEL = _ATTENTION != "reference"
@@ -116,6 +116,10 @@ _ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "
 # The router's gates: "kernel" (softmax, top-k and weights in one kernel, `topk_gates`) or "xla"
 # (XLA's ops)
 _ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel"))
+# The rollout router's split-K parts: summed by XLA's reduction kernel after its product
+# ("xla"), or by the gates kernel ("kernel", opt-in: `router_gates`, one kernel fewer a layer;
+# deviceless census only so far)
+_ROUTER_SUM = _setting("TRACE_JAX_ROUTER_SUM", "xla", ("xla", "kernel"))
 # The router's float32 product of bf16 operands (the rollout's activations and weights) on the
 # GPU: "bf16" (the default) one bf16 product with float32 accumulation (`bf16_operands_dot`;
 # its derivative the float32 dot's); "float32" converts them and runs XLA's float32 dot at
@@ -736,6 +740,29 @@ def topk_gates(logits, k: int, normalize: bool):
   if router_topk.kernel_supported(logits, k):
     return None
   return _topk_gates(logits, k=k, normalize=normalize)
+
+
+def router_gates(x, w, k: int, normalize: bool):
+  """A MoE router's (gate weights, experts) from its bf16 input x `[N, D]` and weights w
+  `[D, E]` as the rollout computes them with `TRACE_JAX_ROUTER_SUM=kernel` (opt-in): the
+  product as D / 128 float32 parts in one XLA product (`router_topk.router_parts`), their sum,
+  softmax, top-k and weights in the gates kernel (`router_topk.topk_gates_of_parts`). The
+  products are exact in float32 as in `bf16_operands_dot`; the sums' order is fixed (128-term
+  chunks, then the chunks in order), where XLA's own split-K product chooses its own. None where
+  the caller's ops apply: off the GPU, `TRACE_JAX_ROUTER_TOPK=xla`, other dtypes and shapes."""
+  if _ROUTER_SUM != "kernel" or _ROUTER_TOPK == "xla" or not on_gpu():
+    return None
+  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
+  if router_topk.parts_supported(x, w, k):
+    return None
+  return _router_gates(x, w, k=k, normalize=normalize)
+
+
+@_lowered_once("k", "normalize")
+def _router_gates(x, w, *, k, normalize):
+  from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
+  return router_topk.topk_gates_of_parts(router_topk.router_parts(x, w), k,
+                                         normalize=normalize)
 
 
 @_lowered_once("k", "normalize")

@@ -102,13 +102,13 @@ def topk_gates(logits: jax.Array, k: int, *, normalize: bool, interpret: bool = 
 
 
 def _gates_call(kernel, *args, e: int, k: int, normalize: bool, rows: int, interpret: bool,
-                num_warps: int, name: str, **kw):
-  """Launch a gates kernel over the first arg's N rows, `rows` a program: (weights float32
-  `[N, k]`, experts int32 `[N, k]`)."""
+                num_warps: int, name: str, n_axis: int = 0, **kw):
+  """Launch a gates kernel over the first arg's N rows (its axis n_axis), `rows` a program:
+  (weights float32 `[N, k]`, experts int32 `[N, k]`)."""
   if rows < 1 or rows & (rows - 1):
     raise ValueError(f"{name} kernel: rows a program (by default TRACE_JAX_ROUTER_TOPK_ROWS) "
                      f"must be a power of two, got {rows}")
-  n = args[0].shape[0]
+  n = args[0].shape[n_axis]
   out_shape = [jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32)]
   return RQ.launch(
       functools.partial(kernel, n=n, e=e, e_pad=_pow2_at_least(e, 16), k=k, normalize=normalize,
@@ -123,3 +123,70 @@ def topk_gates_ref(logits: jax.Array, k: int, *, normalize: bool):
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return weights, idx
+
+
+# The router's product as K parts (`router_parts`): K taken in chunks of this many, the parts
+# summed by the gates kernel (`topk_gates_of_parts`) in place of XLA's reduction kernel
+PART_K = 128
+MAX_PARTS = 32
+
+
+def router_parts(x: jax.Array, w: jax.Array, part_k: int = PART_K) -> jax.Array:
+  """The router's float32 logits of bf16 x `[N, D]` and w `[D, E]` as D / part_k parts
+  `[S, N, E]`, each a bf16 product with float32 accumulation over its part_k of D: one batched
+  product for XLA (its own plain product of this shape is a split-K product of 16 parts and a
+  reduction kernel, deviceless compile for the H200)."""
+  why = parts_supported(x, w, 1, part_k)
+  if why:
+    raise ValueError(f"router parts: {why}")
+  n, d = x.shape
+  s = d // part_k
+  return jnp.einsum("nsk,ske->sne", x.reshape(n, s, part_k), w.reshape(s, part_k, -1),
+                    preferred_element_type=jnp.float32)
+
+
+def parts_supported(x, w, k: int, part_k: int = PART_K) -> str | None:
+  """None if `router_parts` and `topk_gates_of_parts` take bf16 `x [N, D]`, `w [D, E]`, top-k."""
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    return f"x {list(x.shape)} and w {list(w.shape)}: the parts take [N, D] @ [D, E]"
+  if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+    return f"x {x.dtype} and w {w.dtype}: the parts take bf16 (exact products in float32)"
+  if x.shape[1] % part_k or not 0 < x.shape[1] // part_k <= MAX_PARTS:
+    return f"model width {x.shape[1]}: the parts take 1-{MAX_PARTS} multiples of {part_k}"
+  return kernel_supported(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32), k)
+
+
+def _parts_kernel(p_ref, w_ref, i_ref, *, n: int, e: int, e_pad: int, k: int, normalize: bool,
+                  rows: int, parts: int):
+  plt = RQ.triton_primitives()
+  r0 = pl.program_id(0) * rows
+  row_ok = (r0 + jnp.arange(rows)) < n
+  col = jnp.arange(e_pad)
+  ok = row_ok[:, None] & (col < e)[None, :]
+  x = plt.load(p_ref.at[jnp.int32(0), pl.ds(r0, rows), pl.ds(0, e_pad)], mask=ok, other=0.0)
+  for s in range(1, parts):  # in order: `sum_parts`' sum
+    x = x + plt.load(p_ref.at[jnp.int32(s), pl.ds(r0, rows), pl.ds(0, e_pad)], mask=ok,
+                     other=0.0)
+  _gates(jnp.where(ok, x, -jnp.inf), ok, row_ok, col, w_ref, i_ref, r0=r0, rows=rows,
+         e_pad=e_pad, k=k, normalize=normalize)
+
+
+def sum_parts(parts: jax.Array) -> jax.Array:
+  """The logits of `router_parts`' parts as `topk_gates_of_parts` sums them: in order, part 0
+  first, in float32."""
+  return functools.reduce(jnp.add, list(parts))
+
+
+def topk_gates_of_parts(parts: jax.Array, k: int, *, normalize: bool, interpret: bool = False,
+                        num_warps: int = NUM_WARPS, rows: int = ROWS):
+  """`topk_gates` of the logits `sum_parts(parts)` (parts float32 `[S, N, E]`), the sum taken in
+  the kernel: XLA's reduction of the router's split-K parts is not a kernel of its own."""
+  if parts.ndim != 3 or not 0 < parts.shape[0] <= MAX_PARTS:
+    raise ValueError(f"router top-k kernel: parts {list(parts.shape)}: it takes [S, N, E], S "
+                     f"up to {MAX_PARTS}")
+  why = kernel_supported(parts[0], k)
+  if why:
+    raise ValueError(f"router top-k kernel: {why}")
+  return _gates_call(_parts_kernel, parts, e=parts.shape[2], k=k, normalize=normalize,
+                     rows=rows, interpret=interpret, num_warps=num_warps,
+                     name="router_topk_parts", parts=parts.shape[0], n_axis=1)

@@ -395,8 +395,11 @@ class MoE(nn.Module):
     probs = jax.nn.softmax(logits, axis=-1)
     gates = None
     if replay_routes is None and ctx.mode == "rollout":
-      # (on the GPU: softmax, top-k and the renormalized weights in one kernel)
-      gates = kernels.topk_gates(logits, k, c.norm_topk_prob)
+      # (on the GPU: softmax, top-k and the renormalized weights in one kernel; opt-in, the
+      # router product's split-K parts summed there too, when nothing else reads the logits)
+      gates = kernels.router_gates(xf, w_r, k, c.norm_topk_prob)
+      if gates is None:
+        gates = kernels.topk_gates(logits, k, c.norm_topk_prob)
     if gates is not None:
       weights, idx = gates
     elif replay_routes is None:
