@@ -180,6 +180,8 @@ def test_parts_supported():
   assert "[N, D] @ [D, E]" in router_topk.parts_supported(x, w[:128], 8)
   assert "top-9 of 8" in router_topk.parts_supported(x, w[:, :8], 9)
   assert "1-32 multiples of 4" in router_topk.parts_supported(x, w, 8, part_k=4)  # 64 parts
+  many = jnp.zeros((router_topk.MAX_PARTS_ROWS + 1, 256), jnp.bfloat16)  # a prefill
+  assert "decode batches" in router_topk.parts_supported(many, w, 8)
   with pytest.raises(ValueError, match="bf16"):
     router_topk.router_parts(x.astype(jnp.float32), w)
   with pytest.raises(ValueError, match="parts"):
