@@ -84,6 +84,20 @@ step_4l() {
     --out $OUT/profile_cap_4l_b${b}_nocb_$1.json \
     | grep "guidance_on\|decode loop\|$2\|Error\|^\[clocks" | cut -c1-${4:-160} | sed "s/^/$tag/"
 }
+# the decode attention with V's words and scales loaded with K's (TRACE_JAX_ATTN_PREFETCH_V)
+# each way in the order given, each side its own process: decode rows at B 16 / 64 x 8k / 32k
+# and two rollout-shaped live rows (JSON bench_attention_prefetch_v_SIDE.json): SIDE...
+prefetch_v_ab() {
+  local side
+  for side in "$@"; do
+    TRACE_JAX_ATTN_PREFETCH_V=$side timeout -k 5 ${BA_TIMEOUT:-140} python3 \
+      benchmarks/bench_attention.py --what decode --formats nvfp4_mosaic_kvwords \
+      --batches 16,64 --contexts 8192,32768 --live 256x8192x1600,64x8192x1536 \
+      --live_kernels stream --budget_s $(( ${BA_TIMEOUT:-140} - 30 )) \
+      --out $OUT/bench_attention_prefetch_v_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 \
+      | cut -c1-120 | sed "s/^/[v $side] /"
+  done
+}
 # Nsight Compute on one `ncu_kernels.py` case (the second launch of a kernel whose name matches
 # REGEX; no preallocation: ncu backs up the device memory in use before its replays), its pages
 # exported as CSV and `ncu_summary.py`'s reading; fails where no report was written (NCU: the
@@ -828,14 +842,7 @@ elif [ "$stage" = s44a ]; then
       mv $OUT/k_$side/bench_kernels.json $OUT/bench_kernels_${side}_$rep.json 2>/dev/null
     done
   done
-  for side in ${V_SIDES:-off on}; do
-    TRACE_JAX_ATTN_PREFETCH_V=$side timeout -k 5 ${BA_TIMEOUT:-140} python3 \
-      benchmarks/bench_attention.py --what decode --formats nvfp4_mosaic_kvwords \
-      --batches 16,64 --contexts 8192,32768 --live 256x8192x1600,64x8192x1536 \
-      --live_kernels stream --budget_s $(( ${BA_TIMEOUT:-140} - 30 )) \
-      --out $OUT/bench_attention_prefetch_v_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 \
-      | cut -c1-120 | sed "s/^/[v $side] /"
-  done
+  prefetch_v_ab ${V_SIDES:-off on}
   rm -f $OUT/*.png
 elif [ "$stage" = s45c ]; then
   # (session 45) the rollout router's split-K parts summed in the gates kernel
@@ -873,14 +880,7 @@ elif [ "$stage" = s45a ]; then
     TRACE_JAX_ROUTER_TOPK=$1 TRACE_JAX_ROUTING=$2 STEP_BATCH=255 step_4l topk_$1_routing_$2 \
       "moe/\|router\|routing" "topk $1, routing $2"
   done
-  for side in ${V_SIDES-on off}; do
-    TRACE_JAX_ATTN_PREFETCH_V=$side timeout -k 5 ${BA_TIMEOUT:-140} python3 \
-      benchmarks/bench_attention.py --what decode --formats nvfp4_mosaic_kvwords \
-      --batches 16,64 --contexts 8192,32768 --live 256x8192x1600,64x8192x1536 \
-      --live_kernels stream --budget_s $(( ${BA_TIMEOUT:-140} - 30 )) \
-      --out $OUT/bench_attention_prefetch_v_$side.json 2>&1 | grep -v "^I1\|^W1" | tail -8 \
-      | cut -c1-120 | sed "s/^/[v $side] /"
-  done
+  prefetch_v_ab ${V_SIDES-on off}
 elif [ "$stage" = s44d ]; then
   # (session 44, ran in session 45 on an H100: tests passed; 120 -> 116 kernels, 1.763 -> 1.750
   # ms of kernels a step, now the default) the bf16 q/k/v kernel taking the rollout's 255 rows
