@@ -142,7 +142,7 @@ def test_row_chunks_need_no_order(monkeypatch):
   give with the sorted tables, bit for bit, also where rows share an expert (2 tokens of top-4
   here: a batch-1 step is 1 token of top-8, distinct experts); the paths that need sorted rows
   (the reference here) sort them first; `route` picks them only up to the limit and only on
-  the GPU."""
+  the GPU, before the routing kernels (the default there) as before XLA's tables."""
   from trace_jax.kernels import bf16_mgpu, dispatch  # noqa: PLC0415
   from trace_jax.quant import quantize  # noqa: PLC0415
   e, k, n, tokens, top = 12, 256, 256, 2, 4
@@ -185,4 +185,8 @@ def test_row_chunks_need_no_order(monkeypatch):
   assert dispatch.route(ids, e, wb)[3][4:] == (dispatch.ROW_CHUNKS,)
   assert dispatch.route(ids, e, pw)[3][4:] == (dispatch.ROW_CHUNKS,)
   monkeypatch.setattr(dispatch, "ROW_CHUNK_ROWS", m - 1)
-  assert not fp4_mgpu.by_rows(dispatch.route(ids, e, pw)[3])
+  monkeypatch.setattr(routing, "routing_tables",  # (above the limit the routing kernels' tables)
+                      functools.partial(routing.routing_tables, interpret=True))
+  for setting in ("kernel", "xla"):
+    monkeypatch.setattr(dispatch, "_ROUTING", setting)
+    assert not fp4_mgpu.by_rows(dispatch.route(ids, e, pw)[3])

@@ -521,22 +521,22 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   `grouped_matmul` of these rows with `w` (a packed expert weight up to `SMALL_SORT` rows,
   or bf16 experts for `bf16_mgpu` up to its `MAX_ROWS`), or None (the grouped matmul builds
   them if it needs them). With tables, up to `SMALL_SORT` rows: four small XLA kernels a layer
-  (`_routed_by_counts`; nine before session 26). On the GPU, for a packed expert weight and up
-  to `routing.MAX_ROWS` rows, all of them come from two Pallas kernels (`routing.py`, the
-  default since session 45; `TRACE_JAX_ROUTING=xla`: the XLA kernels)."""
+  (`_routed_by_counts`; nine before session 26). On the GPU, for a packed expert weight, above
+  `ROW_CHUNK_ROWS` rows (`row_chunks`: none) and up to `routing.MAX_ROWS`, all of them come from
+  two Pallas kernels (`routing.py`, the default since session 45; `TRACE_JAX_ROUTING=xla`: the
+  XLA kernels)."""
+  m = group_ids.shape[0]
+  takes_tables = _kernel_takes_tables(w, group_ids, num_groups)
+  if takes_tables and m <= ROW_CHUNK_ROWS and on_gpu():  # (before the kernels: no kernel)
+    return row_chunks(group_ids, num_groups)
   if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
-      m = group_ids.shape[0]
       bm = fp4_mgpu.grouped_bm(m, w.codes.shape[0])
       order, inverse, gs, ce, row0, slot, total = routing.routing_tables(
           group_ids, num_groups=num_groups, bm=bm,
           n_chunks=fp4_mgpu.chunk_count(m, num_groups, bm))
       return order, inverse, gs, (bm, ce, row0, slot, total)
-  m = group_ids.shape[0]
-  takes_tables = _kernel_takes_tables(w, group_ids, num_groups)
-  if takes_tables and m <= ROW_CHUNK_ROWS and on_gpu():
-    return row_chunks(group_ids, num_groups)
   if takes_tables and m <= SMALL_SORT:
     return _routed_by_counts(group_ids, num_groups)
   order, inverse = sort_by_group(group_ids)
