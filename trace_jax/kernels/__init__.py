@@ -40,8 +40,9 @@ as a two-row product on the GPU, as the bf16 XLA path does).
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
-from trace_jax.kernels.dispatch import (add_rms_norm, append_kv, combine_add_rms_norm,
-                                        combine_in_kernel, count_by_group, decode_attention,
+from trace_jax.kernels.dispatch import (add_norm_rounds_h, add_rms_norm, append_kv,
+                                        combine_add_rms_norm, combine_in_kernel, count_by_group,
+                                        decode_attention,
                                         decode_qkv, float32_dot, grouped_backend, grouped_matmul,
                                         import_gpu_libraries, kv_packing,
                                         matmul, on_gpu,
@@ -51,7 +52,8 @@ from trace_jax.kernels.dispatch import (add_rms_norm, append_kv, combine_add_rms
 from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
 
-__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "add_rms_norm", "append_kv", "attention",
+__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "add_norm_rounds_h", "add_rms_norm",
+           "append_kv", "attention",
            "combine_add_rms_norm", "combine_in_kernel", "count_by_group", "decode_attention",
            "decode_qkv",
            "decode_attention_ref", "decode_packed", "float32_dot", "fuse_projections",

@@ -21,18 +21,18 @@ The Triton lowering gathers from no register array, so a table look-up (`al[ce]`
 sum.
 
 Lowering: portable Pallas bodies, `interpret=True` on CPU, the Triton lowering on the GPU (as
-`row_quant`). The GPU default since session 45 (`TRACE_JAX_ROUTING=xla` opts out). History on the H200 (bench_routing, us a
-call at 256 / 512 / 2,048 / 4,096 rows; XLA 7.8 / 6.5 / 10.4 / 21.1): the one-kernel grid of
-session 33, where every program counted every row's group, 7.9 / 9.0 / 15.4 / 24.9 at 16 warps
-(51.7 at 2,048 rows with 4 warps: the count of all rows set a program's time); its first
-version, a loop of tiles each reduced, 43.8 us at 2,048 rows; session 11's one program walking
-the rows, 187 us at 512. These two kernels count each row's group once (session 34, both
-kernels together, 4 / 8 / 16 warps): 4.5 / 4.1 / 4.3 at 256 rows, 7.7 / 6.4 / 6.2 at 2,048, 16.1
-/ 10.1 / 10.3 at 4,096, all tables bit for bit. Faster than XLA alone, but not in the step: the
-4-layer FP4 decode step at the 8k-capacity shape (B 256, 4 warps) took 1.641 ms of kernels
-against 1.643 with XLA's tables. By source, the kernels' ~8.1 us a layer replaced ~11 us of XLA
-reductions, XLA then split the router's top-k into two kernels (+1.1 us a layer), and other
-rows moved by the rest; -2 us a step is within run-to-run spread
+`row_quant`). The GPU default since session 45 (`TRACE_JAX_ROUTING=xla` opts out). History on
+the H200 (bench_routing, us a call at 256 / 512 / 2,048 / 4,096 rows; XLA 7.8 / 6.5 / 10.4 /
+21.1): the one-kernel grid of session 33, where every program counted every row's group, 7.9 /
+9.0 / 15.4 / 24.9 at 16 warps (51.7 at 2,048 rows with 4 warps: the count of all rows set a
+program's time); its first version, a loop of tiles each reduced, 43.8 us at 2,048 rows; session
+11's one program walking the rows, 187 us at 512. These two kernels count each row's group once
+(session 34, both kernels together, 4 / 8 / 16 warps): 4.5 / 4.1 / 4.3 at 256 rows, 7.7 / 6.4 /
+6.2 at 2,048, 16.1 / 10.1 / 10.3 at 4,096, all tables bit for bit. Faster than XLA alone, but
+not in the step: the 4-layer FP4 decode step at the 8k-capacity shape (B 256, 4 warps) took
+1.641 ms of kernels against 1.643 with XLA's tables. By source, the kernels' ~8.1 us a layer
+replaced ~11 us of XLA reductions, XLA then split the router's top-k into two kernels (+1.1 us a
+layer), and other rows moved by the rest; -2 us a step is within run-to-run spread
 (benchmarks/results/session34_h200_2026-12-04, call 1). Once the top-k was a kernel of its own
 (`router_topk.py`) nothing split: at B 255 on an H100 (session 45, stage s45a) 103 kernels and
 1.765 ms a step against 116 and 1.774 with XLA's tables (kernels 4.4 + 3.7 us a layer against
