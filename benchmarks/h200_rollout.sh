@@ -845,16 +845,21 @@ elif [ "$stage" = s44a ]; then
   prefetch_v_ab ${V_SIDES:-off on}
   rm -f $OUT/*.png
 elif [ "$stage" = s46a ]; then
-  # (prepared in session 45, not run) the attention's output projection left in float32 in a
-  # decode step and rounded by the add + norm kernel after it (TRACE_JAX_O_PROJ_OUT=float32:
-  # XLA's convert after cuBLAS's GEMM, 2.6 us a layer at B 255 on an H100, should go; the
-  # deviceless census cannot show it, its compile splits the product without autotuning): the
-  # add + norm kernel's GPU tests (bf16 and float32 h), then the 4-layer decode step at B 255
-  # each way, each side its own process
-  gpu_tests tests/kernels/test_add_norm.py "gpu" add_norm_h ${TEST_TIMEOUT:-90}
-  for side in ${OPROJ_SIDES:-bf16 float32}; do
-    TRACE_JAX_O_PROJ_OUT=$side STEP_BATCH=255 step_4l o_proj_$side "o_proj\|add_rms_norm" \
-      "o_proj $side"
+  # (prepared in session 45, not run) two opt-ins that take XLA kernels out of the decode step
+  # at the rollout's B 255, bit for bit on CPU: the attention's output projection left in
+  # float32 and rounded by the add + norm kernel after it (TRACE_JAX_O_PROJ_OUT=float32: XLA's
+  # convert after cuBLAS's GEMM, 2.6 us a layer on an H100, should go; the deviceless census
+  # cannot show it, its compile splits the product without autotuning), and the input norm
+  # written padded to 256 rows for the bf16 q/k/v kernel (TRACE_JAX_NORM_ROWS=padded: XLA's pad,
+  # 1.5 us a layer, goes; deviceless census at 2 layers 64 -> 63 kernels, layer 0's stays).
+  # Their GPU tests, then the 4-layer decode step at B 255 with neither, each and both, each
+  # side its own process
+  gpu_tests "tests/kernels/test_add_norm.py tests/kernels/test_moe_combine.py" "gpu" \
+    oproj_norm_rows ${TEST_TIMEOUT:-120}
+  for side in ${S46_SIDES:-"bf16 exact" "float32 exact" "bf16 padded" "float32 padded"}; do
+    set -- $side
+    TRACE_JAX_O_PROJ_OUT=$1 TRACE_JAX_NORM_ROWS=$2 STEP_BATCH=255 step_4l o_proj_$1_rows_$2 \
+      "o_proj\|attn/pad\|input_norm" "o_proj $1, rows $2"
   done
 elif [ "$stage" = s45d ]; then
   # (prepared in session 45, not run) the rollout engine on the kernels against its jnp path

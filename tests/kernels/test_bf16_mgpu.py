@@ -181,3 +181,47 @@ def test_dense_dispatch(monkeypatch):
   wide = jnp.zeros((K, bf16_mgpu.DENSE_MAX_N + 128), jnp.bfloat16)  # an lm_head: untimed, XLA
   dispatch.matmul(x, wide, jnp.float32)
   assert len(calls) == 1
+
+
+def test_padded_rows_dispatch(monkeypatch):
+  """A `PaddedRows` operand (the attention's input norm, `TRACE_JAX_NORM_ROWS=padded`): 255 rows
+  held in 256 go to the dense kernel (its jnp model) as they are, told the 255, no pad and no
+  slice; where the kernel does not apply (`TRACE_JAX_BF16_DENSE=xla`, or off the GPU) the
+  product of their value. Both against float64; `norm_rows_padded` only with the opt-in, on
+  the GPU, with the kernel's exact rows."""
+  from trace_jax.kernels import layout  # noqa: PLC0415
+  calls = []
+
+  def model(*args, **kw):
+    calls.append((args[0].shape, kw["rows"]))
+    return bf16_mgpu.emulate_chunked_matmul(*args, **kw)
+
+  monkeypatch.setattr(bf16_mgpu, "bf16_chunked_matmul", model)
+  monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", "exact")
+  rng = np.random.default_rng(7)
+  w = jnp.asarray(rng.standard_normal((K, 4096)) * 0.05, jnp.bfloat16)  # 32 x 2 = 64 CTAs
+  rows = jnp.asarray(rng.standard_normal((256, K)), jnp.bfloat16).at[255:].set(0)
+  x = layout.PaddedRows(rows, (255, 1, K))
+  want = np.asarray(rows[:255], np.float64) @ np.asarray(w, np.float64)
+  for setting, on_gpu, taken in (("kernel", True, True), ("xla", True, False),
+                                 ("kernel", False, False)):
+    monkeypatch.setattr(dispatch, "BF16_DENSE", setting)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda on_gpu=on_gpu: on_gpu)
+    jax.clear_caches()
+    got = dispatch.matmul(x, w, jnp.float32)
+    assert got.shape == (255, 1, 4096)
+    np.testing.assert_allclose(np.asarray(got)[:, 0], want, rtol=1e-5, atol=1e-5)
+    assert calls == ([((256, K), 255)] if taken else []), setting
+    calls.clear()
+  for setting, bf16_dense, rows_mode, on_gpu, padded in (
+      ("padded", "kernel", "exact", True, True), ("exact", "kernel", "exact", True, False),
+      ("padded", "xla", "exact", True, False), ("padded", "kernel", "chunks", True, False),
+      ("padded", "kernel", "exact", False, False)):
+    monkeypatch.setattr(dispatch, "_NORM_ROWS", setting)
+    monkeypatch.setattr(dispatch, "BF16_DENSE", bf16_dense)
+    monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", rows_mode)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda on_gpu=on_gpu: on_gpu)
+    assert dispatch.norm_rows_padded() == padded
+  with pytest.raises(ValueError, match="rows 257"):
+    bf16_mgpu.dense_matmul(rows, w, bm=128, wgs=2, kb=2, rows=257,
+                           kernel_fn=bf16_mgpu.emulate_chunked_matmul)

@@ -103,6 +103,32 @@ def test_lowers_for_cuda(monkeypatch):
   text = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6)).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "moe_combine_add_rms_norm" in text
+  # and at the rollout's 255 rows with the norm padded to 256 (`PaddedRows`)
+  rows = L.ChunkRows(sds((220 * 32, 2048), jnp.bfloat16), sds((2040,), jnp.int32), 2048)
+  args = (sds((255, 1, 2048), jnp.bfloat16), rows, sds((2040,), jnp.int32),
+          sds((255, 8), jnp.float32), sds((2048,), jnp.bfloat16))
+  text = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6, y_rows=256)).trace(
+      *args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "tensor<256x2048xbf16>" in text
+
+
+def test_kernel_pads_the_norms_rows():
+  """y_rows (`layout.PaddedRows`, the attention's input norm padded for the bf16 q/k/v
+  kernel): 37 tokens' norm in 40 rows, its first 37 bit for bit the unpadded kernel's, the
+  rest zeros; the sum unchanged; fewer rows than tokens refused."""
+  args = _case(4, 37, 3, 64, jnp.bfloat16)
+  plain = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6, interpret=True))(*args)
+  got = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6, interpret=True,
+                                  y_rows=40))(*args)
+  assert got[1].shape == (40, 64)
+  np.testing.assert_array_equal(_bits(got[0])[0], _bits(plain[0])[0])
+  np.testing.assert_array_equal(np.asarray(got[1][:37]).view(np.uint8),
+                                np.asarray(plain[1]).reshape(37, 64).view(np.uint8))
+  assert not np.asarray(got[1][37:], np.float32).any()
+  value = L.PaddedRows(got[1], (37, 1, 64)).value()
+  np.testing.assert_array_equal(_bits(value)[0], _bits(plain[1])[0])
+  with pytest.raises(ValueError, match="y_rows 36"):
+    MC.combine_add_rms_norm(*args, 1e-6, interpret=True, y_rows=36)
 
 
 def _chunked_grouped_matmul(monkeypatch):
@@ -143,7 +169,7 @@ def test_model_with_kernel_is_bitwise_the_xla_path(monkeypatch, declines):
   want = run()
   calls = []
 
-  def combine(*args):
+  def combine(*args, pad_rows=False):  # (unpadded: `test_model_with_padded_norm_rows_...`)
     calls.append(args[1].rows.shape)
     return None if declines else MC.combine_add_rms_norm(*args, interpret=True)
 
@@ -153,6 +179,45 @@ def test_model_with_kernel_is_bitwise_the_xla_path(monkeypatch, declines):
   jax.clear_caches()
   got = run()
   assert len(calls) == 2  # the decode program's layer boundary and final norm (traced once)
+  for a, b in zip(_bits(got), _bits(want)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow  # ~25 s on 2 cores, as the test above
+def test_model_with_padded_norm_rows_is_bitwise_the_xla_path(monkeypatch):
+  """`TRACE_JAX_NORM_ROWS=padded`'s path in a two-layer bf16 model with fused q/k/v (B 3): the
+  layer boundary's norm comes from the kernel (interpret mode) as `PaddedRows` of 8 rows, the
+  attention hands them as they are to the fused product (here XLA's dot of their value; the
+  padding's zeros: `test_kernel_pads_the_norms_rows`), the final norm stays unpadded; logits,
+  cache and records bit for bit those of the XLA path."""
+  from tests.kernels.test_glue_in_model import prompt_and_steps  # noqa: PLC0415
+  from tests.kernels.test_qkv_append import _fused_qkv_params  # noqa: PLC0415
+  cfg = M.tiny(num_layers=2, dtype="bfloat16")
+  policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
+  params = _fused_qkv_params(M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy))
+  ctx = M.QuantContext(policy, "rollout", record_guidance=True)
+  run = functools.partial(prompt_and_steps, params, cfg, ctx, 3)
+  want = run()
+  padded_calls, plain_matmul = [], kernels.matmul
+
+  def combine(x, rows, inverse, weights, scale, eps, pad_rows=False):
+    s, y = MC.combine_add_rms_norm(x, rows, inverse, weights, scale, eps, interpret=True,
+                                   y_rows=8 if pad_rows else None)
+    return s, (L.PaddedRows(y, tuple(x.shape)) if pad_rows else y)
+
+  def matmul(x, w, out_dtype=None, **kw):
+    if isinstance(x, L.PaddedRows):
+      padded_calls.append(x.rows.shape)
+      x = x.value()
+    return plain_matmul(x, w, out_dtype, **kw)
+
+  _chunked_grouped_matmul(monkeypatch)
+  monkeypatch.setattr(kernels, "combine_in_kernel", lambda: True)
+  monkeypatch.setattr(kernels, "combine_add_rms_norm", combine)
+  monkeypatch.setattr(kernels, "matmul", matmul)
+  jax.clear_caches()
+  got = run()
+  assert padded_calls == [(8, cfg.hidden_size)]  # layer 1's q/k/v (traced once)
   for a, b in zip(_bits(got), _bits(want)):
     np.testing.assert_array_equal(a, b)
 
@@ -217,3 +282,19 @@ def test_model_with_kernel_on_gpu(monkeypatch):
   err = float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w))
   print(f"logits relative error {err:.2e}")
   assert err < 1e-2
+
+
+@pytest.mark.gpu
+def test_padded_norm_on_gpu_equals_unpadded():
+  """The compiled kernel at the rollout's shape (B 255, top-8, 2,048 wide, bf16) with its norm
+  padded to 256 rows (`PaddedRows`): the sum and the first 255 rows of the norm bit for bit the
+  unpadded call's, the last row zeros."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU backend")
+  args = _case(5, 255, 8, 2048, jnp.bfloat16, src_extra=5000)
+  plain = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6))(*args)
+  got = jax.jit(functools.partial(MC.combine_add_rms_norm, eps=1e-6, y_rows=256))(*args)
+  np.testing.assert_array_equal(_bits(got[0])[0], _bits(plain[0])[0])
+  np.testing.assert_array_equal(np.asarray(got[1][:255]).view(np.uint8),
+                                np.asarray(plain[1]).reshape(255, 2048).view(np.uint8))
+  assert not np.asarray(got[1][255:], np.float32).any()

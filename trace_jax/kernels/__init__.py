@@ -42,6 +42,7 @@ as a two-row product on the GPU, as the bf16 XLA path does).
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
 from trace_jax.kernels.dispatch import (add_norm_rounds_h, add_rms_norm, append_kv,
                                         combine_add_rms_norm, combine_in_kernel, count_by_group,
+                                        norm_rows_padded,
                                         decode_attention,
                                         decode_qkv, float32_dot, grouped_backend, grouped_matmul,
                                         import_gpu_libraries, kv_packing,
@@ -49,16 +50,19 @@ from trace_jax.kernels.dispatch import (add_norm_rounds_h, add_rms_norm, append_
                                         prefill_attention, quantize_rows,
                                         quantize_rows_to_operand, route, router_gates,
                                         sort_by_group, swiglu_quantize_rows, topk_gates)
-from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_packed,
+from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, PaddedRows,
+                                      decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
 
-__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "add_norm_rounds_h", "add_rms_norm",
+__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "PaddedRows", "add_norm_rounds_h",
+           "add_rms_norm",
            "append_kv", "attention",
            "combine_add_rms_norm", "combine_in_kernel", "count_by_group", "decode_attention",
            "decode_qkv",
            "decode_attention_ref", "decode_packed", "float32_dot", "fuse_projections",
            "grouped_backend",
            "grouped_matmul", "import_gpu_libraries", "kv_packing", "matmul",
-           "on_gpu", "prefill_attention", "prefill_attention_ref", "prepare_tree",
+           "norm_rows_padded", "on_gpu", "prefill_attention", "prefill_attention_ref",
+           "prepare_tree",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route",
            "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]

@@ -196,25 +196,29 @@ def dense_launch(rows: int, k: int, n: int) -> dict | None:
 
 
 def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, splits: int = 1,
-                 out_dtype=jnp.bfloat16, kernel_fn=None, exact_rows: bool | None = None):
+                 out_dtype=jnp.bfloat16, kernel_fn=None, exact_rows: bool | None = None,
+                 rows: int | None = None):
   """x [M, K] @ bf16 w [K, N] through this kernel with the rows as chunks of bm (128 / 256:
   one or two chunks at decode batches, so the weight is read once or twice): a CTA computes
   64 * wgs columns of a chunk over a K part (splits > 1: float32 parts added by XLA).
   kernel_fn: the kernel's stand-in (`emulate_chunked_matmul` in CPU tests). The engine's path
   on the GPU (`dispatch.BF16_DENSE`, TRACE_JAX_BF16_DENSE=xla opts out), where `dense_launch`
   gives a launch; at 256 rows no launch beat XLA's dot for o 4096 x 2048 (17.47 us; best
-  17.70). exact_rows: `DENSE_ROWS` "exact" (None: the setting)."""
+  17.70). exact_rows: `DENSE_ROWS` "exact" (None: the setting). rows: the product's rows where
+  x holds more (`layout.PaddedRows`: a multiple of 8, so no pad is left to do): `[rows, N]`."""
   k = x.shape[1]
   part = jnp.float32 if splits > 1 else out_dtype
   stages = dense_stages(bm, kb, wgs, k // (64 * kb) // splits, part)
   if stages < 1:
     raise ValueError(f"bm={bm} wgs={wgs} kb={kb} does not fit SMEM")
-  m = x.shape[0]
+  m = x.shape[0] if rows is None else rows
+  if not 0 < m <= x.shape[0]:
+    raise ValueError(f"rows {m} of an operand of {x.shape[0]}")
   if exact_rows is None:
     exact_rows = DENSE_ROWS == "exact"
   # exact: rows padded to a multiple of 8 only, the kernel's last chunk reads zeros past them
   # and writes none past m; else padded to whole chunks and sliced back
-  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, -m % (8 if exact_rows else bm)), (0, 0)))
+  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, -x.shape[0] % (8 if exact_rows else bm)), (0, 0)))
   out = (kernel_fn or bf16_chunked_matmul)(
       xc, w[None], None, None, bm=bm, stages=stages, splits=splits, out_dtype=part, wgs=wgs,
       kb=kb, rows=m if exact_rows else None)[:, :m]

@@ -75,8 +75,8 @@ from trace_jax import quant as tq
 # fp4_mgpu imports no Pallas at module level (its kernels import Mosaic when they trace)
 from trace_jax.kernels import attention_ref, fp4_mgpu, reference
 from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
-from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, decode_parts,
-                                      prepare_weight)
+from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, PaddedRows,
+                                      decode_parts, prepare_weight)
 from trace_jax.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
@@ -84,7 +84,7 @@ from trace_jax.quant.qarray import decode_blocks, from_blocks
 __all__ = ["add_norm_rounds_h", "add_rms_norm", "append_kv", "combine_add_rms_norm",
            "combine_in_kernel", "count_by_group", "decode_attention", "decode_qkv", "float32_dot",
            "grouped_backend",
-           "grouped_matmul", "kv_packing", "matmul", "on_gpu",
+           "grouped_matmul", "kv_packing", "matmul", "norm_rows_padded", "on_gpu",
            "prefill_attention", "prepare_weight", "quantize_rows", "quantize_rows_to_operand",
            "route", "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
@@ -171,6 +171,11 @@ BF16_KERNEL_ROWS = 256
 # kernels against the jnp reference path) had 12 of 160 rows take another token at a near-tie
 # (0 with "xla", whose products are the reference's own).
 BF16_DENSE = _setting("TRACE_JAX_BF16_DENSE", "kernel", ("xla", "kernel"))
+# A decode step's input norm (the MoE combine kernel's) writing its rows padded to a multiple of
+# 8 for the bf16 q/k/v kernel ("padded", opt-in: `norm_rows_padded`; XLA's pad of [255, 2048]
+# to 256 rows before that kernel, 1.5 us a layer in the 48-layer step, should go), or as they
+# are ("exact")
+_NORM_ROWS = _setting("TRACE_JAX_NORM_ROWS", "exact", ("exact", "padded"))
 
 
 def on_gpu() -> bool:
@@ -288,23 +293,25 @@ def xla_matmul(x, parts, out_dtype) -> jax.Array:
   return (y if factor is None else y * factor).astype(out_dtype)
 
 
-def _bf16_dense(x, w, out_dtype):
+def _bf16_dense(x, w, out_dtype, rows: int | None = None):
   """`x [..., K] @ w` (bf16 [K, N]) through `bf16_mgpu.dense_matmul` where its launch rule
-  (`bf16_mgpu.dense_launch`) takes the shape, else None."""
+  (`bf16_mgpu.dense_launch`) takes the shape, else None. rows: the product's rows where x
+  `[R, K]` holds more (`PaddedRows`): the result `[rows, N]`."""
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
-  rows = x.size // x.shape[-1]
-  launch = bf16_mgpu.dense_launch(rows, *w.shape)
+  held = x.size // x.shape[-1]
+  launch = bf16_mgpu.dense_launch(rows or held, *w.shape)
   if launch is None:
     return None
-  y = _dense_bf16_call(x.reshape(rows, x.shape[-1]), w, out_dtype=out_dtype, **launch)
-  return y.reshape(*x.shape[:-1], w.shape[1])
+  y = _dense_bf16_call(x.reshape(held, x.shape[-1]), w, out_dtype=out_dtype, rows=rows,
+                       **launch)
+  return y if rows else y.reshape(*x.shape[:-1], w.shape[1])
 
 
-@_lowered_once("out_dtype", "bm", "wgs", "kb", "splits")
-def _dense_bf16_call(x, w, *, out_dtype, bm, wgs, kb, splits):
+@_lowered_once("out_dtype", "bm", "wgs", "kb", "splits", "rows")
+def _dense_bf16_call(x, w, *, out_dtype, bm, wgs, kb, splits, rows):
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   return bf16_mgpu.dense_matmul(x, w, bm=bm, wgs=wgs, kb=kb, splits=splits,
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, rows=rows)
 
 
 def float32_dot(x, w) -> jax.Array:
@@ -387,7 +394,15 @@ def _out_dtype(x, out_dtype):
 
 
 def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None) -> jax.Array:
-  """`x @ w`; w `[K, N]` array, FP4 `QArray` (blocks along K) or `PackedWeight`."""
+  """`x @ w`; w `[K, N]` array, FP4 `QArray` (blocks along K) or `PackedWeight`; x may be
+  `PaddedRows` (the bf16 dense kernel then reads its padded rows, others its value)."""
+  if isinstance(x, PaddedRows):
+    if (_xla_gpu_ok(x.rows, w, use_kernel) and BF16_DENSE == "kernel"
+        and (parts := _bf16_parts(w)) is not None and parts[1] is None):
+      y = _bf16_dense(x.rows, parts[0], _out_dtype(x.rows, out_dtype), rows=x.n)
+      if y is not None:
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    x = x.value()
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
     if BF16_DENSE == "kernel" and parts[1] is None:
       y = _bf16_dense(x, parts[0], _out_dtype(x, out_dtype))
@@ -704,24 +719,39 @@ def combine_in_kernel() -> bool:
   return _MOE_COMBINE == "kernel" and on_gpu()
 
 
-def combine_add_rms_norm(x, rows: ChunkRows, inverse, weights, scale, eps: float):
+def norm_rows_padded() -> bool:
+  """Whether a decode step's input norm may hand the attention its rows padded to a multiple of
+  8 (`PaddedRows`, for the bf16 q/k/v kernel's exact rows): on the GPU with
+  `TRACE_JAX_NORM_ROWS=padded` (opt-in), the bf16 dense kernel on and its rows exact."""
+  if _NORM_ROWS != "padded" or BF16_DENSE != "kernel" or not on_gpu():
+    return False
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  return bf16_mgpu.DENSE_ROWS == "exact"
+
+
+def combine_add_rms_norm(x, rows: ChunkRows, inverse, weights, scale, eps: float,
+                         pad_rows: bool = False):
   """A decode step's MoE output, residual add and RMS norm, `(s, rms_norm(s, scale, eps))` with
   s = x + the gates' weighted sum of each token's expert rows (`rows` left by the down kernel,
   pair (t, j) at `rows.slot[inverse[t * k + j]]`), by the Pallas kernel of `moe_combine.py`, or
   None where the caller's ops apply: as `combine_in_kernel`, and for shapes it does not take.
-  Inference only (the kernel has no derivative)."""
+  pad_rows (the attention's input norm): the norm as `PaddedRows` where `norm_rows_padded` and
+  the rows are not a multiple of 8. Inference only (the kernel has no derivative)."""
   if not combine_in_kernel():
     return None
   from trace_jax.kernels import moe_combine  # noqa: PLC0415 - Pallas imports stay lazy
   if moe_combine.kernel_supported(x, rows, inverse, weights, scale):
     return None
-  return _combine_add_rms_norm(x, rows, inverse, weights, scale, eps=eps)
+  n = x.size // x.shape[-1]
+  y_rows = -(-n // 8) * 8 if pad_rows and n % 8 and norm_rows_padded() else None
+  s, y = _combine_add_rms_norm(x, rows, inverse, weights, scale, eps=eps, y_rows=y_rows)
+  return s, (y if y_rows is None else PaddedRows(y, tuple(x.shape)))
 
 
-@_lowered_once("eps")
-def _combine_add_rms_norm(x, rows, inverse, weights, scale, *, eps):
+@_lowered_once("eps", "y_rows")
+def _combine_add_rms_norm(x, rows, inverse, weights, scale, *, eps, y_rows):
   from trace_jax.kernels import moe_combine  # noqa: PLC0415 - Pallas imports stay lazy
-  return moe_combine.combine_add_rms_norm(x, rows, inverse, weights, scale, eps)
+  return moe_combine.combine_add_rms_norm(x, rows, inverse, weights, scale, eps, y_rows=y_rows)
 
 
 def quantize_rows(x, fmt):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,25 @@ class ChunkRows:
   def gather(self) -> jax.Array:
     """The result `[M, n]` (one XLA gather)."""
     return jnp.take(self.rows[:, :self.n], self.slot, axis=0, mode="fill", fill_value=0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PaddedRows:
+  """A decode step's normalized rows written with their row count rounded up for the bf16
+  q/k/v kernel, which then needs no pad of its own (`dispatch.norm_rows_padded`): rows
+  [R, D] (rows past n zero), the value `shape` (static) of its first n rows."""
+
+  rows: jax.Array
+  shape: tuple = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def n(self) -> int:
+    return math.prod(self.shape[:-1])
+
+  def value(self) -> jax.Array:
+    """The rows as the model's value `[..., D]` (a slice)."""
+    return self.rows[:self.n].reshape(self.shape)
 
 
 def chunk_row_index(slot, src: int, ok):

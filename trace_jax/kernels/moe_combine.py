@@ -73,7 +73,7 @@ def kernel_supported(x, rows: L.ChunkRows, inverse, weights, scale) -> str | Non
 
 
 def _kernel(inv_ref, slot_ref, w_ref, x_ref, rows_ref, scale_ref, s_ref, y_ref, *, n: int, k: int,
-            d: int, m: int, src: int, rows: int, eps: float, interpret: bool):
+            d: int, m: int, src: int, rows: int, eps: float, interpret: bool, y_rows: int):
   plt = RQ.triton_primitives()
   t0 = pl.program_id(0) * rows
   ok = ((t0 + jnp.arange(rows)) < n)[:, None]  # [R, 1]
@@ -95,28 +95,36 @@ def _kernel(inv_ref, slot_ref, w_ref, x_ref, rows_ref, scale_ref, s_ref, y_ref, 
   h = T.combine_experts(slots(), dt, rnd)
   AN.add_and_norm(lambda ref: ref.at[pl.ds(t0, rows)], ok, x_ref, h, scale_ref, s_ref, y_ref,
                   eps=eps, rnd=rnd)
+  if y_rows > n:  # the normalized rows' padding (`PaddedRows`): zeros
+    r = t0 + jnp.arange(rows)
+    plt.store(y_ref.at[pl.ds(t0, rows)], jnp.zeros((rows, d), dt),
+              mask=((r >= n) & (r < y_rows))[:, None])
 
 
 def combine_add_rms_norm(x: jax.Array, rows: L.ChunkRows, inverse: jax.Array, weights: jax.Array,
                          scale: jax.Array, eps: float, *, interpret: bool = False,
-                         num_warps: int | None = None):
+                         num_warps: int | None = None, y_rows: int | None = None):
   """`(s, rms_norm(s, scale, eps))`, s = x + the tokens' expert rows weighted and summed, from
-  one kernel, both in x's dtype and shape (as `combine_add_rms_norm_ref`)."""
+  one kernel, both in x's dtype and shape (as `combine_add_rms_norm_ref`). y_rows (at least
+  the N rows): the norm's rows `[y_rows, D]` instead, zeros past N (`layout.PaddedRows`)."""
   why = kernel_supported(x, rows, inverse, weights, scale)
   if why:
     raise ValueError(f"MoE combine + add + RMS norm kernel: {why}")
   d = x.shape[-1]
   n, k = weights.shape
   m = rows.slot.shape[0]
+  y_rows = n if y_rows is None else y_rows
+  if y_rows < n:
+    raise ValueError(f"MoE combine + add + RMS norm kernel: y_rows {y_rows} < {n} rows")
   per = max(1, AN.TILE_ELEMS // d)
-  out = [jax.ShapeDtypeStruct((n, d), x.dtype)] * 2
+  out = [jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((y_rows, d), x.dtype)]
   s, y = RQ.launch(
       functools.partial(_kernel, n=n, k=k, d=d, m=m, src=rows.rows.shape[0], rows=per, eps=eps,
-                        interpret=interpret),
+                        interpret=interpret, y_rows=y_rows),
       inverse.reshape(n, k), rows.slot.astype(jnp.int32), weights, x.reshape(n, d), rows.rows,
-      scale, programs=-(-n // per), out_shape=out, interpret=interpret,
+      scale, programs=-(-y_rows // per), out_shape=out, interpret=interpret,
       num_warps=num_warps or NUM_WARPS, name="moe_combine_add_rms_norm")
-  return s.reshape(x.shape), y.reshape(x.shape)
+  return s.reshape(x.shape), (y.reshape(x.shape) if y_rows == n else y)
 
 
 def combine_add_rms_norm_ref(x: jax.Array, rows: L.ChunkRows, inverse: jax.Array,

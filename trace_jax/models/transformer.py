@@ -66,15 +66,18 @@ class AddRMSNorm(nn.Module):
   """The residual add `x + h` and the RMS norm of the sum (`rms_norm`, the scale named as
   `RMSNorm`'s): in one kernel where `decode` says the call is a decode step's (no derivative is
   taken there) and the kernel takes them: `kernels.add_rms_norm`, or for an MoE's output left
-  in its kernel's rows (`RoutedRows`) `kernels.combine_add_rms_norm`, its weighted sum too."""
+  in its kernel's rows (`RoutedRows`) `kernels.combine_add_rms_norm`, its weighted sum too.
+  pad_rows (the attention's input norm): that kernel may return the norm as
+  `kernels.PaddedRows` (opt-in, `kernels.norm_rows_padded`)."""
   eps: float
 
   @nn.compact
-  def __call__(self, x, h, decode: bool = False):
+  def __call__(self, x, h, decode: bool = False, pad_rows: bool = False):
     scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
     both = None
     if decode and isinstance(h, RoutedRows):
-      both = kernels.combine_add_rms_norm(x, h.rows, h.inverse, h.weights, scale, self.eps)
+      both = kernels.combine_add_rms_norm(x, h.rows, h.inverse, h.weights, scale, self.eps,
+                                          pad_rows=pad_rows)
     elif decode:
       both = kernels.add_rms_norm(x, h, scale, self.eps)
     if both is not None:
@@ -151,15 +154,22 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, key_mask, cache, cache_index, guidance, records):
+    """x: the normalized stream `[B, T, D]`, or a decode step's as `kernels.PaddedRows`, which
+    only the fused q/k/v product of an unquantized input reads as it is."""
     c, ctx, dt = self.config, self.ctx, self.config.compute_dtype
+    padded = None
+    if isinstance(x, kernels.PaddedRows):
+      padded, x = x, x.value()
     b, t, _ = x.shape
+    if ctx.activation_format("attn/in") is not None:
+      padded = None
     x = activation_site(x, "attn/in", self.guided, ctx, guidance, records)
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     kv_fmt = ctx.activation_format("kv/k")
     fused = self._fused_qkv(nq + 2 * nkv)
     prepared = None
     if fused is not None:  # one call, not three (a decode step's FP4 GEMVs)
-      qkv = kernels.matmul(x.astype(dt), fused, out_dtype=dt)
+      qkv = kernels.matmul(x.astype(dt) if padded is None else padded, fused, out_dtype=dt)
       if t == 1 and cache is not None and kv_fmt is not None:
         prepared = self._decode_qkv(qkv[:, 0], positions[:, 0], cache, cache_index,
                                     wants_guidance_bits(kv_fmt, self.guided, ctx))
@@ -578,7 +588,7 @@ class Block(nn.Module):
     if h_prev is None:
       xn = RMSNorm(c.rms_norm_eps, name="input_norm")(x)
     else:
-      x, xn = AddRMSNorm(c.rms_norm_eps, name="input_norm")(x, h_prev, decode)
+      x, xn = AddRMSNorm(c.rms_norm_eps, name="input_norm")(x, h_prev, decode, pad_rows=True)
     h, new_cache = Attention(c, self.ctx, guided, name="attn")(
         xn, positions, key_mask, cache, cache_index, guidance, records)
     x, hn = AddRMSNorm(c.rms_norm_eps, name="post_attn_norm")(x, h, decode)
