@@ -294,17 +294,14 @@ def xla_matmul(x, parts, out_dtype) -> jax.Array:
 
 
 def _bf16_dense(x, w, out_dtype, rows: int | None = None):
-  """`x [..., K] @ w` (bf16 [K, N]) through `bf16_mgpu.dense_matmul` where its launch rule
-  (`bf16_mgpu.dense_launch`) takes the shape, else None. rows: the product's rows where x
-  `[R, K]` holds more (`PaddedRows`): the result `[rows, N]`."""
+  """`x [R, K] @ w` (bf16 [K, N]) through `bf16_mgpu.dense_matmul` where its launch rule
+  (`bf16_mgpu.dense_launch`) takes the shape, else None: `[rows, N]` (rows: the product's
+  rows where x holds more, `PaddedRows`; None: all R)."""
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
-  held = x.size // x.shape[-1]
-  launch = bf16_mgpu.dense_launch(rows or held, *w.shape)
+  launch = bf16_mgpu.dense_launch(rows or x.shape[0], *w.shape)
   if launch is None:
     return None
-  y = _dense_bf16_call(x.reshape(held, x.shape[-1]), w, out_dtype=out_dtype, rows=rows,
-                       **launch)
-  return y if rows else y.reshape(*x.shape[:-1], w.shape[1])
+  return _dense_bf16_call(x, w, out_dtype=out_dtype, rows=rows, **launch)
 
 
 @_lowered_once("out_dtype", "bm", "wgs", "kb", "splits", "rows")
@@ -396,18 +393,16 @@ def _out_dtype(x, out_dtype):
 def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None) -> jax.Array:
   """`x @ w`; w `[K, N]` array, FP4 `QArray` (blocks along K) or `PackedWeight`; x may be
   `PaddedRows` (the bf16 dense kernel then reads its padded rows, others its value)."""
-  if isinstance(x, PaddedRows):
-    if (_xla_gpu_ok(x.rows, w, use_kernel) and BF16_DENSE == "kernel"
-        and (parts := _bf16_parts(w)) is not None and parts[1] is None):
-      y = _bf16_dense(x.rows, parts[0], _out_dtype(x.rows, out_dtype), rows=x.n)
-      if y is not None:
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    x = x.value()
+  padded = x if isinstance(x, PaddedRows) else None
+  if padded is not None:
+    x = padded.value()  # (a slice, dead where the dense kernel takes the padded rows)
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
     if BF16_DENSE == "kernel" and parts[1] is None:
-      y = _bf16_dense(x, parts[0], _out_dtype(x, out_dtype))
+      rows2d = x.reshape(-1, x.shape[-1]) if padded is None else padded.rows
+      y = _bf16_dense(rows2d, parts[0], _out_dtype(x, out_dtype),
+                      rows=None if padded is None else padded.n)
       if y is not None:
-        return y
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     return xla_matmul(x, parts, _out_dtype(x, out_dtype))
   if not _kernel_ok(x, w, use_kernel) or w.experts:
     return reference.matmul_ref(x, w, out_dtype)
