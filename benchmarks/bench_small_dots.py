@@ -23,7 +23,8 @@ time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
   broadcast to two), `mgpu` (the bf16 grouped
   Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group), and from 128 rows
   `mgpu_bm{rows a chunk}_wg{warpgroups}_kb{K tiles a step}_s{K splits}` (the same kernel with
-  128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`), `xla_cublas` / `xla_cublaslt` (`xla`
+  128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`), `mgpu_cluster_s{splits}_wg*_kb*` (K split
+  in a thread block cluster, the parts added inside the kernel, `bf16_mgpu.cluster_matmul`), `xla_cublas` / `xla_cublaslt` (`xla`
   compiled with XLA's Triton GEMM fusions off: at 256 rows on an H100 8-31% slower than XLA's
   choice, session 43).
 - `router_bf16`: the router's operands as bf16 (the rollout's), one bf16 product with float32
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import time
 
@@ -103,6 +105,12 @@ DENSE_LAUNCHES = [(256, 2, 1, 1), (256, 2, 1, 2), (256, 2, 1, 4), (256, 1, 1, 1)
                   (128, 2, 2, 1)]
 
 
+# (K splits = cluster size, compute warpgroups, 64-wide K tiles a step) of the
+# `mgpu_cluster_*` rows (`bf16_mgpu.cluster_matmul`: the K parts added through distributed
+# shared memory inside the kernel)
+CLUSTER_LAUNCHES = [(8, 2, 1), (4, 2, 1), (2, 2, 1), (8, 1, 1), (4, 1, 1), (4, 1, 2), (8, 1, 2)]
+
+
 def _dense_launch(rows: int, k: int, n: int) -> dict:
   """n_inner 1 and the most K splits with every chunk's column tiles in one wave of SMs."""
   from trace_jax.kernels import bf16_mgpu, fp4_mgpu
@@ -123,6 +131,8 @@ def main():
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--products", default="router,route_tail,qkv,o",
                   help="which products' rows to run")
+  ap.add_argument("--only", default="",
+                  help="a regex: only the qkv / o variants whose tag it finds")
   args = ap.parse_args()
   if args.plot:
     print(plot(args.plot))
@@ -262,9 +272,14 @@ def main():
         for bm, wgs, kb, sp in DENSE_LAUNCHES:
           dv[f"mgpu_bm{bm}_wg{wgs}_kb{kb}_s{sp}"] = functools.partial(
               bf16_mgpu.dense_matmul, bm=bm, wgs=wgs, kb=kb, splits=sp)
+        for sp, wgs, kb in CLUSTER_LAUNCHES:
+          if n % (64 * wgs) == 0 and k % (64 * kb * sp) == 0:
+            dv[f"mgpu_cluster_s{sp}_wg{wgs}_kb{kb}"] = functools.partial(
+                bf16_mgpu.cluster_matmul, splits=sp, wgs=wgs, kb=kb)
       dv.update(_hopper_variants(r) if args.hopper else {})
       for tag, fn in dv.items():
-        row(f"{shape_tag}_{tag}_r{r}", fn, xb, wb, ref, wb.size * 2)
+        if not args.only or re.search(args.only, tag):
+          row(f"{shape_tag}_{tag}_r{r}", fn, xb, wb, ref, wb.size * 2)
   res["total_s"] = time.time() - t0
   with open(args.out, "w") as f:
     json.dump(res, f, indent=1, default=str)

@@ -122,7 +122,7 @@ def report(sass_path: str, listing: bool) -> dict:
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("what", choices=("attention", "matmul", "grouped", "file"))
+  ap.add_argument("what", choices=("attention", "matmul", "grouped", "cluster", "file"))
   ap.add_argument("path", nargs="?", help="file: a .sass_ctrl dump")
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--context", type=int, default=8192)
@@ -135,8 +135,11 @@ def main():
   ap.add_argument("--rows", type=int, default=1)
   ap.add_argument("--experts", type=int, default=128, help="grouped: experts (groups)")
   ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"))
-  ap.add_argument("--kb", type=int, default=4, choices=(2, 4, 8),
-                  help="matmul / grouped: 64-wide K tiles a pipeline step (the weight's layout)")
+  ap.add_argument("--kb", type=int, default=4, choices=(1, 2, 4, 8),
+                  help="matmul / grouped: 64-wide K tiles a pipeline step (the weight's "
+                  "layout); cluster: of the bf16 kernel's step")
+  ap.add_argument("--splits", type=int, default=8, help="cluster: K splits (cluster size)")
+  ap.add_argument("--wgs", type=int, default=2, help="cluster: compute warpgroups")
   ap.add_argument("--dump_dir", default="", help="keep Mosaic's dumps here")
   ap.add_argument("--listing", action="store_true", help="print the loop's instructions")
   a = ap.parse_args()
@@ -176,6 +179,10 @@ def main():
         sds((a.experts, a.k, a.n), jnp.float32))
     fn = lambda x, pw, g: kernels.grouped_matmul(x, pw, g, use_kernel=True)  # noqa: E731
     args = (sds((a.rows, a.k), jnp.bfloat16), pw, sds((a.experts,), jnp.int32))
+  elif a.what == "cluster":  # the bf16 dense product split over K in a cluster
+    from trace_jax.kernels import bf16_mgpu
+    fn = functools.partial(bf16_mgpu.cluster_matmul, splits=a.splits, wgs=a.wgs, kb=a.kb)
+    args = (sds((a.rows, a.k), jnp.bfloat16), sds((a.k, a.n), jnp.bfloat16))
   else:
     w = jax.random.normal(jax.random.key(0), (a.k, a.n), jnp.float32)
     pw = kernels.prepare_weight(tq.quantize(w * 0.02, a.fmt, axis=0, validate=False), kb=a.kb)

@@ -304,6 +304,35 @@ def test_bf16_dense_rows_chunks(bm, wgs, kb, splits, mode, rows):
   assert relerr(got, ref) < TOL
 
 
+@pytest.mark.parametrize("rows,k,n,splits,wgs,kb", [
+    (256, 4096, 2048, 8, 2, 1),  # the o projection's shape, a cluster of 8
+    (255, 1024, 640, 4, 1, 2),  # the rollout's 255 rows (operand padded to 256), 10 tiles
+    (200, 512, 256, 2, 2, 1),  # a partial chunk, a cluster of 2
+    (128, 1024, 384, 8, 1, 1),  # 128 rows: wgmma N 128, 16-row slices
+])
+def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb):
+  """`bf16_mgpu.cluster_matmul` (K split in a cluster, the parts added in distributed shared
+  memory) against a float64 product, bf16 out within one rounding plus float32 sums; two calls
+  give the same bits (the parts are added in a fixed order); no row past `rows` is written."""
+  from trace_jax.kernels import bf16_mgpu
+  x = jax.random.normal(jax.random.key(rows + splits), (rows, k), jnp.float32)
+  x = x.astype(jnp.bfloat16)
+  w = (rand_w((k, n), 17) * 0.05).astype(jnp.bfloat16)
+  xp = jnp.pad(x, ((0, -rows % 8), (0, 0)))
+  fn = jax.jit(functools.partial(bf16_mgpu.cluster_matmul, splits=splits, wgs=wgs, kb=kb,
+                                 rows=rows))
+  got = fn(xp, w)
+  assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  g = np.asarray(got, np.float64)
+  assert np.all(np.abs(g - want) <= 2 ** -8 * np.abs(want) + 1e-5 * np.abs(want).max())
+  np.testing.assert_array_equal(np.asarray(fn(xp, w)).view(np.uint16),
+                                np.asarray(got).view(np.uint16))
+  f32 = jax.jit(functools.partial(bf16_mgpu.cluster_matmul, splits=splits, wgs=wgs, kb=kb,
+                                  out_dtype=jnp.float32))(xp, w)
+  assert relerr(f32[:rows], want) < 1e-5
+
+
 @pytest.mark.parametrize("tokens,k,n", [(1, 2048, 1536), (1, 768, 2048), (2, 2048, 1536)])
 def test_row_chunk_routing_through_both_kernels(monkeypatch, tokens, k, n):
   """`route` on the GPU for one token's top-8 (and, with the limit raised, two tokens, whose

@@ -273,3 +273,231 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   xc = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
   out = (kernel_fn or bf16_chunked_matmul)(xc, w, ce, row0, bm=bm, out_dtype=part_dtype, **cfg)
   return F.gather_rows(out, slot, out_rows, n, out_dtype)
+
+
+# --------------------------------------------------------------------------- K split in a cluster
+
+# A decode batch's bf16 product of 129-256 rows whose column tiles leave most SMs idle (the
+# `paper` policy's o projection, 4096 x 2048: 16 tiles of 128 columns; XLA's GEMM plus its
+# convert to bf16 took 11-14.5 + 2.4 us a layer in the 48-layer step against 3.5 us of weight
+# bytes, session 44) split over K inside a thread block cluster: the cluster's CTAs compute one
+# column tile over their own K parts, then each CTA owns 1/s of the tile's rows, receives the
+# other CTAs' float32 partial sums of those rows through distributed shared memory, adds the s
+# parts in a fixed order (split 0 first: the same bits on every run) and writes bf16. No partial
+# goes through global memory and no XLA reduction or convert follows.
+CLUSTER_SPLITS = (2, 4, 8)  # portable cluster sizes whose row slices are whole 8-row tiles
+
+
+def cluster_recv_bytes(bm: int, wgs: int, splits: int) -> int:
+  """SMEM of a CTA's received partials: the other splits' float32 rows of its own slice."""
+  return wgs * (splits - 1) * 64 * (bm // splits) * 4
+
+
+def cluster_stages(bm: int, kb: int, wgs: int, k_steps: int, splits: int, out_dtype) -> int:
+  """The most pipeline stages (<= 4) of a `cluster_matmul` launch that fit SMEM beside the
+  received partials and the output staging (0: none)."""
+  per_stage = bm * 64 * kb * 2 + 64 * kb * 64 * wgs * 2
+  fixed = (cluster_recv_bytes(bm, wgs, splits)
+           + wgs * (bm // splits) * 64 * jnp.dtype(out_dtype).itemsize + 64)
+  return F.fit_stages(per_stage, fixed, k_steps, 1)
+
+
+@functools.cache
+def _cluster_barriers_init(wgs: int, arrivals: int):
+  """inline_mgpu function: (bars uint32 [wgs, 2] SMEM) -> thread 0 of the CTA makes them wgs
+  mbarriers of `arrivals` arrivals each, then every thread of the CTA joins a cluster barrier,
+  so that no peer signals one of them before it is made."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm
+
+  inits = "".join(f"@p mbarrier.init.shared::cta.b64 [$0+{8 * w}], {arrivals};\n"
+                  for w in range(wgs))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def init(ctx, bars):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    addr = llvm.ptrtoint(i32, mutils.memref_ptr(bars))
+    llvm.inline_asm(
+        llvm.StructType.get_literal([]), [addr, mutils.thread_idx()],
+        "{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n" + inits
+        + "fence.mbarrier_init.release.cluster;\n"
+        "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n}",
+        "r,r", has_side_effects=True)
+
+  return init
+
+
+@functools.cache
+def _cluster_reduce(bm: int, splits: int):
+  """inline_mgpu function: (acc float32 [64, bm] WGMMA layout: a warpgroup's partial tile,
+  recv float32 SMEM [wgs, splits - 1, regs, 128, 2], bars uint32 [wgs, 2] SMEM) -> the tile's
+  rows (wgmma N side) of this CTA's slice, [64, bm / splits] WGMMA layout, summed over the
+  cluster's splits in order 0, 1, ...
+
+  Each thread stores its registers of slice j into CTA j's `recv` (the slot of its own split
+  there, the same thread position), arrives on CTA j's barrier of its warpgroup (release,
+  cluster scope), waits for its own barrier's (splits - 1) x 128 arrivals (acquire), and adds
+  the parts its peers' same threads sent it: no layout is assumed beyond the registers' order,
+  which is the same in every CTA."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mutils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm, vector
+
+  r = bm // splits
+  out = plgpu.ShapeDtypeStruct((64, r), jnp.float32, layout=plgpu.Layout.WGMMA)
+  ref = plgpu.RefType()
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ref, ref), return_type=out)
+  def reduce(ctx, acc, recv, bars):
+    del ctx
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+    add, mul = arith.addi, arith.muli
+
+    def asm(ret, args, text, constraints):
+      return llvm.inline_asm(ret, args, text, constraints, has_side_effects=True)
+
+    none = llvm.StructType.get_literal([])
+    me = asm(i32, [], "mov.u32 $0, %cluster_ctarank;", "=r")
+    tid = mutils.thread_idx()
+    wg, t = arith.divui(tid, c(128)), arith.remui(tid, c(128))
+    recv0 = llvm.ptrtoint(i32, mutils.memref_ptr(recv))
+    bar = add(llvm.ptrtoint(i32, mutils.memref_ptr(bars)), mul(wg, c(8)))
+    regs = acc.registers  # [1, bm / 8, 1, 1, 2, 1, ...] of vector<2xf32>
+    assert regs.shape[1] == bm // 8, regs.shape
+    per = r // 8  # register columns of a slice
+    slice_regs = lambda j: regs[:, j * per:(j + 1) * per]  # noqa: E731
+    nregs = slice_regs(0).size
+
+    def slot_addr(base, src_slot, v):  # byte address of this thread's vector v in a slot
+      return add(base, mul(add(mul(add(mul(add(mul(wg, c(splits - 1)), src_slot), c(nregs)),
+                                           c(v)), c(128)), t), c(8)))
+
+    for jj in range(splits):  # slice jj of my tile to CTA jj (not to myself)
+      other = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ne, me, c(jj)))
+      # my slot in CTA jj's recv: my split, less one where it follows jj's own
+      slot = arith.subi(me, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, me, c(jj))))
+      for v in range(nregs):
+        reg = slice_regs(jj).flat[v]
+        vals = [vector.extract(reg, [], [e]) for e in range(2)]
+        remote = asm(i32, [slot_addr(recv0, slot, v), c(jj)],
+                     "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
+        asm(none, [remote, *vals, other],
+            "{\n.reg .pred p;\nsetp.ne.u32 p, $3, 0;\n"
+            "@p st.shared::cluster.v2.f32 [$0], {$1, $2};\n}", "r,f,f,r")
+      remote_bar = asm(i32, [bar, c(jj)], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
+      asm(none, [remote_bar, other],
+          "{\n.reg .pred p;\nsetp.ne.u32 p, $1, 0;\n"
+          "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];\n}", "r,r")
+    asm(none, [bar],
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], 0;\n"
+        "@!p bra WAIT;\n}", "r")
+    # the sum in split order: split s's part from recv (slot s, or s - 1 past me), mine from
+    # the registers
+    out_regs = np.empty(slice_regs(0).shape, dtype=object)
+    for v, pos in enumerate(np.ndindex(out_regs.shape)):
+      mine = None
+      for jj in range(splits):
+        reg = slice_regs(jj).flat[v]
+        hit = arith.cmpi(arith.CmpIPredicate.eq, me, c(jj))
+        pair = [vector.extract(reg, [], [e]) for e in range(2)]
+        mine = pair if mine is None else [arith.select(hit, p, q) for p, q in zip(pair, mine)]
+      total = None
+      for s in range(splits):
+        slot = c(s) if s == 0 else arith.select(
+            arith.cmpi(arith.CmpIPredicate.ult, c(s), me), c(s), c(s - 1))
+        st = asm(llvm.StructType.get_literal([f32, f32]), [slot_addr(recv0, slot, v)],
+                 "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r")
+        got = [llvm.extractvalue(f32, st, [e]) for e in range(2)]
+        is_me = arith.cmpi(arith.CmpIPredicate.eq, me, c(s))
+        part = [arith.select(is_me, m, g) for m, g in zip(mine, got)]
+        total = part if total is None else [arith.addf(a, b) for a, b in zip(total, part)]
+      vec = vector.broadcast(ir.VectorType.get((2,), f32), total[0])
+      out_regs[pos] = vector.insert(total[1], vec, [], [1])
+    return fa.FragmentedArray(_registers=out_regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return reduce
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "wgs", "kb", "stages", "rows",
+                                             "out_dtype"))
+def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int | None = None,
+                   rows: int | None = None, out_dtype=jnp.bfloat16):
+  """x bf16 [R, K] (R <= 256, a multiple of 8) @ w bf16 [K, N] -> out_dtype [rows, N] (rows
+  <= R, default R), K split `splits` ways in a cluster of as many CTAs, one cluster per
+  64 * wgs columns (see CLUSTER_SPLITS). Rows past R are read as zeros (TMA), none past rows
+  is written."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  F._patch_register_pool()
+
+  m, k = x.shape
+  n = w.shape[1]
+  bm = 256 if m > 128 else 128
+  if splits not in CLUSTER_SPLITS or m % 8 or m > 256:
+    raise ValueError(f"cluster K split: splits {splits} (takes {CLUSTER_SPLITS}), {m} rows "
+                     "(a multiple of 8, at most 256)")
+  if k % (64 * kb * splits) or n % (64 * wgs):
+    raise ValueError(f"K={k} N={n} do not split into {splits} parts of {64 * kb}-wide steps "
+                     f"and {64 * wgs}-wide column tiles")
+  k_iters = k // (64 * kb) // splits
+  if stages is None:
+    stages = cluster_stages(bm, kb, wgs, k_iters, splits, out_dtype)
+  if stages < 1:
+    raise ValueError(f"bm={bm} wgs={wgs} kb={kb} splits={splits} does not fit SMEM")
+  r = bm // splits
+  out_rows = rows or m
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  init = _cluster_barriers_init(wgs, (splits - 1) * 128)
+  reduce = _cluster_reduce(bm, splits)
+
+  def kernel(x_gmem, w_gmem, out_gmem, recv, bars, out_smem):
+    n_idx, s_idx = lax.axis_index("n"), lax.axis_index("k")
+    init(bars)
+
+    def compute_context(eval_pipeline):
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
+      def _scope(acc_ref):
+        wg = lax.axis_index("wg")
+        eval_pipeline(acc_ref)
+        mine = reduce(acc_ref[...], recv, bars)
+        col0 = (n_idx * wgs + wg) * 64
+        F.store_tile(mine.astype(out_dtype), out_smem.at[wg],
+                     out_gmem.at[pl.ds(s_idx * r, r), pl.ds(col0, 64)])
+
+    def body(_, x_smem, w_smem, acc_ref):
+      wg = lax.axis_index("wg")
+      for j in range(kb):
+        a = w_smem.at[pl.ds(j * 64, 64), pl.ds(wg * 64, 64)].T
+        plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(j * 64, 64)].T)
+      plgpu.wgmma_wait(0)
+      return acc_ref
+
+    k0 = s_idx * k_iters
+    plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, k0 + i), transforms=swizzled),
+            plgpu.BlockSpec((64 * kb, 64 * wgs), lambda i: (k0 + i, n_idx),
+                            transforms=swizzled),
+        ],
+        wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
+        compute_context=compute_context)(x_gmem, w_gmem)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
+      grid=(n // (64 * wgs),), grid_names=("n",), cluster=(splits,), cluster_names=("k",),
+      num_threads=wgs + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=dict(
+          recv=plgpu.SMEM((wgs, splits - 1, r // 8 * 2, 128, 2), jnp.float32),
+          bars=plgpu.SMEM((wgs, 2), jnp.uint32),
+          out_smem=plgpu.SMEM((wgs, r, 64), out_dtype)),
+  )(x, w)
