@@ -40,7 +40,7 @@ as a two-row product on the GPU, as the bf16 XLA path does).
 """
 
 from trace_jax.kernels.attention_ref import attention, decode_attention_ref, prefill_attention_ref
-from trace_jax.kernels.dispatch import (add_norm_rounds_h, add_rms_norm, append_kv,
+from trace_jax.kernels.dispatch import (add_rms_norm, append_kv,
                                         combine_add_rms_norm, combine_in_kernel, count_by_group,
                                         norm_rows_padded,
                                         decode_attention,
@@ -54,8 +54,7 @@ from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, Padd
                                       decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
 
-__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "PaddedRows", "add_norm_rounds_h",
-           "add_rms_norm",
+__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "PaddedRows", "add_rms_norm",
            "append_kv", "attention",
            "combine_add_rms_norm", "combine_in_kernel", "count_by_group", "decode_attention",
            "decode_qkv",

@@ -41,9 +41,9 @@ MAX_ROW_ELEMS = 8192
 
 def kernel_supported(x, h, scale) -> str | None:
   """None if the kernel adds and normalizes these rows: x, h of one shape `[..., D]` and one
-  floating dtype (or h float32, rounded to x's first), D a power of two up to `MAX_ROW_ELEMS`
-  (no padded lanes in the norm's mean), scale `[D]`; else the reason it does not."""
-  if tuple(x.shape) != tuple(h.shape) or h.dtype not in (x.dtype, jnp.float32):
+  floating dtype, D a power of two up to `MAX_ROW_ELEMS` (no padded lanes in the norm's mean),
+  scale `[D]`; else the reason it does not."""
+  if tuple(x.shape) != tuple(h.shape) or x.dtype != h.dtype:
     return f"x {x.dtype}{list(x.shape)} and h {h.dtype}{list(h.shape)} differ"
   if not jnp.issubdtype(x.dtype, jnp.floating):
     return f"dtype {x.dtype}"
@@ -77,17 +77,13 @@ def _kernel(x_ref, h_ref, scale_ref, s_ref, y_ref, *, n: int, rows: int, eps: fl
   r0 = pl.program_id(0) * rows
   ok = ((r0 + jnp.arange(rows)) < n)[:, None]
   at = lambda ref: ref.at[pl.ds(r0, rows)]  # noqa: E731
-  # a float32 h (the attention's output projection, `dispatch.add_norm_rounds_h`) rounded to
-  # x's dtype as XLA's convert after the product would round it
-  h = plt.load(at(h_ref), mask=ok, other=0).astype(x_ref.dtype)
-  add_and_norm(at, ok, x_ref, h, scale_ref, s_ref, y_ref, eps=eps,
-               rnd=RQ.rounding(x_ref.dtype, interpret))
+  add_and_norm(at, ok, x_ref, plt.load(at(h_ref), mask=ok, other=0), scale_ref, s_ref, y_ref,
+               eps=eps, rnd=RQ.rounding(x_ref.dtype, interpret))
 
 
 def add_rms_norm(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, *,
                  interpret: bool = False, num_warps: int | None = None):
-  """`(x + h, rms_norm(x + h, scale, eps))` from one kernel, both in x's dtype and shape (a
-  float32 h rounded to x's dtype first)."""
+  """`(x + h, rms_norm(x + h, scale, eps))` from one kernel, both in x's dtype and shape."""
   why = kernel_supported(x, h, scale)
   if why:
     raise ValueError(f"add + RMS norm kernel: {why}")
@@ -103,7 +99,6 @@ def add_rms_norm(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, *,
 
 
 def add_rms_norm_ref(x: jax.Array, h: jax.Array, scale: jax.Array, eps: float):
-  """The model's ops: the residual add (h rounded to x's dtype), then `transformer.rms_norm`
-  of the sum."""
-  s = x + h.astype(x.dtype)
+  """The model's ops: the residual add, then `transformer.rms_norm` of the sum."""
+  s = x + h
   return s, T.rms_norm(s, scale, eps)

@@ -81,7 +81,7 @@ from trace_jax.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
-__all__ = ["add_norm_rounds_h", "add_rms_norm", "append_kv", "combine_add_rms_norm",
+__all__ = ["add_rms_norm", "append_kv", "combine_add_rms_norm",
            "combine_in_kernel", "count_by_group", "decode_attention", "decode_qkv", "float32_dot",
            "grouped_backend",
            "grouped_matmul", "kv_packing", "matmul", "norm_rows_padded", "on_gpu",
@@ -108,11 +108,6 @@ _DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "kernel", ("xla", "kernel"))
 _GUIDANCE_BITS = _setting("TRACE_JAX_GUIDANCE_BITS", "kernel", ("xla", "kernel"))
 # a residual add and the RMS norm after it as one kernel (`add_rms_norm`), or XLA's two
 _ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "kernel", ("xla", "kernel"))
-# A decode step's attention output projection written in float32 and rounded to bf16 by the
-# add + norm kernel that reads it ("float32", opt-in: `add_norm_rounds_h`), or rounded by XLA
-# after the product ("bf16": a convert kernel a layer after cuBLAS's GEMM, 2.6 us at B 255 on an
-# H100, session 45)
-_O_PROJ_OUT = _setting("TRACE_JAX_O_PROJ_OUT", "bf16", ("bf16", "float32"))
 # the MoE's output (its gates' weighted sum of the down kernel's rows), the residual add and
 # the next RMS norm as one kernel (`combine_add_rms_norm`), or XLA's ops ("xla")
 _MOE_COMBINE = _setting("TRACE_JAX_MOE_COMBINE", "kernel", ("xla", "kernel"))
@@ -681,8 +676,7 @@ def _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale, *, nu
 
 def add_rms_norm(x, h, scale, eps: float):
   """A decode step's residual add and RMS norm, `(x + h, rms_norm(x + h, scale, eps))`, by the
-  Pallas kernel of `add_norm.py` (the sum exact, the norm to rounding; a float32 h rounded to
-  x's dtype first, `add_norm_rounds_h`), or None where the caller's ops apply: with
+  Pallas kernel of `add_norm.py` (the sum exact, the norm to rounding), or None where the caller's ops apply: with
   `TRACE_JAX_ADD_NORM=xla`, off the GPU, and for shapes it does not take. Inference only (the
   kernel has no derivative)."""
   if _ADD_NORM != "kernel" or not on_gpu():
@@ -697,14 +691,6 @@ def add_rms_norm(x, h, scale, eps: float):
 def _add_rms_norm(x, h, scale, *, eps):
   from trace_jax.kernels import add_norm  # noqa: PLC0415 - Pallas imports stay lazy
   return add_norm.add_rms_norm(x, h, scale, eps)
-
-
-def add_norm_rounds_h() -> bool:
-  """Whether a decode step's attention may hand its output projection's float32 result to
-  `add_rms_norm` unrounded, the kernel rounding it to the stream's dtype before the add (on the
-  GPU with `TRACE_JAX_O_PROJ_OUT=float32`, opt-in, and the add + norm kernel on); where the
-  kernel then declines the shapes, the caller rounds it."""
-  return _O_PROJ_OUT == "float32" and _ADD_NORM == "kernel" and on_gpu()
 
 
 def combine_in_kernel() -> bool:

@@ -84,7 +84,7 @@ class AddRMSNorm(nn.Module):
       return both
     if isinstance(h, RoutedRows):
       h = h.value()
-    x = x + h.astype(x.dtype)  # (a decode step's float32 projection: `add_norm_rounds_h`)
+    x = x + h
     return x, rms_norm(x, scale, self.eps)
 
 
@@ -232,11 +232,7 @@ class Attention(nn.Module):
     else:
       o = kernels.attention(q, k, v, allowed, scale, dt)
     o = activation_site(o, "attn/o_in", self.guided, ctx, guidance, records)
-    # a decode step's projection left in float32 where the add + norm kernel after it rounds it
-    # (opt-in; XLA's convert kernel after the product otherwise)
-    out = (jnp.float32 if layer is not None and t == 1 and not c.attention_bias
-           and kernels.add_norm_rounds_h() else None)
-    return Linear(c.hidden_size, ctx, dt, c.attention_bias, out, name="o_proj")(o), layer
+    return Linear(c.hidden_size, ctx, dt, c.attention_bias, name="o_proj")(o), layer
 
   def _qk_norm_rope(self, q, k, v, positions):
     """q, k, v `[B, T, heads, hd]` from the projections' outputs: the q/k norms (per the config),
