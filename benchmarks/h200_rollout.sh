@@ -867,11 +867,23 @@ elif [ "$stage" = s46c ]; then
   # through distributed shared memory (`bf16_mgpu.cluster_matmul`; deviceless SASS: 168
   # registers, 51 instructions a 64-wide K step at 8 x 2 warpgroups): its GPU tests, then the
   # q/k/v and o products at 256 rows against XLA's and the engine's launch
-  # (bench_small_dots.json)
+  # (bench_small_dots.json), then the decode step each way
   gpu_tests tests/kernels/test_kernels_gpu.py "cluster" cluster ${TEST_TIMEOUT:-120}
+  # (a kernel whose cluster exchange hangs or fails spends no more device time)
+  if ! grep -q " passed" $OUT/test_cluster.txt || grep -q "failed\|rror" $OUT/test_cluster.txt
+  then
+    tail -c 3000 $OUT/test_cluster.txt; exit 0
+  fi
   timeout -k 5 ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_small_dots.py --rows 256 \
     --products qkv,o --only "${DOTS_ONLY:-^xla$|^mgpu_bm128_wg2_kb2_s1$|^mgpu_bm128_wg2_kb1_s2$|cluster}" \
     --out $OUT/bench_small_dots.json 2>&1 | grep -v "^I1\|^W1" | grep "_r256\|rror" | cut -c1-110
+  # then the 4-layer decode step at B 255 with the o projection through it
+  # (TRACE_JAX_BF16_CLUSTER=on) and through XLA's dot, each side its own process
+  for side in ${CLUSTER_SIDES-off on}; do
+    TRACE_JAX_BF16_CLUSTER=$side STEP_BATCH=255 step_4l cluster_$side \
+      "o_proj\|cluster" "o_proj cluster $side"
+  done
+  rm -f $OUT/smi_step_*.csv
 elif [ "$stage" = s46b ]; then
   # (session 46, after s46a: the padded norm's GPU test passed; the model test's kernel wrapper
   # did not pass on pad_rows, fixed; the o projection's GEMM took other kernels on every side,

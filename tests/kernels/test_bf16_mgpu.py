@@ -201,6 +201,36 @@ def test_dense_dispatch(monkeypatch):
   assert len(calls) == 1
 
 
+def test_cluster_dispatch(monkeypatch):
+  """With TRACE_JAX_BF16_CLUSTER=on, a product `dense_launch` leaves to XLA for want of CTAs
+  (here K 512, N 256 at 255 rows: 4 CTAs) goes through `cluster_matmul` (here a jnp model of
+  it) with its rows padded to a multiple of 8 and their count, as the o projection would on
+  the GPU; off (the default), or at 120 rows, XLA's dot."""
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "BF16_DENSE", "kernel")
+  calls = []
+
+  def model(x, w, *, splits, wgs, kb, rows, out_dtype):
+    calls.append((x.shape, rows, splits, wgs, kb))
+    y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST)
+    return y[:rows].astype(out_dtype)
+
+  monkeypatch.setattr(bf16_mgpu, "cluster_matmul", model)
+  rng = np.random.default_rng(8)
+  w = jnp.asarray(rng.standard_normal((512, 256)) * 0.05, jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((255, 1, 512)), jnp.bfloat16)
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  for setting, n_calls in (("off", 0), ("on", 1)):
+    monkeypatch.setattr(bf16_mgpu, "DENSE_CLUSTER", setting)
+    jax.clear_caches()  # (read when the call is traced)
+    got = dispatch.matmul(x, w, jnp.float32)
+    assert got.shape == (255, 1, 256) and len(calls) == n_calls, setting
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert calls == [((256, 512), 255, 8, 2, 1)]
+  dispatch.matmul(x[:120], w, jnp.float32)  # 120 rows: XLA
+  assert len(calls) == 1
+
 def test_padded_rows_dispatch(monkeypatch):
   """A `PaddedRows` operand (the attention's input norm, `TRACE_JAX_NORM_ROWS=padded`): 255 rows
   held in 256 go to the dense kernel (its jnp model) as they are, told the 255, no pad and no

@@ -286,6 +286,23 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 # parts in a fixed order (split 0 first: the same bits on every run) and writes bf16. No partial
 # goes through global memory and no XLA reduction or convert follows.
 CLUSTER_SPLITS = (2, 4, 8)  # portable cluster sizes whose row slices are whole 8-row tiles
+# Products `dense_launch` leaves to XLA for want of CTAs (the o projection) through
+# `cluster_matmul` ("on") or XLA's dot ("off", the default until a decode step is timed)
+DENSE_CLUSTER = choice_setting("TRACE_JAX_BF16_CLUSTER", "off", ("off", "on"))
+CLUSTER_LAUNCH = dict(splits=8, wgs=2, kb=1)
+
+
+def cluster_launch(rows: int, k: int, n: int) -> dict | None:
+  """`cluster_matmul`'s launch for a bf16 product of rows x [K, N] (129-256 rows, with
+  `DENSE_CLUSTER` on, at most one CTA per SM), or None."""
+  c = CLUSTER_LAUNCH
+  if DENSE_CLUSTER != "on" or not 128 < rows <= 256:
+    return None
+  if k % (64 * c["kb"] * c["splits"]) or n % (64 * c["wgs"]):
+    return None
+  if n // (64 * c["wgs"]) * c["splits"] > F.NUM_SMS:
+    return None
+  return dict(c)
 
 
 def cluster_recv_bytes(bm: int, wgs: int, splits: int) -> int:

@@ -290,13 +290,28 @@ def xla_matmul(x, parts, out_dtype) -> jax.Array:
 
 def _bf16_dense(x, w, out_dtype, rows: int | None = None):
   """`x [R, K] @ w` (bf16 [K, N]) through `bf16_mgpu.dense_matmul` where its launch rule
-  (`bf16_mgpu.dense_launch`) takes the shape, else None: `[rows, N]` (rows: the product's
+  (`bf16_mgpu.dense_launch`) takes the shape, else `bf16_mgpu.cluster_matmul` where
+  `bf16_mgpu.cluster_launch` does, else None: `[rows, N]` (rows: the product's
   rows where x holds more, `PaddedRows`; None: all R)."""
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   launch = bf16_mgpu.dense_launch(rows or x.shape[0], *w.shape)
+  if launch is not None:
+    return _dense_bf16_call(x, w, out_dtype=out_dtype, rows=rows, **launch)
+  launch = bf16_mgpu.cluster_launch(rows or x.shape[0], *w.shape)
   if launch is None:
     return None
-  return _dense_bf16_call(x, w, out_dtype=out_dtype, rows=rows, **launch)
+  return _cluster_bf16_call(x, w, out_dtype=out_dtype, rows=rows, **launch)
+
+
+@_lowered_once("out_dtype", "splits", "wgs", "kb", "rows")
+def _cluster_bf16_call(x, w, *, out_dtype, splits, wgs, kb, rows):
+  """`bf16_mgpu.cluster_matmul` of x's rows (padded to a multiple of 8, as TMA tiles them;
+  rows: the product's rows where x holds more)."""
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
+  m = rows or x.shape[0]
+  xc = jnp.pad(x.astype(jnp.bfloat16), ((0, -x.shape[0] % 8), (0, 0)))
+  return bf16_mgpu.cluster_matmul(xc, w, splits=splits, wgs=wgs, kb=kb, rows=m,
+                                  out_dtype=out_dtype)
 
 
 @_lowered_once("out_dtype", "bm", "wgs", "kb", "splits", "rows")
