@@ -314,8 +314,9 @@ def cluster_stages(bm: int, kb: int, wgs: int, k_steps: int, splits: int, out_dt
   """The most pipeline stages (<= 4) of a `cluster_matmul` launch that fit SMEM beside the
   received partials and the output staging (0: none)."""
   per_stage = bm * 64 * kb * 2 + 64 * kb * 64 * wgs * 2
-  fixed = (cluster_recv_bytes(bm, wgs, splits)
-           + wgs * (bm // splits) * 64 * jnp.dtype(out_dtype).itemsize + 64)
+  fixed = (cluster_recv_bytes(bm, wgs, splits)  # each buffer a multiple of 1 KB (Pallas)
+           + -(-wgs * (bm // splits) * 64 * jnp.dtype(out_dtype).itemsize // 1024) * 1024
+           + 1024)  # the barriers
   return F.fit_stages(per_stage, fixed, k_steps, 1)
 
 
