@@ -105,10 +105,12 @@ DENSE_LAUNCHES = [(256, 2, 1, 1), (256, 2, 1, 2), (256, 2, 1, 4), (256, 1, 1, 1)
                   (128, 2, 2, 1)]
 
 
-# (K splits = cluster size, compute warpgroups, 64-wide K tiles a step) of the
-# `mgpu_cluster_*` rows (`bf16_mgpu.cluster_matmul`: the K parts added through distributed
+# Launches of the `mgpu_cluster_*` rows (`bf16_mgpu.cluster_matmul`: the K parts added through distributed
 # shared memory inside the kernel)
-CLUSTER_LAUNCHES = [(8, 2, 1), (4, 2, 1), (2, 2, 1), (8, 1, 1), (4, 1, 1), (4, 1, 2), (8, 1, 2)]
+# (rows a chunk, K splits = cluster size, compute warpgroups, 64-wide K tiles a step)
+CLUSTER_LAUNCHES = [(256, 8, 2, 1), (256, 4, 2, 1), (256, 2, 2, 1), (256, 8, 1, 1),
+                    (256, 4, 1, 1), (256, 4, 1, 2), (256, 8, 1, 2), (128, 4, 2, 1),
+                    (128, 2, 2, 1), (128, 8, 2, 1), (128, 4, 2, 2), (128, 4, 1, 1)]
 
 
 def _dense_launch(rows: int, k: int, n: int) -> dict:
@@ -272,10 +274,10 @@ def main():
         for bm, wgs, kb, sp in DENSE_LAUNCHES:
           dv[f"mgpu_bm{bm}_wg{wgs}_kb{kb}_s{sp}"] = functools.partial(
               bf16_mgpu.dense_matmul, bm=bm, wgs=wgs, kb=kb, splits=sp)
-        for sp, wgs, kb in CLUSTER_LAUNCHES:
+        for bm, sp, wgs, kb in CLUSTER_LAUNCHES:
           if n % (64 * wgs) == 0 and k % (64 * kb * sp) == 0:
-            dv[f"mgpu_cluster_s{sp}_wg{wgs}_kb{kb}"] = functools.partial(
-                bf16_mgpu.cluster_matmul, splits=sp, wgs=wgs, kb=kb)
+            dv[f"mgpu_cluster_bm{bm}_s{sp}_wg{wgs}_kb{kb}"] = functools.partial(
+                bf16_mgpu.cluster_matmul, splits=sp, wgs=wgs, kb=kb, bm=bm)
       dv.update(_hopper_variants(r) if args.hopper else {})
       for tag, fn in dv.items():
         if not args.only or re.search(args.only, tag):

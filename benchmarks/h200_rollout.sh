@@ -875,7 +875,7 @@ elif [ "$stage" = s46c ]; then
     tail -c 3000 $OUT/test_cluster.txt; exit 0
   fi
   timeout -k 5 ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_small_dots.py --rows 256 \
-    --products qkv,o --only "${DOTS_ONLY:-^xla$|^mgpu_bm128_wg2_kb2_s1$|^mgpu_bm128_wg2_kb1_s2$|cluster}" \
+    --products ${DOTS_PRODUCTS:-qkv,o} --only "${DOTS_ONLY:-^xla$|^mgpu_bm128_wg2_kb2_s1$|^mgpu_bm128_wg2_kb1_s2$|cluster}" \
     --out $OUT/bench_small_dots.json 2>&1 | grep -v "^I1\|^W1" | grep "_r256\|rror" | cut -c1-110
   # then the 4-layer decode step at B 255 with the o projection through it
   # (TRACE_JAX_BF16_CLUSTER=on) and through XLA's dot, each side its own process

@@ -210,8 +210,8 @@ def test_cluster_dispatch(monkeypatch):
   monkeypatch.setattr(dispatch, "BF16_DENSE", "kernel")
   calls = []
 
-  def model(x, w, *, splits, wgs, kb, rows, out_dtype):
-    calls.append((x.shape, rows, splits, wgs, kb))
+  def model(x, w, *, splits, wgs, kb, bm, rows, out_dtype):
+    calls.append((x.shape, rows, splits, wgs, kb, bm))
     y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                 precision=jax.lax.Precision.HIGHEST)
     return y[:rows].astype(out_dtype)
@@ -227,7 +227,7 @@ def test_cluster_dispatch(monkeypatch):
     got = dispatch.matmul(x, w, jnp.float32)
     assert got.shape == (255, 1, 256) and len(calls) == n_calls, setting
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-  assert calls == [((256, 512), 255, 8, 2, 1)]
+  assert calls == [((256, 512), 255, 4, 2, 1, 128)]
   dispatch.matmul(x[:120], w, jnp.float32)  # 120 rows: XLA
   assert len(calls) == 1
 

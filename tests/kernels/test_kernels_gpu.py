@@ -304,13 +304,14 @@ def test_bf16_dense_rows_chunks(bm, wgs, kb, splits, mode, rows):
   assert relerr(got, ref) < TOL
 
 
-@pytest.mark.parametrize("rows,k,n,splits,wgs,kb", [
-    (256, 4096, 2048, 8, 2, 1),  # the o projection's shape, a cluster of 8
-    (255, 1024, 640, 4, 1, 2),  # the rollout's 255 rows (operand padded to 256), 10 tiles
-    (200, 512, 256, 2, 2, 1),  # a partial chunk, a cluster of 2
-    (128, 1024, 384, 8, 1, 1),  # 128 rows: wgmma N 128, 16-row slices
+@pytest.mark.parametrize("rows,k,n,splits,wgs,kb,bm", [
+    (256, 4096, 2048, 8, 2, 1, 256),  # the o projection's shape, a cluster of 8
+    (255, 4096, 2048, 4, 2, 1, 128),  # the o projection at 255 rows in two 128-row chunks
+    (255, 1024, 640, 4, 1, 2, 256),  # the rollout's 255 rows (operand padded to 256), 10 tiles
+    (200, 512, 256, 2, 2, 1, 128),  # a partial second chunk, a cluster of 2
+    (128, 1024, 384, 8, 1, 1, 128),  # 128 rows: wgmma N 128, 16-row slices
 ])
-def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb):
+def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb, bm):
   """`bf16_mgpu.cluster_matmul` (K split in a cluster, the parts added in distributed shared
   memory) against a float64 product, bf16 out within one rounding plus float32 sums; two calls
   give the same bits (the parts are added in a fixed order); no row past `rows` is written."""
@@ -320,7 +321,7 @@ def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb):
   w = (rand_w((k, n), 17) * 0.05).astype(jnp.bfloat16)
   xp = jnp.pad(x, ((0, -rows % 8), (0, 0)))
   fn = jax.jit(functools.partial(bf16_mgpu.cluster_matmul, splits=splits, wgs=wgs, kb=kb,
-                                 rows=rows))
+                                 rows=rows, bm=bm))
   got = fn(xp, w)
   assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
   want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
@@ -329,7 +330,7 @@ def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb):
   np.testing.assert_array_equal(np.asarray(fn(xp, w)).view(np.uint16),
                                 np.asarray(got).view(np.uint16))
   f32 = jax.jit(functools.partial(bf16_mgpu.cluster_matmul, splits=splits, wgs=wgs, kb=kb,
-                                  out_dtype=jnp.float32))(xp, w)
+                                  out_dtype=jnp.float32, bm=bm))(xp, w)
   assert relerr(f32[:rows], want) < 1e-5
 
 

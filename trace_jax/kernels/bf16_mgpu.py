@@ -289,7 +289,10 @@ CLUSTER_SPLITS = (2, 4, 8)  # portable cluster sizes whose row slices are whole 
 # Products `dense_launch` leaves to XLA for want of CTAs (the o projection) through
 # `cluster_matmul` ("on") or XLA's dot ("off", the default until a decode step is timed)
 DENSE_CLUSTER = choice_setting("TRACE_JAX_BF16_CLUSTER", "off", ("off", "on"))
-CLUSTER_LAUNCH = dict(splits=8, wgs=2, kb=1)
+# H100, 256 rows, o 4096 x 2048, us a call (session 46, bench_small_dots): one 256-row chunk in
+# clusters of 8 / 4 / 2, 2 warpgroups: 35.0 / 21.9 / 31.9 against XLA's 18.9 (two pipeline
+# stages beside the received partials: too few bytes in flight); 128-row chunks: the default
+CLUSTER_LAUNCH = dict(splits=4, wgs=2, kb=1, bm=128)
 
 
 def cluster_launch(rows: int, k: int, n: int) -> dict | None:
@@ -300,7 +303,7 @@ def cluster_launch(rows: int, k: int, n: int) -> dict | None:
     return None
   if k % (64 * c["kb"] * c["splits"]) or n % (64 * c["wgs"]):
     return None
-  if n // (64 * c["wgs"]) * c["splits"] > F.NUM_SMS:
+  if n // (64 * c["wgs"]) * c["splits"] * -(-rows // c["bm"]) > F.NUM_SMS:
     return None
   return dict(c)
 
@@ -444,21 +447,22 @@ def _cluster_reduce(bm: int, splits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "wgs", "kb", "stages", "rows",
-                                             "out_dtype"))
+                                             "out_dtype", "bm"))
 def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int | None = None,
-                   rows: int | None = None, out_dtype=jnp.bfloat16):
+                   rows: int | None = None, out_dtype=jnp.bfloat16, bm: int | None = None):
   """x bf16 [R, K] (R <= 256, a multiple of 8) @ w bf16 [K, N] -> out_dtype [rows, N] (rows
   <= R, default R), K split `splits` ways in a cluster of as many CTAs, one cluster per
-  64 * wgs columns (see CLUSTER_SPLITS). Rows past R are read as zeros (TMA), none past rows
-  is written."""
+  64 * wgs columns and chunk of bm rows (128 or 256; default one chunk: the weight is read
+  once; see CLUSTER_SPLITS). Rows past R are read as zeros (TMA), none past rows is
+  written."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   F._patch_register_pool()
 
   m, k = x.shape
   n = w.shape[1]
-  bm = 256 if m > 128 else 128
-  if splits not in CLUSTER_SPLITS or m % 8 or m > 256:
+  bm = bm or (256 if m > 128 else 128)
+  if splits not in CLUSTER_SPLITS or m % 8 or m > 256 or bm not in (128, 256):
     raise ValueError(f"cluster K split: splits {splits} (takes {CLUSTER_SPLITS}), {m} rows "
                      "(a multiple of 8, at most 256)")
   if k % (64 * kb * splits) or n % (64 * wgs):
@@ -477,6 +481,7 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
 
   def kernel(x_gmem, w_gmem, out_gmem, recv, bars, out_smem):
     n_idx, s_idx = lax.axis_index("n"), lax.axis_index("k")
+    row0 = pl.multiple_of(lax.axis_index("c") * bm, 8)
     init(bars)
 
     def compute_context(eval_pipeline):
@@ -487,7 +492,7 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
         mine = reduce(acc_ref[...], recv, bars)
         col0 = (n_idx * wgs + wg) * 64
         F.store_tile(mine.astype(out_dtype), out_smem.at[wg],
-                     out_gmem.at[pl.ds(s_idx * r, r), pl.ds(col0, 64)])
+                     out_gmem.at[pl.ds(row0 + s_idx * r, r), pl.ds(col0, 64)])
 
     def body(_, x_smem, w_smem, acc_ref):
       wg = lax.axis_index("wg")
@@ -506,11 +511,12 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
                             transforms=swizzled),
         ],
         wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
-        compute_context=compute_context)(x_gmem, w_gmem)
+        compute_context=compute_context)(x_gmem.at[pl.ds(row0, bm)], w_gmem)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
-      grid=(n // (64 * wgs),), grid_names=("n",), cluster=(splits,), cluster_names=("k",),
+      grid=(n // (64 * wgs), -(-m // bm)), grid_names=("n", "c"), cluster=(splits,),
+      cluster_names=("k",),
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

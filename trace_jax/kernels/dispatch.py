@@ -303,14 +303,14 @@ def _bf16_dense(x, w, out_dtype, rows: int | None = None):
   return _cluster_bf16_call(x, w, out_dtype=out_dtype, rows=rows, **launch)
 
 
-@_lowered_once("out_dtype", "splits", "wgs", "kb", "rows")
-def _cluster_bf16_call(x, w, *, out_dtype, splits, wgs, kb, rows):
+@_lowered_once("out_dtype", "splits", "wgs", "kb", "bm", "rows")
+def _cluster_bf16_call(x, w, *, out_dtype, splits, wgs, kb, bm, rows):
   """`bf16_mgpu.cluster_matmul` of x's rows (padded to a multiple of 8, as TMA tiles them;
   rows: the product's rows where x holds more)."""
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   m = rows or x.shape[0]
   xc = jnp.pad(x.astype(jnp.bfloat16), ((0, -x.shape[0] % 8), (0, 0)))
-  return bf16_mgpu.cluster_matmul(xc, w, splits=splits, wgs=wgs, kb=kb, rows=m,
+  return bf16_mgpu.cluster_matmul(xc, w, splits=splits, wgs=wgs, kb=kb, bm=bm, rows=m,
                                   out_dtype=out_dtype)
 
 
