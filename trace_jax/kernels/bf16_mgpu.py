@@ -1,7 +1,8 @@
 """Mosaic GPU (Pallas `plgpu`, Hopper sm_90) grouped matmul for bf16 expert weights at decode
 sizes: the FP4 grouped kernel's plan (`fp4_mgpu`) with the weight tile taken from SMEM as it is.
 
-Owns this kernel, its launch configuration and its wrapper. The result is defined by
+Owns this kernel, its launch configuration and its wrapper, and a dense variant with K split in
+a thread block cluster (`cluster_matmul`, opt-in: `TRACE_JAX_BF16_CLUSTER=on`). The result is defined by
 `reference.grouped_matmul_ref`; the row chunk tables, the CTA plan for few active experts
 (`grouped_parallelism`), the transposed epilogue and the output gather are `fp4_mgpu`'s.
 
