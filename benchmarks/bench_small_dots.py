@@ -17,16 +17,16 @@ time (9.7 us for the fused q/k/v, 7.4 us for o_proj). Rows:
   bf16 x with w's three parts, X3 drops w's lowest), `split3` (w's three bf16 parts side by side,
   made once as a weight sync would: one bf16 product [R, 2048] @ [2048, 384] with float32
   accumulation and the parts' sum).
-- `qkv_*` / `o_*`: bf16 x [R, K] @ w [K, N] with float32 accumulation, bf16 out, at the
-  30B-A3B q/k/v (2048 x 5120) and o (4096 x 2048) shapes: `xla` (`dispatch.xla_matmul`: the
-  zero second row at R = 1), `xla_nopad` (the one-row dot as written), `xla_bcast2` (the row
-  broadcast to two), `mgpu` (the bf16 grouped
-  Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group), and from 128 rows
-  `mgpu_bm{rows a chunk}_wg{warpgroups}_kb{K tiles a step}_s{K splits}` (the same kernel with
-  128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`), `mgpu_cluster_s{splits}_wg*_kb*` (K split
-  in a thread block cluster, the parts added inside the kernel, `bf16_mgpu.cluster_matmul`), `xla_cublas` / `xla_cublaslt` (`xla`
-  compiled with XLA's Triton GEMM fusions off: at 256 rows on an H100 8-31% slower than XLA's
-  choice, session 43).
+- `qkv_*` / `o_*`: bf16 x [R, K] @ w [K, N] with float32 accumulation, bf16 out, at the 30B-A3B
+  q/k/v (2048 x 5120) and o (4096 x 2048) shapes: `xla` (`dispatch.xla_matmul`: the zero second
+  row at R = 1), `xla_nopad` (the one-row dot as written), `xla_bcast2` (the row broadcast to
+  two), `mgpu` (the bf16 grouped Mosaic kernel, `bf16_mgpu.grouped_matmul`, with one group), and
+  from 128 rows `mgpu_bm{rows a chunk}_wg{warpgroups}_kb{K tiles a step}_s{K splits}` (the same
+  kernel with 128 / 256 rows a chunk, `bf16_mgpu.dense_matmul`),
+  `mgpu_cluster_bm*_s{splits}_wg*_kb*` (K split in a thread block cluster, the parts added inside
+  the kernel, `bf16_mgpu.cluster_matmul`), `xla_cublas` / `xla_cublaslt` (`xla` compiled with
+  XLA's Triton GEMM fusions off: at 256 rows on an H100 8-31% slower than XLA's choice, session
+  43).
 - `router_bf16`: the router's operands as bf16 (the rollout's), one bf16 product with float32
   accumulation (`dispatch.bf16_operands_dot`: the products exact, as in float32).
 - `route_tail`: softmax, top-8 and the weights' normalization of router logits [R, 128], as the
@@ -105,9 +105,9 @@ DENSE_LAUNCHES = [(256, 2, 1, 1), (256, 2, 1, 2), (256, 2, 1, 4), (256, 1, 1, 1)
                   (128, 2, 2, 1)]
 
 
-# Launches of the `mgpu_cluster_*` rows (`bf16_mgpu.cluster_matmul`: the K parts added through distributed
-# shared memory inside the kernel)
-# (rows a chunk, K splits = cluster size, compute warpgroups, 64-wide K tiles a step)
+# Launches of the `mgpu_cluster_*` rows (`bf16_mgpu.cluster_matmul`: the K parts added through
+# distributed shared memory inside the kernel) (rows a chunk, K splits = cluster size, compute
+# warpgroups, 64-wide K tiles a step)
 CLUSTER_LAUNCHES = [(256, 8, 2, 1), (256, 4, 2, 1), (256, 2, 2, 1), (256, 8, 1, 1),
                     (256, 4, 1, 1), (256, 4, 1, 2), (256, 8, 1, 2), (128, 4, 2, 1),
                     (128, 2, 2, 1), (128, 8, 2, 1), (128, 4, 2, 2), (128, 4, 1, 1)]

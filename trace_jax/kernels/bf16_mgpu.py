@@ -2,9 +2,9 @@
 sizes: the FP4 grouped kernel's plan (`fp4_mgpu`) with the weight tile taken from SMEM as it is.
 
 Owns this kernel, its launch configuration and its wrapper, and a dense variant with K split in
-a thread block cluster (`cluster_matmul`, opt-in: `TRACE_JAX_BF16_CLUSTER=on`). The result is defined by
-`reference.grouped_matmul_ref`; the row chunk tables, the CTA plan for few active experts
-(`grouped_parallelism`), the transposed epilogue and the output gather are `fp4_mgpu`'s.
+a thread block cluster (`cluster_matmul`, opt-in: `TRACE_JAX_BF16_CLUSTER=on`). The result is
+defined by `reference.grouped_matmul_ref`; the row chunk tables, the CTA plan for few active
+experts (`grouped_parallelism`), the transposed epilogue and the output gather are `fp4_mgpu`'s.
 
 Why: at a batch of 1 (8 rows over 8 experts) tokamax's `ragged_dot` took 18.5 us a call inside
 the H200 decode loop (gate+up and down, 37 us a layer, session 11) against 15.7 us a layer of

@@ -691,9 +691,9 @@ def _decode_qkv(qkv, positions, k_cache, v_cache, index, q_scale, k_scale, *, nu
 
 def add_rms_norm(x, h, scale, eps: float):
   """A decode step's residual add and RMS norm, `(x + h, rms_norm(x + h, scale, eps))`, by the
-  Pallas kernel of `add_norm.py` (the sum exact, the norm to rounding), or None where the caller's ops apply: with
-  `TRACE_JAX_ADD_NORM=xla`, off the GPU, and for shapes it does not take. Inference only (the
-  kernel has no derivative)."""
+  Pallas kernel of `add_norm.py` (the sum exact, the norm to rounding), or None where the
+  caller's ops apply: with `TRACE_JAX_ADD_NORM=xla`, off the GPU, and for shapes it does not
+  take. Inference only (the kernel has no derivative)."""
   if _ADD_NORM != "kernel" or not on_gpu():
     return None
   from trace_jax.kernels import add_norm  # noqa: PLC0415 - Pallas imports stay lazy
