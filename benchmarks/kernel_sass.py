@@ -140,6 +140,7 @@ def main():
                   "layout); cluster: of the bf16 kernel's step")
   ap.add_argument("--splits", type=int, default=8, help="cluster: K splits (cluster size)")
   ap.add_argument("--wgs", type=int, default=2, help="cluster: compute warpgroups")
+  ap.add_argument("--bm", type=int, default=None, help="cluster: rows a chunk (128 / 256)")
   ap.add_argument("--dump_dir", default="", help="keep Mosaic's dumps here")
   ap.add_argument("--listing", action="store_true", help="print the loop's instructions")
   a = ap.parse_args()
@@ -181,7 +182,8 @@ def main():
     args = (sds((a.rows, a.k), jnp.bfloat16), pw, sds((a.experts,), jnp.int32))
   elif a.what == "cluster":  # the bf16 dense product split over K in a cluster
     from trace_jax.kernels import bf16_mgpu
-    fn = functools.partial(bf16_mgpu.cluster_matmul, splits=a.splits, wgs=a.wgs, kb=a.kb)
+    fn = functools.partial(bf16_mgpu.cluster_matmul, splits=a.splits, wgs=a.wgs, kb=a.kb,
+                           bm=a.bm)
     args = (sds((a.rows, a.k), jnp.bfloat16), sds((a.k, a.n), jnp.bfloat16))
   else:
     w = jax.random.normal(jax.random.key(0), (a.k, a.n), jnp.float32)

@@ -353,7 +353,7 @@ def _cluster_barriers_init(wgs: int, arrivals: int):
 
 
 @functools.cache
-def _cluster_reduce(bm: int, splits: int):
+def _cluster_reduce(bm: int, splits: int, order: str = "rotate"):
   """inline_mgpu function: (acc float32 [64, bm] WGMMA layout: a warpgroup's partial tile,
   recv float32 SMEM [wgs, splits - 1, regs, 128, 2], bars uint32 [wgs, 2] SMEM) -> the tile's
   rows (wgmma N side) of this CTA's slice, [64, bm / splits] WGMMA layout, summed over the
@@ -363,12 +363,12 @@ def _cluster_reduce(bm: int, splits: int):
   there, the same thread position), arrives on CTA j's barrier of its warpgroup (release,
   cluster scope), waits for its own barrier's (splits - 1) x 128 arrivals (acquire), and adds
   the parts its peers' same threads sent it: no layout is assumed beyond the registers' order,
-  which is the same in every CTA."""
+  which is the same in every CTA. order: the peers' order of the sends (see there)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils
   from jaxlib.mlir import ir
-  from jaxlib.mlir.dialects import arith, llvm, vector
+  from jaxlib.mlir.dialects import arith, llvm, scf, vector
 
   r = bm // splits
   out = plgpu.ShapeDtypeStruct((64, r), jnp.float32, layout=plgpu.Layout.WGMMA)
@@ -400,22 +400,28 @@ def _cluster_reduce(bm: int, splits: int):
       return add(base, mul(add(mul(add(mul(add(mul(wg, c(splits - 1)), src_slot), c(nregs)),
                                            c(v)), c(128)), t), c(8)))
 
-    for jj in range(splits):  # slice jj of my tile to CTA jj (not to myself)
-      other = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ne, me, c(jj)))
-      # my slot in CTA jj's recv: my split, less one where it follows jj's own
-      slot = arith.subi(me, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, me, c(jj))))
+    def send(src, dst):  # slice dst of my tile (I am split src, both static) to CTA dst
+      slot = c(src if src < dst else src - 1)  # my slot in dst's recv
       for v in range(nregs):
-        reg = slice_regs(jj).flat[v]
+        reg = slice_regs(dst).flat[v]
         vals = [vector.extract(reg, [], [e]) for e in range(2)]
-        remote = asm(i32, [slot_addr(recv0, slot, v), c(jj)],
+        remote = asm(i32, [slot_addr(recv0, slot, v), c(dst)],
                      "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
-        asm(none, [remote, *vals, other],
-            "{\n.reg .pred p;\nsetp.ne.u32 p, $3, 0;\n"
-            "@p st.shared::cluster.v2.f32 [$0], {$1, $2};\n}", "r,f,f,r")
-      remote_bar = asm(i32, [bar, c(jj)], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
-      asm(none, [remote_bar, other],
-          "{\n.reg .pred p;\nsetp.ne.u32 p, $1, 0;\n"
-          "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];\n}", "r,r")
+        asm(none, [remote, *vals], "st.shared::cluster.v2.f32 [$0], {$1, $2};", "r,f,f")
+      remote_bar = asm(i32, [bar, c(dst)], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
+      asm(none, [remote_bar], "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
+          "r")
+
+    # one branch per split, its peers in a static order: "rotate" (split i sends to i + 1,
+    # i + 2, ...: at each moment every CTA receives from one peer) or "fixed" (to 0, 1, ...:
+    # every CTA sends to the same peer at once)
+    for src in range(splits):
+      branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, me, c(src)))
+      with ir.InsertionPoint(branch.then_block):
+        for d in range(1, splits):
+          send(src, (src + d) % splits if order == "rotate" else [j for j in range(splits)
+                                                                     if j != src][d - 1])
+        scf.YieldOp([])
     asm(none, [bar],
         "{\n.reg .pred p;\nWAIT:\n"
         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], 0;\n"
@@ -448,14 +454,16 @@ def _cluster_reduce(bm: int, splits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "wgs", "kb", "stages", "rows",
-                                             "out_dtype", "bm"))
+                                             "out_dtype", "bm", "order"))
 def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int | None = None,
-                   rows: int | None = None, out_dtype=jnp.bfloat16, bm: int | None = None):
+                   rows: int | None = None, out_dtype=jnp.bfloat16, bm: int | None = None,
+                   order: str = "rotate"):
   """x bf16 [R, K] (R <= 256, a multiple of 8) @ w bf16 [K, N] -> out_dtype [rows, N] (rows
   <= R, default R), K split `splits` ways in a cluster of as many CTAs, one cluster per
   64 * wgs columns and chunk of bm rows (128 or 256; default one chunk: the weight is read
   once; see CLUSTER_SPLITS). Rows past R are read as zeros (TMA), none past rows is
-  written."""
+  written. order: "rotate" (default) or "fixed", the order of the partials' sends (the
+  first GPU run, session 46, had "fixed": each moment's sends all went to one CTA)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   F._patch_register_pool()
@@ -478,7 +486,7 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
   out_rows = rows or m
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   init = _cluster_barriers_init(wgs, (splits - 1) * 128)
-  reduce = _cluster_reduce(bm, splits)
+  reduce = _cluster_reduce(bm, splits, order)
 
   def kernel(x_gmem, w_gmem, out_gmem, recv, bars, out_smem):
     n_idx, s_idx = lax.axis_index("n"), lax.axis_index("k")
