@@ -77,6 +77,35 @@ def parallelism(m: int, e: int, k: int, n: int, n_inner=None, splits=None) -> tu
 BM_CHOICES = F.BM_CHOICES + (128, 256)
 
 
+def _weight_tile_pipeline(*, bm: int, kb: int, wgs: int, stages: int, k_iters: int, k0, n_idx,
+                          compute_context, state=None):
+  """The warp-specialized pipeline of a CTA's column tile n_idx over K steps k0 .. k0 +
+  k_iters: per step each compute warpgroup adds its 64 columns' products of kb 64-wide K tiles,
+  A = the weight tile transposed from SMEM (swap AB), B = the chunk's bm rows; to be called on
+  (x rows [bm, K], w [K, N]) refs. compute_context: Mosaic's (the accumulator's scope)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def body(_, x_smem, w_smem, acc_ref):
+    wg = lax.axis_index("wg")
+    for j in range(kb):
+      # A = W^T tile [64 N, 64 K]: the [64 K, 64 N] tile in SMEM, transposed
+      a = w_smem.at[pl.ds(j * 64, 64), pl.ds(wg * 64, 64)].T
+      plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(j * 64, 64)].T)
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  return plgpu.emit_pipeline_warp_specialized(
+      body, grid=(k_iters,), memory_registers=40,
+      in_specs=[
+          plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, k0 + i), transforms=swizzled),
+          plgpu.BlockSpec((64 * kb, 64 * wgs), lambda i: (k0 + i, n_idx), transforms=swizzled),
+      ],
+      wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
+      compute_context=compute_context, pipeline_state=state)
+
+
 @functools.partial(jax.jit, static_argnames=("bm", "stages", "splits", "n_inner", "out_dtype",
                                              "wgs", "kb", "rows"))
 def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
@@ -106,7 +135,6 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
   if n_inner > 1 and k_iters % stages:
     raise ValueError(f"n_inner={n_inner} chains pipelines, which needs the {k_iters} steps per "
                      f"tile to be a multiple of stages={stages}")
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def kernel(*refs, out_smem):
     ce_gmem, cr_gmem, x_gmem, w_gmem, out_gmem = (None, None) * dense + refs
@@ -125,24 +153,9 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
                  else out_gmem.at[s_idx, c_idx, :, pl.ds(col0, 64)])
           F.store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg], out)
 
-      def body(_, x_smem, w_smem, acc_ref):
-        wg = lax.axis_index("wg")
-        for j in range(kb):
-          # A = W^T tile [64 N, 64 K]: the [64 K, 64 N] tile in SMEM, transposed
-          a = w_smem.at[pl.ds(j * 64, 64), pl.ds(wg * 64, 64)].T
-          plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(j * 64, 64)].T)
-        plgpu.wgmma_wait(0)
-        return acc_ref
-
-      return plgpu.emit_pipeline_warp_specialized(
-          body, grid=(k_iters,), memory_registers=40,
-          in_specs=[
-              plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, k0 + i), transforms=swizzled),
-              plgpu.BlockSpec((64 * kb, 64 * wgs), lambda i: (k0 + i, n_idx),
-                              transforms=swizzled),
-          ],
-          wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
-          compute_context=compute_context, pipeline_state=state)
+      return _weight_tile_pipeline(bm=bm, kb=kb, wgs=wgs, stages=stages, k_iters=k_iters,
+                                   k0=k0, n_idx=n_idx, compute_context=compute_context,
+                                   state=state)
 
     @F.when_used(e)
     def _():
@@ -484,7 +497,6 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
     raise ValueError(f"bm={bm} wgs={wgs} kb={kb} splits={splits} does not fit SMEM")
   r = bm // splits
   out_rows = rows or m
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   init = _cluster_barriers_init(wgs, (splits - 1) * 128)
   reduce = _cluster_reduce(bm, splits, order)
 
@@ -503,24 +515,9 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
         F.store_tile(mine.astype(out_dtype), out_smem.at[wg],
                      out_gmem.at[pl.ds(row0 + s_idx * r, r), pl.ds(col0, 64)])
 
-    def body(_, x_smem, w_smem, acc_ref):
-      wg = lax.axis_index("wg")
-      for j in range(kb):
-        a = w_smem.at[pl.ds(j * 64, 64), pl.ds(wg * 64, 64)].T
-        plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(j * 64, 64)].T)
-      plgpu.wgmma_wait(0)
-      return acc_ref
-
-    k0 = s_idx * k_iters
-    plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_iters,), memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((bm, 64 * kb), lambda i: (0, k0 + i), transforms=swizzled),
-            plgpu.BlockSpec((64 * kb, 64 * wgs), lambda i: (k0 + i, n_idx),
-                            transforms=swizzled),
-        ],
-        wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
-        compute_context=compute_context)(x_gmem.at[pl.ds(row0, bm)], w_gmem)
+    _weight_tile_pipeline(bm=bm, kb=kb, wgs=wgs, stages=stages, k_iters=k_iters,
+                          k0=s_idx * k_iters, n_idx=n_idx, compute_context=compute_context)(
+                              x_gmem.at[pl.ds(row0, bm)], w_gmem)
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
