@@ -278,9 +278,12 @@ def main():
           if n % (64 * wgs) == 0 and k % (64 * kb * sp) == 0:
             dv[f"mgpu_cluster_bm{bm}_s{sp}_wg{wgs}_kb{kb}"] = functools.partial(
                 bf16_mgpu.cluster_matmul, splits=sp, wgs=wgs, kb=kb, bm=bm)
-            if (bm, wgs, kb) == (256, 2, 1) and sp > 2:  # session 46's first GPU run's sends
-              dv[f"mgpu_cluster_bm{bm}_s{sp}_wg{wgs}_kb{kb}_fixed"] = functools.partial(
-                  bf16_mgpu.cluster_matmul, splits=sp, wgs=wgs, kb=kb, bm=bm, order="fixed")
+            if (bm, wgs, kb) == (256, 2, 1) and sp > 2:  # session 46's first GPU run: the
+              # sends in one order ("_fixed"), and the partials in SMEM of their own too
+              for tag, kw in (("fixed", {}), ("first", dict(alias=False))):
+                dv[f"mgpu_cluster_bm{bm}_s{sp}_wg{wgs}_kb{kb}_{tag}"] = functools.partial(
+                    bf16_mgpu.cluster_matmul, splits=sp, wgs=wgs, kb=kb, bm=bm, order="fixed",
+                    **kw)
       dv.update(_hopper_variants(r) if args.hopper else {})
       for tag, fn in dv.items():
         if not args.only or re.search(args.only, tag):

@@ -140,18 +140,20 @@ def test_dense_lowers_for_cuda():
 
 def test_cluster_lowers_for_cuda():
   """The K split in a cluster (`cluster_matmul`: its barriers' init, the partials' exchange
-  through distributed shared memory in either order of sends, the bf16 epilogue of a row
-  slice) at the o projection's shape with clusters of 8 and 4, and at 128 rows (16-row
-  slices); a launch that does not fit SMEM or splits K unevenly is refused by name."""
+  through distributed shared memory in either order of sends, in SMEM of their own or in the
+  pipeline's, the bf16 epilogue of a row slice) at the o projection's shape with clusters of 8
+  and 4, and at 128 rows (16-row slices); a launch that does not fit SMEM or splits K unevenly
+  is refused by name."""
   pytest.importorskip("jax_cuda13_plugin")
   sds = jax.ShapeDtypeStruct
-  for rows, splits, wgs, kb, order in ((256, 8, 2, 1, "rotate"), (256, 4, 1, 2, "fixed"),
-                                       (128, 8, 1, 1, "rotate")):
+  for rows, splits, wgs, kb, order, alias in ((256, 8, 2, 1, "rotate", True),
+                                              (256, 4, 1, 2, "fixed", False),
+                                              (128, 8, 1, 1, "rotate", True)):
     jax.jit(functools.partial(bf16_mgpu.cluster_matmul, splits=splits, wgs=wgs, kb=kb,
-                              order=order)).trace(
+                              order=order, alias=alias)).trace(
         sds((rows, 4096), jnp.bfloat16), sds((4096, 2048), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",))
-  for kw, why in ((dict(splits=8, wgs=2, kb=4), "does not fit SMEM"),
+  for kw, why in ((dict(splits=8, wgs=2, kb=4, alias=False), "does not fit SMEM"),
                   (dict(splits=3, wgs=2, kb=1), "splits 3"),
                   (dict(splits=8, wgs=3, kb=1), "do not split")):
     with pytest.raises(ValueError, match=why):

@@ -304,7 +304,7 @@ def test_bf16_dense_rows_chunks(bm, wgs, kb, splits, mode, rows):
   assert relerr(got, ref) < TOL
 
 
-@pytest.mark.parametrize("order", ["rotate", "fixed"])
+@pytest.mark.parametrize("order,alias", [("rotate", True), ("fixed", True), ("rotate", False)])
 @pytest.mark.parametrize("rows,k,n,splits,wgs,kb,bm", [
     (256, 4096, 2048, 8, 2, 1, 256),  # the o projection's shape, a cluster of 8
     (255, 4096, 2048, 4, 2, 1, 128),  # the o projection at 255 rows in two 128-row chunks
@@ -312,18 +312,19 @@ def test_bf16_dense_rows_chunks(bm, wgs, kb, splits, mode, rows):
     (200, 512, 256, 2, 2, 1, 128),  # a partial second chunk, a cluster of 2
     (128, 1024, 384, 8, 1, 1, 128),  # 128 rows: wgmma N 128, 16-row slices
 ])
-def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb, bm, order):
+def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb, bm, order, alias):
   """`bf16_mgpu.cluster_matmul` (K split in a cluster, the parts added in distributed shared
   memory) against a float64 product, bf16 out within one rounding plus float32 sums; two calls
   give the same bits (the parts are added in split order whatever the sends' order); the output
-  holds exactly `rows` rows."""
+  holds exactly `rows` rows. alias: the received parts in the pipeline's SMEM (default) or in
+  their own."""
   from trace_jax.kernels import bf16_mgpu
   x = jax.random.normal(jax.random.key(rows + splits), (rows, k), jnp.float32)
   x = x.astype(jnp.bfloat16)
   w = (rand_w((k, n), 17) * 0.05).astype(jnp.bfloat16)
   xp = jnp.pad(x, ((0, -rows % 8), (0, 0)))
   fn = jax.jit(functools.partial(bf16_mgpu.cluster_matmul, splits=splits, wgs=wgs, kb=kb,
-                                 rows=rows, bm=bm, order=order))
+                                 rows=rows, bm=bm, order=order, alias=alias))
   got = fn(xp, w)
   assert got.shape == (rows, n) and got.dtype == jnp.bfloat16
   want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
@@ -332,7 +333,7 @@ def test_bf16_cluster_matmul(rows, k, n, splits, wgs, kb, bm, order):
   np.testing.assert_array_equal(np.asarray(fn(xp, w)).view(np.uint16),
                                 np.asarray(got).view(np.uint16))
   f32 = jax.jit(functools.partial(bf16_mgpu.cluster_matmul, splits=splits, wgs=wgs, kb=kb,
-                                  out_dtype=jnp.float32, bm=bm, order=order))(xp, w)
+                                  out_dtype=jnp.float32, bm=bm, order=order, alias=alias))(xp, w)
   assert relerr(f32[:rows], want) < 1e-5
 
 

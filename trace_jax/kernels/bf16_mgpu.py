@@ -327,28 +327,34 @@ def cluster_recv_bytes(bm: int, wgs: int, splits: int) -> int:
   return wgs * (splits - 1) * 64 * (bm // splits) * 4
 
 
-def cluster_stages(bm: int, kb: int, wgs: int, k_steps: int, splits: int, out_dtype) -> int:
+def cluster_stages(bm: int, kb: int, wgs: int, k_steps: int, splits: int, out_dtype,
+                   alias: bool = True) -> int:
   """The most pipeline stages (<= 4) of a `cluster_matmul` launch that fit SMEM beside the
-  received partials and the output staging (0: none)."""
+  output staging and, unless `alias` puts them in the pipeline's buffers, the received
+  partials (0: none)."""
   per_stage = bm * 64 * kb * 2 + 64 * kb * 64 * wgs * 2
-  fixed = (cluster_recv_bytes(bm, wgs, splits)  # each buffer a multiple of 1 KB (Pallas)
+  fixed = (0 if alias else cluster_recv_bytes(bm, wgs, splits)
+           # each buffer a multiple of 1 KB (Pallas)
            + -(-wgs * (bm // splits) * 64 * jnp.dtype(out_dtype).itemsize // 1024) * 1024
            + 1024)  # the barriers
-  return F.fit_stages(per_stage, fixed, k_steps, 1)
+  stages = F.fit_stages(per_stage, fixed, k_steps, 1)
+  if alias and max(stages * per_stage, cluster_recv_bytes(bm, wgs, splits)) + fixed > F.SMEM_BUDGET:
+    return 0  # the partials alone do not fit
+  return stages
 
 
 @functools.cache
-def _cluster_barriers_init(wgs: int, arrivals: int):
-  """inline_mgpu function: (bars uint32 [wgs, 2] SMEM) -> thread 0 of the CTA makes them wgs
-  mbarriers of `arrivals` arrivals each, then every thread of the CTA joins a cluster barrier,
-  so that no peer signals one of them before it is made."""
+def _cluster_barriers_init(arrivals: tuple[int, ...]):
+  """inline_mgpu function: (bars uint32 [len(arrivals), 2] SMEM) -> thread 0 of the CTA makes
+  them mbarriers of `arrivals[i]` arrivals, then every thread of the CTA joins a cluster
+  barrier, so that no peer signals one of them before it is made."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import utils as mutils
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import llvm
 
-  inits = "".join(f"@p mbarrier.init.shared::cta.b64 [$0+{8 * w}], {arrivals};\n"
-                  for w in range(wgs))
+  inits = "".join(f"@p mbarrier.init.shared::cta.b64 [$0+{8 * i}], {a};\n"
+                  for i, a in enumerate(arrivals))
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def init(ctx, bars):
@@ -366,7 +372,7 @@ def _cluster_barriers_init(wgs: int, arrivals: int):
 
 
 @functools.cache
-def _cluster_reduce(bm: int, splits: int, order: str = "rotate"):
+def _cluster_reduce(bm: int, splits: int, order: str = "rotate", ready_bar: int | None = None):
   """inline_mgpu function: (acc float32 [64, bm] WGMMA layout: a warpgroup's partial tile,
   recv float32 SMEM [wgs, splits - 1, regs, 128, 2], bars uint32 [wgs, 2] SMEM) -> the tile's
   rows (wgmma N side) of this CTA's slice, [64, bm / splits] WGMMA layout, summed over the
@@ -376,7 +382,11 @@ def _cluster_reduce(bm: int, splits: int, order: str = "rotate"):
   there, the same thread position), arrives on CTA j's barrier of its warpgroup (release,
   cluster scope), waits for its own barrier's (splits - 1) x 128 arrivals (acquire), and adds
   the parts its peers' same threads sent it: no layout is assumed beyond the registers' order,
-  which is the same in every CTA. order: the peers' order of the sends (see there)."""
+  which is the same in every CTA. order: the peers' order of the sends (see there).
+  ready_bar: where `recv` shares SMEM with the pipeline's buffers, the index in `bars` of a
+  barrier of splits x wgs x 128 arrivals: every thread first arrives on it in every CTA of the
+  cluster, its own included, and waits on its own, so that no part is sent before every CTA's
+  K loop is done with its buffers."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mutils
@@ -425,6 +435,20 @@ def _cluster_reduce(bm: int, splits: int, order: str = "rotate"):
       asm(none, [remote_bar], "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
           "r")
 
+    def wait(barrier):
+      asm(none, [barrier],
+          "{\n.reg .pred p;\nWAIT:\n"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], 0;\n"
+          "@!p bra WAIT;\n}", "r")
+
+    if ready_bar is not None:
+      ready = add(llvm.ptrtoint(i32, mutils.memref_ptr(bars)), c(8 * ready_bar))
+      for j in range(splits):
+        remote = asm(i32, [ready, c(j)], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
+        asm(none, [remote], "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
+            "r")
+      wait(ready)
+
     # one branch per split, its peers in a static order: "rotate" (split i sends to i + 1,
     # i + 2, ...: at each moment every CTA receives from one peer) or "fixed" (to 0, 1, ...:
     # every CTA sends to the same peer at once)
@@ -435,10 +459,7 @@ def _cluster_reduce(bm: int, splits: int, order: str = "rotate"):
           send(src, (src + d) % splits if order == "rotate" else [j for j in range(splits)
                                                                      if j != src][d - 1])
         scf.YieldOp([])
-    asm(none, [bar],
-        "{\n.reg .pred p;\nWAIT:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], 0;\n"
-        "@!p bra WAIT;\n}", "r")
+    wait(bar)
     # the sum in split order: split s's part from recv (slot s, or s - 1 past me), mine from
     # the registers
     out_regs = np.empty(slice_regs(0).shape, dtype=object)
@@ -467,16 +488,19 @@ def _cluster_reduce(bm: int, splits: int, order: str = "rotate"):
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "wgs", "kb", "stages", "rows",
-                                             "out_dtype", "bm", "order"))
+                                             "out_dtype", "bm", "order", "alias"))
 def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int | None = None,
                    rows: int | None = None, out_dtype=jnp.bfloat16, bm: int | None = None,
-                   order: str = "rotate"):
+                   order: str = "rotate", alias: bool = True):
   """x bf16 [R, K] (R <= 256, a multiple of 8) @ w bf16 [K, N] -> out_dtype [rows, N] (rows
   <= R, default R), K split `splits` ways in a cluster of as many CTAs, one cluster per
   64 * wgs columns and chunk of bm rows (128 or 256; default one chunk: the weight is read
   once; see CLUSTER_SPLITS). Rows past R are read as zeros (TMA), none past rows is
   written. order: "rotate" (default) or "fixed", the order of the partials' sends (the
-  first GPU run, session 46, had "fixed": each moment's sends all went to one CTA)."""
+  first GPU run, session 46, had "fixed": each moment's sends all went to one CTA). alias
+  (default): the received partials share SMEM with the pipeline's buffers (`plgpu.RefUnion`),
+  which leaves room for more stages, and the cluster's CTAs wait for each other's K loops
+  before the exchange; False: buffers of their own (the first GPU run's)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   F._patch_register_pool()
@@ -492,33 +516,53 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
                      f"and {64 * wgs}-wide column tiles")
   k_iters = k // (64 * kb) // splits
   if stages is None:
-    stages = cluster_stages(bm, kb, wgs, k_iters, splits, out_dtype)
+    stages = cluster_stages(bm, kb, wgs, k_iters, splits, out_dtype, alias)
   if stages < 1:
     raise ValueError(f"bm={bm} wgs={wgs} kb={kb} splits={splits} does not fit SMEM")
   r = bm // splits
   out_rows = rows or m
-  init = _cluster_barriers_init(wgs, (splits - 1) * 128)
-  reduce = _cluster_reduce(bm, splits, order)
+  recv_type = plgpu.SMEM((wgs, splits - 1, r // 8 * 2, 128, 2), jnp.float32)
+  arrivals = ((splits - 1) * 128,) * wgs + ((splits * wgs * 128,) if alias else ())
+  init = _cluster_barriers_init(arrivals)
+  reduce = _cluster_reduce(bm, splits, order, wgs if alias else None)
 
-  def kernel(x_gmem, w_gmem, out_gmem, recv, bars, out_smem):
+  def kernel(x_gmem, w_gmem, out_gmem, bars, out_smem, recv=None):
     n_idx, s_idx = lax.axis_index("n"), lax.axis_index("k")
     row0 = pl.multiple_of(lax.axis_index("c") * bm, 8)
+    x_rows = x_gmem.at[pl.ds(row0, bm)]
     init(bars)
 
-    def compute_context(eval_pipeline):
-      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
-      def _scope(acc_ref):
-        wg = lax.axis_index("wg")
-        eval_pipeline(acc_ref)
-        mine = reduce(acc_ref[...], recv, bars)
-        col0 = (n_idx * wgs + wg) * 64
-        F.store_tile(mine.astype(out_dtype), out_smem.at[wg],
-                     out_gmem.at[pl.ds(row0 + s_idx * r, r), pl.ds(col0, 64)])
+    def pipeline(recv):
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, bm), jnp.float32))
+        def _scope(acc_ref):
+          wg = lax.axis_index("wg")
+          eval_pipeline(acc_ref)
+          mine = reduce(acc_ref[...], recv, bars)
+          col0 = (n_idx * wgs + wg) * 64
+          F.store_tile(mine.astype(out_dtype), out_smem.at[wg],
+                       out_gmem.at[pl.ds(row0 + s_idx * r, r), pl.ds(col0, 64)])
 
-    _weight_tile_pipeline(bm=bm, kb=kb, wgs=wgs, stages=stages, k_iters=k_iters,
-                          k0=s_idx * k_iters, n_idx=n_idx, compute_context=compute_context)(
-                              x_gmem.at[pl.ds(row0, bm)], w_gmem)
+      return _weight_tile_pipeline(bm=bm, kb=kb, wgs=wgs, stages=stages, k_iters=k_iters,
+                                   k0=s_idx * k_iters, n_idx=n_idx,
+                                   compute_context=compute_context)
 
+    if not alias:
+      pipeline(recv)(x_rows, w_gmem)
+      return
+    allocs = pipeline(None).get_allocations(x_rows, w_gmem)
+    buffers = allocs.pop("flat_in_smem_refs")
+
+    @functools.partial(pl.run_scoped, union=plgpu.RefUnion(buffers, recv_type), rest=allocs,
+                       collective_axes="wg")
+    def _(union, rest):
+      own_buffers, recv = union
+      pipeline(recv)(x_rows, w_gmem, allocations=dict(flat_in_smem_refs=own_buffers, **rest))
+
+  scratch = dict(bars=plgpu.SMEM((len(arrivals), 2), jnp.uint32),
+                 out_smem=plgpu.SMEM((wgs, r, 64), out_dtype))
+  if not alias:
+    scratch["recv"] = recv_type
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
       grid=(n // (64 * wgs), -(-m // bm)), grid_names=("n", "c"), cluster=(splits,),
@@ -526,8 +570,5 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      scratch_types=dict(
-          recv=plgpu.SMEM((wgs, splits - 1, r // 8 * 2, 128, 2), jnp.float32),
-          bars=plgpu.SMEM((wgs, 2), jnp.uint32),
-          out_smem=plgpu.SMEM((wgs, r, 64), out_dtype)),
+      scratch_types=scratch,
   )(x, w)
