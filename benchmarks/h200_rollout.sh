@@ -870,9 +870,9 @@ elif [ "$stage" = s46c ]; then
   # (bench_small_dots.json), then the decode step each way. Ran in session 46 (H100) with one
   # 256-row chunk and every CTA sending to the same peer at once: tests passed, every launch
   # slower (o: clusters of 8 35.0 us, of 4 21.9, XLA 18.9; the step 1.754 -> 1.827 ms). Not
-  # yet run: 128-row chunks (the opt-in's launch now) and the sends' rotated order (the
-  # default; "_fixed" rows: the first run's). Next: DOTS_PRODUCTS=o DOTS_ONLY='^xla$|cluster'
-  # (~3 min)
+  # yet run: 128-row chunks (the opt-in's launch now), the sends' rotated order and the
+  # partials in the pipeline's SMEM (4 stages; the defaults; "_fixed" rows: the first order,
+  # "_first": the first run's kernel). Next: DOTS_PRODUCTS=o DOTS_ONLY='^xla$|cluster' (~3 min)
   gpu_tests tests/kernels/test_kernels_gpu.py "cluster" cluster ${TEST_TIMEOUT:-120}
   # (a kernel whose cluster exchange hangs or fails spends no more device time)
   if ! grep -q " passed" $OUT/test_cluster.txt || grep -q "failed\|rror" $OUT/test_cluster.txt
