@@ -374,7 +374,8 @@ def _cluster_barriers_init(arrivals: tuple[int, ...]):
 @functools.cache
 def _cluster_reduce(bm: int, splits: int, order: str = "rotate", ready_bar: int | None = None):
   """inline_mgpu function: (acc float32 [64, bm] WGMMA layout: a warpgroup's partial tile,
-  recv float32 SMEM [wgs, splits - 1, regs, 128, 2], bars uint32 [wgs, 2] SMEM) -> the tile's
+  recv float32 SMEM [wgs, splits - 1, regs, 128, 2], bars uint32 [wgs (+ 1: `ready_bar`), 2]
+  SMEM) -> the tile's
   rows (wgmma N side) of this CTA's slice, [64, bm / splits] WGMMA layout, summed over the
   cluster's splits in order 0, 1, ...
 
@@ -423,17 +424,21 @@ def _cluster_reduce(bm: int, splits: int, order: str = "rotate", ready_bar: int 
       return add(base, mul(add(mul(add(mul(add(mul(wg, c(splits - 1)), src_slot), c(nregs)),
                                            c(v)), c(128)), t), c(8)))
 
+    def mapa(addr, cta):  # the address of my SMEM `addr` in the cluster's CTA `cta`
+      return asm(i32, [addr, c(cta)], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
+
+    def arrive(barrier, cta):  # on CTA cta's barrier (release, cluster scope)
+      asm(none, [mapa(barrier, cta)],
+          "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", "r")
+
     def send(src, dst):  # slice dst of my tile (I am split src, both static) to CTA dst
       slot = c(src if src < dst else src - 1)  # my slot in dst's recv
       for v in range(nregs):
         reg = slice_regs(dst).flat[v]
         vals = [vector.extract(reg, [], [e]) for e in range(2)]
-        remote = asm(i32, [slot_addr(recv0, slot, v), c(dst)],
-                     "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
-        asm(none, [remote, *vals], "st.shared::cluster.v2.f32 [$0], {$1, $2};", "r,f,f")
-      remote_bar = asm(i32, [bar, c(dst)], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
-      asm(none, [remote_bar], "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
-          "r")
+        asm(none, [mapa(slot_addr(recv0, slot, v), dst), *vals],
+            "st.shared::cluster.v2.f32 [$0], {$1, $2};", "r,f,f")
+      arrive(bar, dst)
 
     def wait(barrier):
       asm(none, [barrier],
@@ -444,20 +449,19 @@ def _cluster_reduce(bm: int, splits: int, order: str = "rotate", ready_bar: int 
     if ready_bar is not None:
       ready = add(llvm.ptrtoint(i32, mutils.memref_ptr(bars)), c(8 * ready_bar))
       for j in range(splits):
-        remote = asm(i32, [ready, c(j)], "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r")
-        asm(none, [remote], "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
-            "r")
+        arrive(ready, j)
       wait(ready)
 
     # one branch per split, its peers in a static order: "rotate" (split i sends to i + 1,
     # i + 2, ...: at each moment every CTA receives from one peer) or "fixed" (to 0, 1, ...:
     # every CTA sends to the same peer at once)
     for src in range(splits):
+      peers = ([(src + d) % splits for d in range(1, splits)] if order == "rotate"
+               else [j for j in range(splits) if j != src])
       branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, me, c(src)))
       with ir.InsertionPoint(branch.then_block):
-        for d in range(1, splits):
-          send(src, (src + d) % splits if order == "rotate" else [j for j in range(splits)
-                                                                     if j != src][d - 1])
+        for dst in peers:
+          send(src, dst)
         scf.YieldOp([])
     wait(bar)
     # the sum in split order: split s's part from recv (slot s, or s - 1 past me), mine from
