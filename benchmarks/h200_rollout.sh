@@ -869,14 +869,15 @@ elif [ "$stage" = s47a ]; then
   # name them only when set false); Mosaic, Pallas and cuBLAS kernels carry no wait. The 48-layer
   # step spends ~0.9 ms between kernels under command buffers (session 44): what PDL gives
   # there, 4-layer step at B 255, PDL on / off, command buffers on (the rollout's way; wall
-  # step) and off (kernels seen), each side its own process (PDL_SIDES "PDL CB" ...)
-  for side in ${PDL_SIDES:-"true on" "false on" "true off" "false off" "true on" "false on"}; do
-    set -- $side
+  # step) and off (kernels seen), each side its own process (PDL_SIDES: PDL:CB ...)
+  n=0
+  for side in ${PDL_SIDES:-true:on false:on true:off false:off true:on false:on}; do
+    set -- ${side/:/ }; n=$((n + 1))
     cb=""; [ $2 = off ] && cb=--no_command_buffers
     echo "== pdl $1, command buffers $2"
     XLA_FLAGS="--xla_gpu_enable_pdl=$1 --xla_gpu_enable_pdl_launch=$1" cap_shape_profile 4 255 \
-      paper ${PROF_TIMEOUT:-150} $cb --out $OUT/profile_cap_4l_b255_pdl_$1_cb_$2.json \
-      | grep "guidance_on\|decode loop\|Error" | cut -c1-200 | sed "s/^/[pdl $1 cb $2] /"
+      paper ${PROF_TIMEOUT:-150} $cb --out $OUT/profile_cap_4l_b255_pdl_$1_cb_$2_$n.json \
+      | grep "guidance_on\|decode loop\|Error" | cut -c1-200 | sed "s/^/[$n: pdl $1 cb $2] /"
   done
 elif [ "$stage" = s46c ]; then
   # (session 46) the bf16 product with K split in a thread block cluster, its parts added
