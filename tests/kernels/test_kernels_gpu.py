@@ -308,6 +308,7 @@ def test_bf16_dense_rows_chunks(bm, wgs, kb, splits, mode, rows):
 @pytest.mark.parametrize("rows,k,n,splits,wgs,kb,bm", [
     (256, 4096, 2048, 8, 2, 1, 256),  # the o projection's shape, a cluster of 8
     (255, 4096, 2048, 4, 2, 1, 128),  # the o projection at 255 rows in two 128-row chunks
+    (255, 4096, 2048, 2, 2, 1, 128),  # the same in clusters of 2 (`CLUSTER_LAUNCH`, session 47)
     (255, 1024, 640, 4, 1, 2, 256),  # the rollout's 255 rows (operand padded to 256), 10 tiles
     (200, 512, 256, 2, 2, 1, 128),  # a partial second chunk, a cluster of 2
     (128, 1024, 384, 8, 1, 1, 128),  # 128 rows: wgmma N 128, 16-row slices

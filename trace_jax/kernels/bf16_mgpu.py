@@ -301,12 +301,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 # goes through global memory and no XLA reduction or convert follows.
 CLUSTER_SPLITS = (2, 4, 8)  # portable cluster sizes whose row slices are whole 8-row tiles
 # Products `dense_launch` leaves to XLA for want of CTAs (the o projection) through
-# `cluster_matmul` ("on") or XLA's dot ("off", the default until a decode step is timed)
+# `cluster_matmul` ("on") or XLA's dot ("off", the default: session 47's 4-layer step at B 255,
+# H100, 1.776 -> 1.782 ms of kernels; the kernel 16.4 us a layer against XLA's GEMM and convert
+# 16.9, but the attention's 255 rows take a 2.3 us pad to 256 on this path)
 DENSE_CLUSTER = choice_setting("TRACE_JAX_BF16_CLUSTER", "off", ("off", "on"))
 # H100, 256 rows, o 4096 x 2048, us a call (session 46, bench_small_dots): one 256-row chunk in
 # clusters of 8 / 4 / 2, 2 warpgroups: 35.0 / 21.9 / 31.9 against XLA's 18.9 (two pipeline
-# stages beside the received partials: too few bytes in flight); 128-row chunks: the default
-CLUSTER_LAUNCH = dict(splits=4, wgs=2, kb=1, bm=128)
+# stages beside the received partials: too few bytes in flight). Session 47 (H100, rotated
+# sends, partials in the pipeline's SMEM): 128-row chunks in clusters of 2 / 4 / 8: 18.4 / 26.9
+# / 42.6; 256-row chunks in clusters of 4: 20.0; XLA's 18.9, the chunked kernel + XLA's sum 17.5
+CLUSTER_LAUNCH = dict(splits=2, wgs=2, kb=1, bm=128)
 
 
 def cluster_launch(rows: int, k: int, n: int) -> dict | None:
