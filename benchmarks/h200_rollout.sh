@@ -888,10 +888,10 @@ elif [ "$stage" = s46c ]; then
   # q/k/v and o products at 256 rows against XLA's and the engine's launch
   # (bench_small_dots.json), then the decode step each way. Ran in session 46 (H100) with one
   # 256-row chunk and every CTA sending to the same peer at once: tests passed, every launch
-  # slower (o: clusters of 8 35.0 us, of 4 21.9, XLA 18.9; the step 1.754 -> 1.827 ms). Not
-  # yet run: 128-row chunks (the opt-in's launch now), the sends' rotated order and the
-  # partials in the pipeline's SMEM (4 stages; the defaults; "_fixed" rows: the first order,
-  # "_first": the first run's kernel). Ran in session 47 (H100) with DOTS_PRODUCTS=o
+  # slower (o: clusters of 8 35.0 us, of 4 21.9, XLA 18.9; the step 1.754 -> 1.827 ms). Then
+  # built: 128-row chunks, the sends' rotated order and the partials in the pipeline's SMEM
+  # (4 stages; the defaults; "_fixed" rows: the first order, "_first": the first run's
+  # kernel). Ran in session 47 (H100) with DOTS_PRODUCTS=o
   # CLUSTER_SIDES="": 15 of 15 tests passed; o 18.4 us at 128-row chunks in clusters of 2 (the
   # launch now), XLA's 18.9, chunked 17.5; the step (by hand) no shorter: stays opt-in
   gpu_tests tests/kernels/test_kernels_gpu.py "cluster" cluster ${TEST_TIMEOUT:-120}

@@ -313,6 +313,11 @@ DENSE_CLUSTER = choice_setting("TRACE_JAX_BF16_CLUSTER", "off", ("off", "on"))
 CLUSTER_LAUNCH = dict(splits=2, wgs=2, kb=1, bm=128)
 
 
+def cluster_grid(rows: int, n: int, wgs: int, bm: int) -> tuple[int, int]:
+  """`cluster_matmul`'s grid of clusters: (64 * wgs-wide column tiles, bm-row chunks)."""
+  return n // (64 * wgs), -(-rows // bm)
+
+
 def cluster_launch(rows: int, k: int, n: int) -> dict | None:
   """`cluster_matmul`'s launch for a bf16 product of rows x [K, N] (129-256 rows, with
   `DENSE_CLUSTER` on, at most one CTA per SM), or None."""
@@ -321,7 +326,8 @@ def cluster_launch(rows: int, k: int, n: int) -> dict | None:
     return None
   if k % (64 * c["kb"] * c["splits"]) or n % (64 * c["wgs"]):
     return None
-  if n // (64 * c["wgs"]) * c["splits"] * -(-rows // c["bm"]) > F.NUM_SMS:
+  cols, chunks = cluster_grid(rows, n, c["wgs"], c["bm"])
+  if cols * chunks * c["splits"] > F.NUM_SMS:
     return None
   return dict(c)
 
@@ -379,9 +385,8 @@ def _cluster_barriers_init(arrivals: tuple[int, ...]):
 def _cluster_reduce(bm: int, splits: int, order: str = "rotate", ready_bar: int | None = None):
   """inline_mgpu function: (acc float32 [64, bm] WGMMA layout: a warpgroup's partial tile,
   recv float32 SMEM [wgs, splits - 1, regs, 128, 2], bars uint32 [wgs (+ 1: `ready_bar`), 2]
-  SMEM) -> the tile's
-  rows (wgmma N side) of this CTA's slice, [64, bm / splits] WGMMA layout, summed over the
-  cluster's splits in order 0, 1, ...
+  SMEM) -> the tile's rows (wgmma N side) of this CTA's slice, [64, bm / splits] WGMMA layout,
+  summed over the cluster's splits in order 0, 1, ...
 
   Each thread stores its registers of slice j into CTA j's `recv` (the slot of its own split
   there, the same thread position), arrives on CTA j's barrier of its warpgroup (release,
@@ -518,7 +523,7 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
   bm = bm or (256 if m > 128 else 128)
   if splits not in CLUSTER_SPLITS or m % 8 or m > 256 or bm not in (128, 256):
     raise ValueError(f"cluster K split: splits {splits} (takes {CLUSTER_SPLITS}), {m} rows "
-                     "(a multiple of 8, at most 256)")
+                     f"(a multiple of 8, at most 256), bm {bm} (128 or 256)")
   if k % (64 * kb * splits) or n % (64 * wgs):
     raise ValueError(f"K={k} N={n} do not split into {splits} parts of {64 * kb}-wide steps "
                      f"and {64 * wgs}-wide column tiles")
@@ -573,7 +578,7 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
     scratch["recv"] = recv_type
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
-      grid=(n // (64 * wgs), -(-m // bm)), grid_names=("n", "c"), cluster=(splits,),
+      grid=cluster_grid(m, n, wgs, bm), grid_names=("n", "c"), cluster=(splits,),
       cluster_names=("k",),
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
