@@ -17,6 +17,7 @@ import argparse
 import collections
 import glob
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -262,7 +263,13 @@ def main():
       with jax.profiler.trace(d, create_perfetto_trace=True):
         r = eng.generate(prompts, n=1, sampling=s, seed=7, max_new_tokens=a.new_tokens)
         jax.block_until_ready(r.tokens)
-        del r
+      # the traced call's tokens and logprobs by hash: sides of an A/B that must not change the
+      # numbers (a launch setting) compare them across processes
+      out["traced_call_sha256"] = {
+          f: hashlib.sha256(np.asarray(getattr(r, f)).tobytes()).hexdigest()[:16]
+          for f in ("tokens", "logprobs") if getattr(r, f, None) is not None}
+      print("traced call sha256", json.dumps(out["traced_call_sha256"]), flush=True)
+      del r
       out["profile"] = summarize_trace(d, a.new_tokens, sources=hlo_sources())
       if a.hlo_out:
         dumps = optimized_hlo_dumps()

@@ -879,3 +879,44 @@ def test_gpu_libraries_are_imported_before_programs_compile(monkeypatch):
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   dispatch.import_gpu_libraries()
   assert calls == [1]
+
+
+@pytest.mark.parametrize("pdl", ["off", "wait", "early"])
+def test_pdl_prologue_comes_first(monkeypatch, tmp_path, request, pdl):
+  """`TRACE_JAX_PDL` (`fp4_mgpu.mosaic_kernel`): the Mosaic module Pallas hands to Mosaic (its
+  dump, lowered on CPU) carries `griddepcontrol.wait` (and, "early", `launch_dependents` before
+  it) ahead of the kernel's first TMA load, and the `uses_pdl` attribute that launches it with
+  programmatic stream serialization; "off" carries neither. A grouped call: its CTAs read the
+  chunk tables, written by the kernels before it, at their start."""
+  pytest.importorskip("jax_cuda13_plugin")
+  monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+  monkeypatch.setenv("MOSAIC_GPU_DUMP_MLIR_PASSES", "1")
+  monkeypatch.setattr(fp4_mgpu, "PDL", pdl)
+  # (the setting is read when the kernel is traced: traces cached under another are dropped,
+  # before and after)
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+  sds = jax.ShapeDtypeStruct
+  k, n = 1024, 512
+  pe = layout.PackedWeight(sds((8, n // 64, k // 4, 32), jnp.uint32),
+                           sds((8, n // 64, k // 32, 32), jnp.uint32),
+                           sds((8, n), jnp.float32), "nvfp4", (8, k, n), 4)
+  jax.jit(lambda x, p, g: fp4_mgpu.grouped_matmul(x, p, g, config=dict(stream_k=False))).trace(
+      sds((512, k), jnp.bfloat16), pe, sds((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
+  dumps = sorted(tmp_path.glob("*.before_layout_inference.txt"))
+  assert dumps, "Mosaic wrote no module dump"
+  lines = dumps[-1].read_text().splitlines()
+
+  def first(text):
+    return next((i for i, line in enumerate(lines) if text in line), None)
+
+  wait, early = first("griddepcontrol.wait;"), first("griddepcontrol.launch_dependents;")
+  attr = "mosaic_gpu.uses_pdl" in lines[0]
+  if pdl == "off":
+    assert (wait, early, attr) == (None, None, False)
+    return
+  load = first("mosaic_gpu.async_load")
+  assert attr and wait is not None and load is not None and wait < load
+  assert (early is not None and early < wait) == (pdl == "early")
+  with pytest.raises(ValueError, match="pdl must be"):
+    fp4_mgpu.mosaic_kernel(lambda: None, pdl="on")

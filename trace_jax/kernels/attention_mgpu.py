@@ -102,7 +102,8 @@ import numpy as np
 from trace_jax import quant as tq
 from trace_jax.kernels import attention_ref as R
 from trace_jax.kernels.attention_pallas import combine_splits
-from trace_jax.kernels.fp4_mgpu import DECODE_ASM, WEIGHT_DECODE_ASM, counted_in_last
+from trace_jax.kernels.fp4_mgpu import (DECODE_ASM, WEIGHT_DECODE_ASM, counted_in_last,
+                                        mosaic_kernel)
 from trace_jax.settings import choice_setting, int_setting
 from trace_jax.quant import e2m1
 
@@ -908,7 +909,7 @@ def mgpu_decode_kernel(kt, qp, kc, vc, ks, vs, kg, vg, vf, *, split_tiles: int, 
     # in-kernel merge stores from registers): 8 KB at gp 8
     scratch.update(o_smem=plgpu.SMEM((KV_HEADS, 64, gp), jnp.float32),
                    ml_smem=plgpu.SMEM((KV_HEADS, 2, gp), jnp.float32))
-  return plgpu.kernel(
+  return mosaic_kernel(
       decode_attention_mosaic, out_type=out_type, grid=(b, n_splits), grid_names=("b", "s"),
       num_threads=KV_HEADS + 1, thread_name="wg",
       compiler_params=_compiler_params(AUTO_BARRIERS or heads is None), scratch_types=scratch,
@@ -1073,7 +1074,7 @@ def mgpu_stream_kernel(units, rows, qp, kc, vc, ks, vs, kg, vg, vf, counts=None,
   out_type = (jax.ShapeDtypeStruct((slots, KV_HEADS, 2, 64, gp), jnp.float32),
               jax.ShapeDtypeStruct((slots, KV_HEADS, 2, gp), jnp.float32),
               jax.ShapeDtypeStruct((b, KV_HEADS * heads, HEAD_DIM), out_dtype))
-  return plgpu.kernel(
+  return mosaic_kernel(
       decode_attention_stream, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
       num_threads=KV_HEADS + 1, thread_name="wg",
       compiler_params=_compiler_params(AUTO_BARRIERS), scratch_types=_scratch(gp, v_halves),

@@ -163,7 +163,7 @@ def bf16_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, stages: int,
                        n_inner)
 
   out_shape = (splits, rows or xc.shape[0], n) if dense else (splits, n_chunks, bm, n)
-  return plgpu.kernel(
+  return F.mosaic_kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(n_tiles // wgs // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
       num_threads=wgs + 1, thread_name="wg",
@@ -576,7 +576,7 @@ def cluster_matmul(x, w, *, splits: int, wgs: int = 2, kb: int = 1, stages: int 
                  out_smem=plgpu.SMEM((wgs, r, 64), out_dtype))
   if not alias:
     scratch["recv"] = recv_type
-  return plgpu.kernel(
+  return F.mosaic_kernel(
       kernel, out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
       grid=cluster_grid(m, n, wgs, bm), grid_names=("n", "c"), cluster=(splits,),
       cluster_names=("k",),

@@ -79,6 +79,36 @@ def tables_total(tables):
   return tables[4]
 
 
+# TRACE_JAX_PDL (opt-in A/B): the Mosaic kernels launched with programmatic dependent launch.
+# "wait": each kernel's threads first run `griddepcontrol.wait` (the previous kernel in the
+# stream complete, its stores visible), which makes Mosaic launch it with programmatic stream
+# serialization: it may be launched, its CTAs placed and its barriers set up while the previous
+# kernel's last CTAs still run. "early": also `griddepcontrol.launch_dependents` first, so the
+# kernel after it (if launched so) may be launched as soon as this one starts.
+PDL = choice_setting("TRACE_JAX_PDL", "off", ("off", "wait", "early"))
+
+
+def mosaic_kernel(body, *, pdl: str | None = None, **kwargs):
+  """`plgpu.kernel(body, **kwargs)` for this package's Mosaic kernels, with the `PDL` prologue
+  (`pdl` overrides the setting) before anything of the body: nothing the body reads from global
+  memory is read before the previous kernel is done."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  pdl = PDL if pdl is None else pdl
+  if pdl not in ("off", "wait", "early"):
+    raise ValueError(f"pdl must be off, wait or early, got {pdl!r}")
+  if pdl == "off":
+    return plgpu.kernel(body, **kwargs)
+
+  @functools.wraps(body)
+  def with_prologue(*refs, **scratch):
+    if pdl == "early":
+      plgpu.griddepcontrol_launch_dependents()
+    plgpu.griddepcontrol_wait()
+    return body(*refs, **scratch)
+
+  return plgpu.kernel(with_prologue, **kwargs)
+
+
 def _patch_register_pool():
   """Mosaic's warp-specialized pipeline sizes compute registers from a 512-unit pool, but a CTA
   of 5 warpgroups launches with 96 registers/thread (480 units), so `setmaxnreg.inc` waits
@@ -463,7 +493,7 @@ def fp4_chunked_matmul(xc, codes, scales, factor, chunk_expert, chunk_row, *, fm
       run_tile_chain(tile_pipeline, (x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e]),
                      n_outer, n_inner)
 
-  return plgpu.kernel(
+  return mosaic_kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, n_chunks, bm, n_pad), out_dtype),
       grid=(nt // wgs // n_inner, n_chunks, splits), grid_names=("n", "c", "s"),
       num_threads=wgs + 1, thread_name="wg",
@@ -530,7 +560,7 @@ def _stream_k_kernel(xc, codes, scales, chunk_expert, chunk_row, *, fmt: str, kb
           compute_context=compute_context,
       )(x_gmem.at[pl.ds(row0, bm)], w_gmem.at[e], s_gmem.at[e])
 
-  return plgpu.kernel(
+  return mosaic_kernel(
       kernel, out_type=jax.ShapeDtypeStruct((slots, 1, bm, nt * 64), jnp.float32),
       grid=(n_ctas, 1, 1), grid_names=("n", "c", "s"),
       num_threads=wgs + 1, thread_name="wg",
@@ -764,7 +794,7 @@ def _grouped_stream_k_kernel(xc, codes, scales, factor, chunk_expert, chunk_row,
                 else (merger_scratch_size(n_ctas, wgs, bm),))
   out_type = (jax.ShapeDtypeStruct((n_chunks, bm, nt * 64), out_dtype),
               jax.ShapeDtypeStruct(part_shape, jnp.float32))
-  return plgpu.kernel(
+  return mosaic_kernel(
       kernel, out_type=out_type, grid=(n_ctas,), grid_names=("c",),
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
