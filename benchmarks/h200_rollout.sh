@@ -857,8 +857,9 @@ elif [ "$stage" = s46a ]; then
   # on each side; the float32 projection no faster, removed (o_proj_out.patch)
   gpu_tests "tests/kernels/test_add_norm.py tests/kernels/test_moe_combine.py" "gpu" \
     oproj_norm_rows ${TEST_TIMEOUT:-120}
-  for side in ${S46_SIDES:-"bf16 exact" "float32 exact" "bf16 padded" "float32 padded"}; do
-    set -- $side
+  # (sides as OUT:ROWS words, which an S46_SIDES override can give too)
+  for side in ${S46_SIDES:-bf16:exact float32:exact bf16:padded float32:padded}; do
+    set -- ${side/:/ }
     TRACE_JAX_O_PROJ_OUT=$1 TRACE_JAX_NORM_ROWS=$2 STEP_BATCH=255 step_4l o_proj_$1_rows_$2 \
       "o_proj\|attn/pad\|input_norm" "o_proj $1, rows $2"
   done
@@ -990,8 +991,9 @@ elif [ "$stage" = s45a ]; then
   # faster on the H100 (stays opt-in). Now: the routing sides only
   gpu_tests "tests/kernels/test_router_topk.py tests/kernels/test_routing.py" "gpu" \
     router_routing ${RTEST_TIMEOUT:-120}
-  for side in ${ROUTER_SIDES:-"kernel xla" "kernel kernel"}; do
-    set -- $side
+  # (sides as TOPK:ROUTING words, which a ROUTER_SIDES override can give too)
+  for side in ${ROUTER_SIDES:-kernel:xla kernel:kernel}; do
+    set -- ${side/:/ }
     TRACE_JAX_ROUTER_TOPK=$1 TRACE_JAX_ROUTING=$2 STEP_BATCH=255 step_4l topk_$1_routing_$2 \
       "moe/\|router\|routing" "topk $1, routing $2"
   done
