@@ -918,5 +918,9 @@ def test_pdl_prologue_comes_first(monkeypatch, tmp_path, request, pdl):
   load = first("mosaic_gpu.async_load")
   assert attr and wait is not None and load is not None and wait < load
   assert (early is not None and early < wait) == (pdl == "early")
-  with pytest.raises(ValueError, match="pdl must be"):
+
+
+def test_pdl_mode_is_checked():
+  """An unknown PDL mode is refused by name before any kernel is built."""
+  with pytest.raises(ValueError, match="pdl must be one of"):
     fp4_mgpu.mosaic_kernel(lambda: None, pdl="on")

@@ -85,7 +85,8 @@ def tables_total(tables):
 # serialization: it may be launched, its CTAs placed and its barriers set up while the previous
 # kernel's last CTAs still run. "early": also `griddepcontrol.launch_dependents` first, so the
 # kernel after it (if launched so) may be launched as soon as this one starts.
-PDL = choice_setting("TRACE_JAX_PDL", "off", ("off", "wait", "early"))
+PDL_MODES = ("off", "wait", "early")
+PDL = choice_setting("TRACE_JAX_PDL", "off", PDL_MODES)
 
 
 def mosaic_kernel(body, *, pdl: str | None = None, **kwargs):
@@ -94,8 +95,8 @@ def mosaic_kernel(body, *, pdl: str | None = None, **kwargs):
   memory is read before the previous kernel is done."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   pdl = PDL if pdl is None else pdl
-  if pdl not in ("off", "wait", "early"):
-    raise ValueError(f"pdl must be off, wait or early, got {pdl!r}")
+  if pdl not in PDL_MODES:
+    raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
   if pdl == "off":
     return plgpu.kernel(body, **kwargs)
 
