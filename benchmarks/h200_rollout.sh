@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -863,6 +863,37 @@ elif [ "$stage" = s46a ]; then
     TRACE_JAX_O_PROJ_OUT=$1 TRACE_JAX_NORM_ROWS=$2 STEP_BATCH=255 step_4l o_proj_$1_rows_$2 \
       "o_proj\|attn/pad\|input_norm" "o_proj $1, rows $2"
   done
+elif [ "$stage" = s49b ]; then
+  # (session 49) s49a's question within a process: the 4-layer rollout at B 255 (prompt 512,
+  # 256 new tokens in windows of 128), one seed, REPEAT_CALLS calls a process
+  # (benchmarks/rollout_repeats.py: each call's hashes, tokens that differ from the process's
+  # first call, logprobs off it where tokens agree). Sides (REPEAT_SIDES) as s49a's: cache (the
+  # first stores the programs, the later load them) or plain, each its own process. Ran in
+  # session 49 (H100): every process repeated itself bit for bit, the loading process the
+  # storing one's numbers, the plain process other logprobs (same tokens)
+  n=0; cc=/tmp/xla_cache_s49b; rm -rf $cc
+  for side in ${REPEAT_SIDES:-cache cache plain}; do
+    n=$((n + 1)); dir=""; [ $side = cache ] && dir=$cc
+    echo "== one seed, ${REPEAT_CALLS:-3} calls: $side"
+    TRACE_JAX_COMPILATION_CACHE=$dir timeout -k 5 ${PROF_TIMEOUT:-150} python3 \
+      benchmarks/rollout_repeats.py --calls ${REPEAT_CALLS:-3} \
+      --out $OUT/rollout_repeats_${side}_$n.json 2>&1 | grep "^call\|Error" | sed "s/^/[$n: $side] /"
+  done
+elif [ "$stage" = s49a ]; then
+  # (session 49) the rollout's logprobs across processes: session 48's two PDL-off sides of the
+  # 4-layer step drew the same tokens but differed in logprobs. Sides (DET_SIDES): plain (each
+  # process compiles and autotunes its own programs) or cache (TRACE_JAX_COMPILATION_CACHE at
+  # one directory: the first such side stores its programs, the later ones load them, as a
+  # resumed run would), each its own process, command buffers on, one timed rollout a side; the
+  # traced call's tokens and logprobs hashed. Ran in session 49 (H100, cache cache): equal
+  n=0; cc=/tmp/xla_cache_s49a; rm -rf $cc
+  for side in ${DET_SIDES:-cache cache plain}; do
+    n=$((n + 1)); dir=""; [ $side = cache ] && dir=$cc
+    echo "== logprobs across processes: $side"
+    TRACE_JAX_COMPILATION_CACHE=$dir cap_shape_profile 4 255 paper ${PROF_TIMEOUT:-180} \
+      --out $OUT/profile_cap_4l_b255_det_${side}_$n.json \
+      | grep "guidance_on\|sha256\|Error" | cut -c1-200 | sed "s/^/[$n: $side] /"
+  done
 elif [ "$stage" = s48a ]; then
   # (session 48) our Mosaic kernels launched with programmatic dependent launch
   # (`TRACE_JAX_PDL`: wait = `griddepcontrol.wait` first in every CTA, which makes Mosaic launch
@@ -870,12 +901,16 @@ elif [ "$stage" = s48a ]; then
   # s47a turned XLA's own PDL off and on to no effect; the Mosaic kernels carried no wait then.
   # First the Mosaic kernels' GPU tests with PDL early (a kernel that read before its inputs
   # were written would fail them), then the 4-layer step at B 255 per side (PDL_SIDES:
-  # PDL:CB ...), each its own process, 3 timed rollouts a side (PDL_REPEATS), its traced call's
+  # PDL:CB ...), each its own process, 3 timed rollouts a side (PDL_REPEATS) of PDL_NEW_TOKENS
+  # (256; the window paces of each, `window_step_ms`, time the step), its traced call's
   # tokens and logprobs hashed (PDL must change no number; across processes the logprobs may
   # still differ: session 48's two PDL-off sides did). Ran in session 48 on an H100 with the
   # tests cut at 90 s and one rollout a side, cut by the call's limit after 3 sides: 5 test
   # cases passed, none failed; early:on gave off:off's tokens and logprobs bit for bit; the
-  # one-repeat wall figures were too noisy to time anything (one-token calls 0.55-0.70 s)
+  # one-repeat wall figures were too noisy to time anything (one-token calls 0.55-0.70 s).
+  # Ran in session 49 (H100) with PDL_NEW_TOKENS=512, sides off:on early:on off:on early:on:
+  # window paces 2-3 off 1.748 / 1.840 ms, early 1.758 / 1.842, no gain; 35 GPU test cases
+  # passed under early (pytest run directly, 190 s limit)
   if [ -z "${SKIP_PDL_TESTS:-}" ]; then
     TRACE_JAX_PDL=early gpu_tests "tests/kernels/test_kernels_gpu.py tests/kernels/test_attention_gpu.py" \
       "${PDL_TESTS:-dense_stream_k_gemv or grouped_stream_k_expert or bf16_dense_rows or mosaic_stream_schedule or model_decode}" \
@@ -887,8 +922,9 @@ elif [ "$stage" = s48a ]; then
     cb=""; [ $2 = off ] && cb=--no_command_buffers
     echo "== mosaic pdl $1, command buffers $2"
     TRACE_JAX_PDL=$1 cap_shape_profile 4 255 paper ${PROF_TIMEOUT:-180} $cb \
-      --repeats ${PDL_REPEATS:-3} --out $OUT/profile_cap_4l_b255_mpdl_$1_cb_$2_$n.json \
-      | grep "guidance_on\|decode loop\|sha256\|Error" | cut -c1-200 | sed "s/^/[$n: pdl $1 cb $2] /"
+      --repeats ${PDL_REPEATS:-3} --new_tokens ${PDL_NEW_TOKENS:-256} \
+      --out $OUT/profile_cap_4l_b255_mpdl_$1_cb_$2_$n.json \
+      | grep "guidance_on\|decode loop\|sha256\|Error" | cut -c1-320 | sed "s/^/[$n: pdl $1 cb $2] /"
   done
 elif [ "$stage" = s47a ]; then
   # (session 47) XLA's programmatic dependent launch (PDL: `griddepcontrol.wait` at the start

@@ -39,6 +39,7 @@ import numpy as np
 
 import bench_util
 
+from trace_jax import compilation_cache
 from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.provenance import run_info
@@ -49,12 +50,17 @@ def _median(xs):
   return sorted(xs)[len(xs) // 2]
 
 
-def _timed(engine, prompts, new, repeats):
-  """(first call s, median of the rest s, guidance bytes per token). No rollout is kept
-  alive past its own call: at capacity its host guidance (347 MB a sequence at 8k) would leave
-  the next call short of host memory (session 14: 264 sequences refused, 269 fit)."""
+def _timed(engine, prompts, new, repeats, chunk=0):
+  """(first call s, median of the rest s, guidance bytes per token, window paces). No rollout
+  is kept alive past its own call: at capacity its host guidance (347 MB a sequence at 8k)
+  would leave the next call short of host memory (session 14: 264 sequences refused, 269 fit).
+  Window paces: for each timed call (the first left out), ms a step between consecutive decode
+  windows' records reaching host memory (bench_rollout's `window_step_ms`; no one-token call
+  subtracted, so the host's per-call work, which moved a one-token call by 0.15 s between
+  processes in session 49, stays out of it); empty without decode windows."""
+  from trace_jax.rollout.engine import window_arrivals
   s = SamplingParams(temperature=1.0)
-  ts = []
+  ts, paces = [], []
   for r in range(repeats + 1):
     t = time.perf_counter()
     out = engine.generate(prompts, n=1, sampling=s, seed=1 + r, max_new_tokens=new)
@@ -62,7 +68,11 @@ def _timed(engine, prompts, new, repeats):
     ts.append(time.perf_counter() - t)
     per_token = out.guidance_bytes_per_token()
     del out
-  return ts[0], _median(ts[1:]), per_token
+    timeline = getattr(engine, "last_timeline", None)
+    if r and chunk and timeline is not None:
+      arrived = window_arrivals(timeline.marks)
+      paces.append([round(1e3 * (b - a) / chunk, 4) for a, b in zip(arrived, arrived[1:])])
+  return ts[0], _median(ts[1:]), per_token, paces
 
 
 def _scope(args):
@@ -231,6 +241,9 @@ def main():
                   help="also write the decode loop's kernels (from the optimized HLO) here, one "
                        "line each: instruction, op, shape, source")
   a = ap.parse_args()
+  # TRACE_JAX_COMPILATION_CACHE: a side that loads the programs another process compiled (and
+  # autotuned) runs that process's kernels
+  compilation_cache.enable()
   cache_new = a.cache_new_tokens or a.new_tokens
   cfg = M.preset(a.preset).replace(num_layers=a.layers, max_seq_len=a.prompt_len + cache_new)
   policy = tq.make_policy(a.policy)
@@ -249,13 +262,16 @@ def main():
       # the last engine: free the bf16 master (61 GB at 48 layers), which a capacity-sized
       # KV cache needs (session 14: 272 x 8k did not fit beside it)
       params = None
-    first, full, per_token = _timed(eng, prompts, a.new_tokens, a.repeats)
-    _, one, _ = _timed(eng, prompts, 1, a.repeats)
+    first, full, per_token, paces = _timed(eng, prompts, a.new_tokens, a.repeats,
+                                           a.decode_chunk)
+    _, one, _, _ = _timed(eng, prompts, 1, a.repeats)
     step_ms = 1e3 * (full - one) / (a.new_tokens - 1)
     key = "guidance_on" if rec else "guidance_off"
     out[key] = {"first_call_s": first, "total_s": full, "prefill_plus_one_s": one,
                 "decode_step_ms": step_ms,
-                "guidance_bytes_per_token": per_token}
+                "window_step_ms_median": (_median([sum(p) / len(p) for p in paces if p])
+                                          if any(paces) else None),
+                "guidance_bytes_per_token": per_token, "window_step_ms": paces}
     print(key, json.dumps(out[key]), flush=True)
     if rec:
       d = tempfile.mkdtemp(prefix="prof_")

@@ -29,7 +29,9 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  compilation_cache.enable()
+  cache = compilation_cache.enable(workdir=FLAGS.workdir)
+  if cache:
+    print(f"compilation cache: {cache}")
   from trace_jax.rl import loop
   try:
     loop.run_sft_only(FLAGS.config, FLAGS.workdir)

@@ -34,8 +34,10 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  compilation_cache.enable()
   distributed.initialize()  # a no-op for one process
+  cache = compilation_cache.enable(workdir=FLAGS.workdir)
+  if cache:
+    print(f"compilation cache: {cache}")
   from trace_jax.rl import loop
   try:
     loop.run(FLAGS.config, FLAGS.workdir)

@@ -41,3 +41,29 @@ def test_off_without_a_path(monkeypatch):
   from trace_jax import compilation_cache
   monkeypatch.delenv(compilation_cache.ENV, raising=False)
   assert compilation_cache.enable("") is None
+
+
+def test_workdir_default_on_gpu_only(tmp_path, monkeypatch):
+  """Unset anywhere, a run's workdir holds the cache on a GPU (every program stored), and
+  nothing is cached elsewhere; the flag's '' or the environment's directory still decide."""
+  import jax
+  from trace_jax import compilation_cache
+  monkeypatch.delenv(compilation_cache.ENV, raising=False)
+  saved = (jax.config.jax_compilation_cache_dir,
+           jax.config.jax_persistent_cache_min_compile_time_secs)
+  try:
+    wd = str(tmp_path / "run")
+    assert compilation_cache.enable(workdir=wd, platform="cpu") is None
+    assert compilation_cache.enable(workdir=None, platform="gpu") is None
+    assert compilation_cache.enable("", workdir=wd, platform="gpu") is None
+    got = compilation_cache.enable(workdir=wd, platform="gpu")
+    assert got == os.path.join(wd, "xla_cache") and os.path.isdir(got)
+    assert jax.config.jax_compilation_cache_dir == got
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    other = str(tmp_path / "elsewhere")
+    monkeypatch.setenv(compilation_cache.ENV, other)
+    assert compilation_cache.enable(workdir=wd, platform="gpu") == other
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+  finally:
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])

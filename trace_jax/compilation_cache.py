@@ -3,7 +3,14 @@ benchmark row) loads its compiled programs from disk instead of compiling them a
 30B-A3B rollout program took 2 minutes to compile on the H200; 48 layers take several times that.
 
 Flag `--compilation_cache` (or environment TRACE_JAX_COMPILATION_CACHE): a directory, shared by
-the hosts of a multi-host run if they share a filesystem; "" (the default) leaves caching off.
+the hosts of a multi-host run if they share a filesystem; "" leaves caching off. Unset, a run
+with a workdir on a GPU caches in WORKDIR/xla_cache (`enable(workdir=...)`), every program: on
+the GPU the numbers a program gives depend on the kernels XLA's autotuner picked when it
+compiled, and two processes may pick differently (session 49, the 4-layer rollout at B 255 on an
+H100: every process repeated its own tokens and logprobs bit for bit, a process that loaded
+another's programs repeated that one's, and freshly compiling processes differed in logprobs,
+at 512 tokens in tokens too). A resumed run then runs the killed run's programs. Elsewhere
+(CPU) unset means off.
 """
 
 from __future__ import annotations
@@ -20,18 +27,26 @@ def define_flags() -> None:
   if "compilation_cache" in flags.FLAGS:
     return
   flags.DEFINE_string("compilation_cache", None,
-                      f"Directory of the persistent XLA compilation cache (default: ${ENV}, "
-                      "else off).")
+                      f"Directory of the persistent XLA compilation cache (default: ${ENV}; "
+                      "else, for a run with a workdir on a GPU, WORKDIR/xla_cache, which makes "
+                      "a resumed run repeat the killed one's numbers; else off). '' turns it "
+                      "off.")
 
 
-def enable(path: str | None = None, min_compile_secs: float = 1.0) -> str | None:
+def enable(path: str | None = None, min_compile_secs: float = 1.0, *,
+           workdir: str | None = None, platform: str | None = None) -> str | None:
   """Turn the cache on at `path` (default: the flag, then the environment). Returns the
   directory in use, or None when caching stays off. Programs that compile faster than
-  `min_compile_secs` are not stored."""
+  `min_compile_secs` are not stored. With no directory given anywhere and a `workdir` on a GPU
+  (`platform`, default the default backend: call after `distributed.initialize`), the cache is
+  WORKDIR/xla_cache and stores every program."""
   if path is None:
     path = flags.FLAGS.compilation_cache if ("compilation_cache" in flags.FLAGS
                                              and flags.FLAGS.is_parsed()) else None
-  path = path if path is not None else os.environ.get(ENV, "")
+  path = path if path is not None else os.environ.get(ENV)
+  if path is None and workdir:
+    if (platform or jax.default_backend()) == "gpu":
+      path, min_compile_secs = os.path.join(workdir, "xla_cache"), 0.0
   if not path:
     return None
   path = os.path.abspath(os.path.expanduser(path))

@@ -84,7 +84,10 @@ def tables_total(tables):
 # stream complete, its stores visible), which makes Mosaic launch it with programmatic stream
 # serialization: it may be launched, its CTAs placed and its barriers set up while the previous
 # kernel's last CTAs still run. "early": also `griddepcontrol.launch_dependents` first, so the
-# kernel after it (if launched so) may be launched as soon as this one starts.
+# kernel after it (if launched so) may be launched as soon as this one starts. Measured in
+# session 49 (H100, the 4-layer step at B 255 under command buffers, window paces, two
+# processes a side): off 1.748 / 1.840 ms a step, early 1.758 / 1.842, no gain; GPU tests pass
+# under early (benchmarks/results/session49_h100_2026-12-06). Stays off.
 PDL_MODES = ("off", "wait", "early")
 PDL = choice_setting("TRACE_JAX_PDL", "off", PDL_MODES)
 
