@@ -20,6 +20,15 @@ if [ "${stage%_inner}" != "$stage" ]; then stage=${stage%_inner}; inner=1; else 
 [ $inner = 1 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94
+# SHARED_CACHE=1: every process of the call uses one compilation cache (/tmp/xla_cache_shared;
+# a stage's own TRACE_JAX_COMPILATION_CACHE wins), and with it XLA's per-fusion autotuning
+# results, so that the sides of an A/B run the same XLA kernels where their fusions agree
+# (session 49: freshly compiling processes differ in logprobs, likely by autotuned picks, and
+# session 46 saw the o projection's pick move a 4-layer step by ~15 us). Scripts that read it:
+# profile_decode.py, rollout_repeats.py, launch/bench_rollout.py. Prepared in session 49, not run
+if [ -n "${SHARED_CACHE:-}" ]; then
+  export TRACE_JAX_COMPILATION_CACHE=${TRACE_JAX_COMPILATION_CACHE:-/tmp/xla_cache_shared}
+fi
 # nvidia-smi samples every 250 ms into $OUT/smi_NAME.csv while a command runs, then their
 # summary (benchmarks/gpu_clocks.py: SM clock, power, temperature and clock event reasons over
 # the busy samples; JSON smi_NAME.json): NAME COMMAND...
