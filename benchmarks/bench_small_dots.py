@@ -99,10 +99,12 @@ def _hopper_variants(rows: int) -> dict:
 
 
 # (rows a chunk, compute warpgroups of 64 columns, 64-wide K tiles a step, K splits) of the
-# `mgpu_bm*` rows: wgmma N 128 / 256 with the weight read once or twice at 256 rows
+# `mgpu_bm*` rows: wgmma N 128 / 256 with the weight read once or twice at 256 rows. (128, 2,
+# *, 4) (session 49, not run yet): o's 32 column tiles x chunks times 4 K parts fill 128 of the
+# 132 SMs, where 2 parts left half of them idle and XLA's cuBLAS launch runs 32 CTAs
 DENSE_LAUNCHES = [(256, 2, 1, 1), (256, 2, 1, 2), (256, 2, 1, 4), (256, 1, 1, 1),
                   (256, 1, 1, 2), (128, 2, 1, 1), (128, 2, 1, 2), (128, 1, 1, 1),
-                  (128, 2, 2, 1)]
+                  (128, 2, 2, 1), (128, 2, 1, 4), (128, 2, 2, 4)]
 
 
 # Launches of the `mgpu_cluster_*` rows (`bf16_mgpu.cluster_matmul`: the K parts added through

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b | s49c), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -871,6 +871,26 @@ elif [ "$stage" = s46a ]; then
     set -- ${side/:/ }
     TRACE_JAX_O_PROJ_OUT=$1 TRACE_JAX_NORM_ROWS=$2 STEP_BATCH=255 step_4l o_proj_$1_rows_$2 \
       "o_proj\|attn/pad\|input_norm" "o_proj $1, rows $2"
+  done
+elif [ "$stage" = s49c ]; then
+  # (session 49, prepared, not run) the bf16 o projection with K in 4 parts
+  # (`bf16_mgpu.ksplit_launch`, TRACE_JAX_BF16_DENSE_KSPLIT=on: 128 CTAs where the default
+  # launch and XLA's cuBLAS GEMM run 32): the dense kernel's GPU tests (the 4-part case
+  # included), bench_small_dots' o and q/k/v rows at 256 rows (XLA, 2 and 4 parts), then the
+  # 4-layer step at B 255 with command buffers on, off / on twice (KSPLIT_SIDES), each its own
+  # process, all with one compilation cache (SHARED_CACHE: XLA's autotuned picks shared), timed
+  # by window paces over 512 tokens
+  gpu_tests tests/kernels/test_kernels_gpu.py "bf16_dense_rows" dense ${TEST_TIMEOUT:-120}
+  timeout -k 5 ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_small_dots.py --rows 256 \
+    --products qkv,o --only "^xla$|^mgpu_bm128_wg2_kb2_s1$|^mgpu_bm128_wg2_kb1_s2$|_s4$" \
+    --out $OUT/bench_small_dots.json 2>&1 | grep -v "^I1\|^W1" | grep "_r256\|rror" | cut -c1-110
+  export TRACE_JAX_COMPILATION_CACHE=${TRACE_JAX_COMPILATION_CACHE:-/tmp/xla_cache_shared}
+  n=0
+  for side in ${KSPLIT_SIDES:-off on off on}; do
+    n=$((n + 1))
+    TRACE_JAX_BF16_DENSE_KSPLIT=$side cap_shape_profile 4 255 paper ${PROF_TIMEOUT:-150} \
+      --repeats 3 --new_tokens 512 --out $OUT/profile_cap_4l_b255_ksplit_${side}_$n.json \
+      | grep "guidance_on\|sha256\|Error" | cut -c1-320 | sed "s/^/[$n: ksplit $side] /"
   done
 elif [ "$stage" = s49b ]; then
   # (session 49) s49a's question within a process: the 4-layer rollout at B 255 (prompt 512,

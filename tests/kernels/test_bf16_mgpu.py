@@ -126,12 +126,12 @@ def test_dense_wrapper_equals_a_product(bm, splits):
 
 
 def test_dense_lowers_for_cuda():
-  """128- and 256-row chunks (wgmma N 128 / 256, 2 warpgroups, one 64-wide K tile a step) at
-  the 30B-A3B q/k/v and o shapes, 256 rows."""
+  """128- and 256-row chunks (wgmma N 128 / 256, 2 warpgroups, one 64-wide K tile a step), K
+  in 1, 2 or 4 parts, at the 30B-A3B q/k/v and o shapes, 256 rows."""
   pytest.importorskip("jax_cuda13_plugin")
   sds = jax.ShapeDtypeStruct
   for k, n in ((2048, 5120), (4096, 2048)):
-    for bm, splits in ((256, 1), (128, 2)):
+    for bm, splits in ((256, 1), (128, 2), (128, 4)):  # (128, 4): `ksplit_launch` at o
       jax.jit(functools.partial(bf16_mgpu.dense_matmul, bm=bm, wgs=2, kb=1, splits=splits)
               ).trace(sds((256, k), jnp.bfloat16), sds((k, n), jnp.bfloat16)).lower(
                   lowering_platforms=("cuda",))
@@ -203,6 +203,37 @@ def test_dense_dispatch(monkeypatch):
   wide = jnp.zeros((K, bf16_mgpu.DENSE_MAX_N + 128), jnp.bfloat16)  # an lm_head: untimed, XLA
   dispatch.matmul(x, wide, jnp.float32)
   assert len(calls) == 1
+
+
+def test_ksplit_dispatch(monkeypatch):
+  """With TRACE_JAX_BF16_DENSE_KSPLIT=on, a product with too few CTAs for the default launch
+  (255 rows x N 1024: 8 column tiles x 2 chunks) goes through `dense_matmul` (around the
+  kernel's jnp model) with K in the most parts that fit one wave (8: 128 CTAs) and equals the
+  product; off (the default), XLA's dot. At the o projection's shape the rule takes 4 parts
+  (32 CTAs: 8 parts would be 256), and none where no part count reaches DENSE_MIN_CTAS."""
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "BF16_DENSE", "kernel")
+  monkeypatch.setattr(bf16_mgpu, "DENSE_CLUSTER", "off")
+  calls = []
+
+  def model(*args, **kw):
+    calls.append((args[0].shape, kw["bm"], kw["wgs"], kw["kb"], kw["splits"], kw["rows"]))
+    return bf16_mgpu.emulate_chunked_matmul(*args, **kw)
+
+  monkeypatch.setattr(bf16_mgpu, "bf16_chunked_matmul", model)
+  rng = np.random.default_rng(9)
+  w = jnp.asarray(rng.standard_normal((512, 1024)) * 0.05, jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((255, 1, 512)), jnp.bfloat16)
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  for setting, n_calls in (("off", 0), ("on", 1)):
+    monkeypatch.setattr(bf16_mgpu, "DENSE_KSPLIT", setting)
+    jax.clear_caches()  # (read when the call is traced)
+    got = dispatch.matmul(x, w, jnp.bfloat16)
+    assert got.shape == (255, 1, 1024) and len(calls) == n_calls, setting
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7, atol=1e-3)
+  assert calls == [((256, 512), 128, 2, 1, 8, 255)]
+  assert bf16_mgpu.ksplit_launch(255, 4096, 2048) == dict(bm=128, wgs=2, kb=1, splits=4)
+  assert bf16_mgpu.ksplit_launch(255, 512, 256) is None  # 4 CTAs: 32 at most
 
 
 def test_cluster_dispatch(monkeypatch):

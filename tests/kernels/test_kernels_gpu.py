@@ -287,7 +287,8 @@ def test_bf16_grouped_ragged():
 
 
 @pytest.mark.parametrize("mode,rows", [("chunks", 200), ("exact", 200), ("exact", 255)])
-@pytest.mark.parametrize("bm,wgs,kb,splits", [(256, 2, 1, 1), (128, 1, 1, 2), (128, 2, 2, 1)])
+@pytest.mark.parametrize("bm,wgs,kb,splits", [(256, 2, 1, 1), (128, 1, 1, 2), (128, 2, 2, 1),
+                                               (128, 2, 1, 4)])  # the last: `ksplit_launch`'s
 def test_bf16_dense_rows_chunks(bm, wgs, kb, splits, mode, rows):
   """The bf16 kernel with 128 / 256 rows a chunk (`bf16_mgpu.dense_matmul`), K 512, N 640,
   against the float32 reference: 200 rows, a partial chunk (`DENSE_ROWS` "chunks": padded to

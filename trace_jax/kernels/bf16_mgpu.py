@@ -194,6 +194,16 @@ DENSE_LAUNCH = dict(bm=128, wgs=2, kb=2, splits=1)
 DENSE_ROWS = choice_setting("TRACE_JAX_BF16_DENSE_ROWS", "exact", ("chunks", "exact"))
 DENSE_MIN_CTAS = 64
 DENSE_MAX_N = 8192  # past the attention projections' widths (the lm_head's 151,936): untimed
+# Products with too few CTAs for `DENSE_LAUNCH` (the o projection at 255 rows: 16 column tiles
+# x 2 chunks = 32 CTAs on 132 SMs, which XLA's cuBLAS launch also runs) with K split in as many
+# parts of `DENSE_KSPLIT_LAUNCH` as fit the SMs in one wave (o: 4 parts, 128 CTAs), their
+# float32 parts added by XLA in the convert the bf16 output takes anyway ("on", opt-in), or left
+# to XLA / `cluster_matmul` ("off", the default). Session 32 timed only 2 parts with 128-row
+# chunks (17.70 us at o on the H200 against XLA's 17.47: 64 CTAs); 4 parts are the
+# bench_small_dots rows `mgpu_bm128_wg2_kb{1,2}_s4` (session 49: prepared, not run)
+DENSE_KSPLIT = choice_setting("TRACE_JAX_BF16_DENSE_KSPLIT", "off", ("off", "on"))
+DENSE_KSPLIT_LAUNCH = dict(bm=128, wgs=2, kb=1)
+KSPLIT_PARTS = (2, 4, 8)
 
 
 def dense_launch(rows: int, k: int, n: int) -> dict | None:
@@ -205,8 +215,22 @@ def dense_launch(rows: int, k: int, n: int) -> dict | None:
   if not 128 < rows <= 256 or k % (64 * c["kb"]) or n % (64 * c["wgs"]) or n > DENSE_MAX_N:
     return None
   if n // (64 * c["wgs"]) * -(-rows // c["bm"]) < DENSE_MIN_CTAS:
-    return None
+    return ksplit_launch(rows, k, n)
   return dict(c)
+
+
+def ksplit_launch(rows: int, k: int, n: int) -> dict | None:
+  """With `DENSE_KSPLIT` on, `DENSE_KSPLIT_LAUNCH` with the most K parts (`KSPLIT_PARTS`) whose
+  CTAs (column tiles x chunks x parts) fit the SMs in one wave and reach DENSE_MIN_CTAS, each
+  part whole K tiles; else None."""
+  c = DENSE_KSPLIT_LAUNCH
+  if DENSE_KSPLIT != "on" or n % (64 * c["wgs"]):
+    return None
+  ctas = n // (64 * c["wgs"]) * -(-rows // c["bm"])
+  fits = [p for p in KSPLIT_PARTS if ctas * p <= F.NUM_SMS and k % (64 * c["kb"] * p) == 0]
+  if not fits or ctas * max(fits) < DENSE_MIN_CTAS:
+    return None
+  return dict(c, splits=max(fits))
 
 
 def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, splits: int = 1,
@@ -218,8 +242,9 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, spli
   kernel_fn: the kernel's stand-in (`emulate_chunked_matmul` in CPU tests). The engine's path
   on the GPU (`dispatch.BF16_DENSE`, TRACE_JAX_BF16_DENSE=xla opts out), where `dense_launch`
   gives a launch; at 256 rows no launch beat XLA's dot for o 4096 x 2048 (17.47 us; best
-  17.70). exact_rows: `DENSE_ROWS` "exact" (None: the setting). rows: the product's rows where
-  x holds more (`layout.PaddedRows`: a multiple of 8, so no pad is left to do): `[rows, N]`."""
+  17.70; 4 K parts untimed, `ksplit_launch`). exact_rows: `DENSE_ROWS` "exact" (None: the
+  setting). rows: the product's rows where x holds more (`layout.PaddedRows`: a multiple of 8,
+  so no pad is left to do): `[rows, N]`."""
   k = x.shape[1]
   part = jnp.float32 if splits > 1 else out_dtype
   stages = dense_stages(bm, kb, wgs, k // (64 * kb) // splits, part)
