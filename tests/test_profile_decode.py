@@ -56,3 +56,25 @@ def test_prefill_and_decode_loop_kernels_apart(tmp_path, profile_decode):
       "Transformer/layers_#/attn/prefill": pytest.approx(0.5)}
   # all programs together, spread over the steps
   assert out["device_kernel_ms_per_step"] == pytest.approx((1500 + 4 * 35) / steps / 1e3)
+
+
+def test_window_paces_of_the_timed_calls(profile_decode):
+  """`_timed`'s window paces: for each call after the first, ms a step between consecutive
+  windows' records reaching the host (other marks ignored), from the engine's timeline."""
+  import types
+
+  class Engine:
+    calls = 0
+
+    def generate(self, prompts, **kw):
+      Engine.calls += 1
+      t0 = 0.1 * Engine.calls  # each call's marks its own
+      self.last_timeline = types.SimpleNamespace(marks=[
+          ("prefill launched", 0.0), ("window 0 records", t0), ("window 1 records", t0 + 0.2),
+          ("window 1 launched", t0 + 0.25), ("window 2 records", t0 + 0.5)])
+      return types.SimpleNamespace(tokens=[0], guidance_bytes_per_token=lambda: 8.0)
+
+  first, med, per_token, paces = profile_decode._timed(Engine(), [[1]], 300, 2, chunk=100)
+  assert Engine.calls == 3 and per_token == 8.0 and first >= 0 and med >= 0
+  assert paces == [[2.0, 3.0], [2.0, 3.0]]  # the first call's left out
+  assert profile_decode._timed(Engine(), [[1]], 1, 1)[3] == []  # no chunk: no paces
