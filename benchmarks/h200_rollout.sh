@@ -886,12 +886,14 @@ elif [ "$stage" = s49d ]; then
 elif [ "$stage" = s49c ]; then
   # (session 49, prepared, not run) the bf16 o projection with K in 4 parts
   # (`bf16_mgpu.ksplit_launch`, TRACE_JAX_BF16_DENSE_KSPLIT=on: 128 CTAs where the default
-  # launch and XLA's cuBLAS GEMM run 32): the dense kernel's GPU tests (the 4-part case
+  # launch and XLA's cuBLAS GEMM run 32; the parts added by the add + norm kernel, no convert
+  # kernel): the dense kernel's and the add + norm kernel's GPU tests (the 4-part cases
   # included), bench_small_dots' o and q/k/v rows at 256 rows (XLA, 2 and 4 parts), then the
   # 4-layer step at B 255 with command buffers on, off / on twice (KSPLIT_SIDES), each its own
   # process, all with one compilation cache (SHARED_CACHE: XLA's autotuned picks shared), timed
   # by window paces over 512 tokens
-  gpu_tests tests/kernels/test_kernels_gpu.py "bf16_dense_rows" dense ${TEST_TIMEOUT:-120}
+  gpu_tests "tests/kernels/test_kernels_gpu.py tests/kernels/test_add_norm.py" \
+    "bf16_dense_rows or agrees_with_model_ops" dense ${TEST_TIMEOUT:-120}
   timeout -k 5 ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_small_dots.py --rows 256 \
     --products qkv,o --only "^xla$|^mgpu_bm128_wg2_kb2_s1$|^mgpu_bm128_wg2_kb1_s2$|_s4$" \
     --out $OUT/bench_small_dots.json 2>&1 | grep -v "^I1\|^W1" | grep "_r256\|rror" | cut -c1-110

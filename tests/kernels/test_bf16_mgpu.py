@@ -11,6 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from trace_jax import kernels
 from trace_jax.kernels import bf16_mgpu, dispatch, reference
 
 E, K, N = 6, 256, 512  # K: 2 pipeline steps (a K split of 2 is possible); N: 2 column tiles
@@ -232,8 +233,16 @@ def test_ksplit_dispatch(monkeypatch):
     assert got.shape == (255, 1, 1024) and len(calls) == n_calls, setting
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7, atol=1e-3)
   assert calls == [((256, 512), 128, 2, 1, 8, 255)]
+  # keep_parts (the o projection's): the 8 float32 parts unadded, their value the output above
+  parts = dispatch.matmul(x, w, jnp.bfloat16, keep_parts=True)
+  assert isinstance(parts, kernels.KParts) and parts.parts.shape == (8, 255, 1, 1024)
+  np.testing.assert_array_equal(np.asarray(parts.value(jnp.bfloat16)).view(np.uint16),
+                                np.asarray(got).view(np.uint16))
   assert bf16_mgpu.ksplit_launch(255, 4096, 2048) == dict(bm=128, wgs=2, kb=1, splits=4)
   assert bf16_mgpu.ksplit_launch(255, 512, 256) is None  # 4 CTAs: 32 at most
+  monkeypatch.setattr(bf16_mgpu, "DENSE_KSPLIT", "off")
+  jax.clear_caches()
+  assert not isinstance(dispatch.matmul(x, w, jnp.bfloat16, keep_parts=True), kernels.KParts)
 
 
 def test_cluster_dispatch(monkeypatch):

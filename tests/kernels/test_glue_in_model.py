@@ -119,3 +119,44 @@ def test_expert_input_kernels_in_model_on_gpu(monkeypatch):
   want = run()
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_o_projection_k_parts_through_the_add_norm_kernel(monkeypatch):
+  """The decode step's o projection as float32 K parts (`kernels.KParts`, as the bf16 dense
+  kernel leaves them with `TRACE_JAX_BF16_DENSE_KSPLIT=on`; here its jnp model, 4 parts):
+  the add + norm kernel (interpret mode) adding them gives the logits, records and cache of the
+  model's own ops adding them (`KParts.value`), bit for bit; the kernel saw the parts after
+  attention in every decode step; the prompt's rows take no parts (the rule's 129-256 rows)."""
+  from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415
+  cfg = M.tiny(num_layers=2, head_dim=64, dtype="bfloat16")  # o: K 256 in 4 parts, N 64
+  policy = tq.make_policy("paper", "nvfp4", guided_layers=1.0)
+  params = M.quantize_params(M.init_params(cfg, jax.random.key(0)), policy)
+  ctx = M.QuantContext(policy, "rollout", record_guidance=True)
+  matmul = kernels.matmul
+
+  def with_parts(x, w, out_dtype=None, *, keep_parts=False, **kw):
+    if not keep_parts or x.shape[1] != 1:  # a decode step's rows only
+      return matmul(x, w, out_dtype, **kw)
+    y = bf16_mgpu.dense_matmul(x.reshape(-1, x.shape[-1]), w, bm=128, wgs=1, kb=1, splits=4,
+                               kernel_fn=bf16_mgpu.emulate_chunked_matmul, keep_parts=True)
+    return kernels.KParts(y.parts.reshape(4, *x.shape[:-1], -1))
+
+  monkeypatch.setattr(kernels, "matmul", with_parts)
+  seen = []
+
+  def kernel(x, h, scale, eps):
+    seen.append(type(h).__name__)
+    return add_norm.add_rms_norm(x, h, scale, eps, interpret=True)
+
+  run = functools.partial(prompt_and_steps, params, cfg, ctx, 2)
+  monkeypatch.setattr(kernels, "add_rms_norm", lambda *a: None)  # the model's ops
+  jax.clear_caches()
+  want = run()
+  monkeypatch.setattr(kernels, "add_rms_norm", kernel)
+  jax.clear_caches()
+  got = run()
+  # the decode step traced once: each layer's post-attention norm takes the parts, the norms
+  # after its MLP (the next layer's input norm, the final norm) an array
+  assert [name == "KParts" for name in seen] == [True, False] * cfg.num_layers
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

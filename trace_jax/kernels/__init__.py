@@ -50,11 +50,11 @@ from trace_jax.kernels.dispatch import (add_rms_norm, append_kv,
                                         prefill_attention, quantize_rows,
                                         quantize_rows_to_operand, route, router_gates,
                                         sort_by_group, swiglu_quantize_rows, topk_gates)
-from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, PaddedRows,
+from trace_jax.kernels.layout import (ChunkRows, KParts, OperandRows, PackedWeight, PaddedRows,
                                       decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
 
-__all__ = ["ChunkRows", "OperandRows", "PackedWeight", "PaddedRows", "add_rms_norm",
+__all__ = ["ChunkRows", "KParts", "OperandRows", "PackedWeight", "PaddedRows", "add_rms_norm",
            "append_kv", "attention",
            "combine_add_rms_norm", "combine_in_kernel", "count_by_group", "decode_attention",
            "decode_qkv",

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from trace_jax.kernels import fp4_mgpu as F
+from trace_jax.kernels import layout as L
 from trace_jax.settings import choice_setting
 
 KB = 2  # 64-wide K tiles per pipeline step: 64 KB of weights per step with 4 warpgroups
@@ -196,9 +197,11 @@ DENSE_MIN_CTAS = 64
 DENSE_MAX_N = 8192  # past the attention projections' widths (the lm_head's 151,936): untimed
 # Products with too few CTAs for `DENSE_LAUNCH` (the o projection at 255 rows: 16 column tiles
 # x 2 chunks = 32 CTAs on 132 SMs, which XLA's cuBLAS launch also runs) with K split in as many
-# parts of `DENSE_KSPLIT_LAUNCH` as fit the SMs in one wave (o: 4 parts, 128 CTAs), their
-# float32 parts added by XLA in the convert the bf16 output takes anyway ("on", opt-in), or left
-# to XLA / `cluster_matmul` ("off", the default). Session 32 timed only 2 parts with 128-row
+# parts of `DENSE_KSPLIT_LAUNCH` as fit the SMs in one wave (o: 4 parts, 128 CTAs) ("on",
+# opt-in), or left to XLA / `cluster_matmul` ("off", the default). The float32 parts: for the o
+# projection of a decode step left unadded (`layout.KParts`) for the add + norm kernel after it,
+# which adds them instead of XLA's convert kernel (one kernel a layer fewer); elsewhere added by
+# XLA in the convert the bf16 output takes anyway. Session 32 timed only 2 parts with 128-row
 # chunks (17.70 us at o on the H200 against XLA's 17.47: 64 CTAs); 4 parts are the
 # bench_small_dots rows `mgpu_bm128_wg2_kb{1,2}_s4` (session 49: prepared, not run)
 DENSE_KSPLIT = choice_setting("TRACE_JAX_BF16_DENSE_KSPLIT", "off", ("off", "on"))
@@ -235,7 +238,7 @@ def ksplit_launch(rows: int, k: int, n: int) -> dict | None:
 
 def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, splits: int = 1,
                  out_dtype=jnp.bfloat16, kernel_fn=None, exact_rows: bool | None = None,
-                 rows: int | None = None):
+                 rows: int | None = None, keep_parts: bool = False):
   """x [M, K] @ bf16 w [K, N] through this kernel with the rows as chunks of bm (128 / 256:
   one or two chunks at decode batches, so the weight is read once or twice): a CTA computes
   64 * wgs columns of a chunk over a K part (splits > 1: float32 parts added by XLA).
@@ -244,7 +247,8 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, spli
   gives a launch; at 256 rows no launch beat XLA's dot for o 4096 x 2048 (17.47 us; best
   17.70; 4 K parts untimed, `ksplit_launch`). exact_rows: `DENSE_ROWS` "exact" (None: the
   setting). rows: the product's rows where x holds more (`layout.PaddedRows`: a multiple of 8,
-  so no pad is left to do): `[rows, N]`."""
+  so no pad is left to do): `[rows, N]`. keep_parts: with splits > 1, the float32 parts
+  unadded (`layout.KParts`, `[splits, rows, N]`)."""
   k = x.shape[1]
   part = jnp.float32 if splits > 1 else out_dtype
   stages = dense_stages(bm, kb, wgs, k // (64 * kb) // splits, part)
@@ -261,7 +265,9 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, bm: int, wgs: int, kb: int, spli
   out = (kernel_fn or bf16_chunked_matmul)(
       xc, w[None], None, None, bm=bm, stages=stages, splits=splits, out_dtype=part, wgs=wgs,
       kb=kb, rows=m if exact_rows else None)[:, :m]
-  return (out[0] if splits == 1 else jnp.sum(out, axis=0)).astype(out_dtype)
+  if splits == 1:
+    return out[0].astype(out_dtype)
+  return L.KParts(out) if keep_parts else L.sum_parts(out).astype(out_dtype)
 
 
 def emulate_chunked_matmul(xc, w, chunk_expert, chunk_row, *, bm: int, splits: int = 1,

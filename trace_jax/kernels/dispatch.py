@@ -75,7 +75,7 @@ from trace_jax import quant as tq
 # fp4_mgpu imports no Pallas at module level (its kernels import Mosaic when they trace)
 from trace_jax.kernels import attention_ref, fp4_mgpu, reference
 from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
-from trace_jax.kernels.layout import (ChunkRows, OperandRows, PackedWeight, PaddedRows,
+from trace_jax.kernels.layout import (ChunkRows, KParts, OperandRows, PackedWeight, PaddedRows,
                                       decode_parts, prepare_weight)
 from trace_jax.settings import choice_setting as _setting, int_setting
 from trace_jax.quant import QArray
@@ -288,15 +288,16 @@ def xla_matmul(x, parts, out_dtype) -> jax.Array:
   return (y if factor is None else y * factor).astype(out_dtype)
 
 
-def _bf16_dense(x, w, out_dtype, rows: int | None = None):
+def _bf16_dense(x, w, out_dtype, rows: int | None = None, keep_parts: bool = False):
   """`x [R, K] @ w` (bf16 [K, N]) through `bf16_mgpu.dense_matmul` where its launch rule
   (`bf16_mgpu.dense_launch`) takes the shape, else `bf16_mgpu.cluster_matmul` where
   `bf16_mgpu.cluster_launch` does, else None: `[rows, N]` (rows: the product's
-  rows where x holds more, `PaddedRows`; None: all R)."""
+  rows where x holds more, `PaddedRows`; None: all R), or `KParts` (keep_parts, a K split)."""
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   launch = bf16_mgpu.dense_launch(rows or x.shape[0], *w.shape)
   if launch is not None:
-    return _dense_bf16_call(x, w, out_dtype=out_dtype, rows=rows, **launch)
+    return _dense_bf16_call(x, w, out_dtype=out_dtype, rows=rows,
+                            keep_parts=keep_parts and launch["splits"] > 1, **launch)
   launch = bf16_mgpu.cluster_launch(rows or x.shape[0], *w.shape)
   if launch is None:
     return None
@@ -314,11 +315,11 @@ def _cluster_bf16_call(x, w, *, out_dtype, splits, wgs, kb, bm, rows):
                                   out_dtype=out_dtype)
 
 
-@_lowered_once("out_dtype", "bm", "wgs", "kb", "splits", "rows")
-def _dense_bf16_call(x, w, *, out_dtype, bm, wgs, kb, splits, rows):
+@_lowered_once("out_dtype", "bm", "wgs", "kb", "splits", "rows", "keep_parts")
+def _dense_bf16_call(x, w, *, out_dtype, bm, wgs, kb, splits, rows, keep_parts):
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   return bf16_mgpu.dense_matmul(x, w, bm=bm, wgs=wgs, kb=kb, splits=splits,
-                                out_dtype=out_dtype, rows=rows)
+                                out_dtype=out_dtype, rows=rows, keep_parts=keep_parts)
 
 
 def float32_dot(x, w) -> jax.Array:
@@ -400,9 +401,12 @@ def _out_dtype(x, out_dtype):
   return out_dtype or (x.dtype if isinstance(x, jax.Array) else jnp.bfloat16)
 
 
-def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None) -> jax.Array:
+def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None,
+           keep_parts: bool = False) -> jax.Array | KParts:
   """`x @ w`; w `[K, N]` array, FP4 `QArray` (blocks along K) or `PackedWeight`; x may be
-  `PaddedRows` (the bf16 dense kernel then reads its padded rows, others its value)."""
+  `PaddedRows` (the bf16 dense kernel then reads its padded rows, others its value).
+  keep_parts: where the bf16 dense kernel splits K (`bf16_mgpu.ksplit_launch`), its float32
+  parts unadded (`KParts`, `[S, ..., N]`), for a reader that adds them itself."""
   padded = x if isinstance(x, PaddedRows) else None
   if padded is not None:
     x = padded.value()  # (a slice, dead where the dense kernel takes the padded rows)
@@ -410,7 +414,9 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None)
     if BF16_DENSE == "kernel" and parts[1] is None:
       rows2d = x.reshape(-1, x.shape[-1]) if padded is None else padded.rows
       y = _bf16_dense(rows2d, parts[0], _out_dtype(x, out_dtype),
-                      rows=None if padded is None else padded.n)
+                      rows=None if padded is None else padded.n, keep_parts=keep_parts)
+      if isinstance(y, KParts):
+        return KParts(y.parts.reshape(y.parts.shape[0], *x.shape[:-1], y.parts.shape[-1]))
       if y is not None:
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return xla_matmul(x, parts, _out_dtype(x, out_dtype))

@@ -158,6 +158,34 @@ class PaddedRows:
     return self.rows[:self.n].reshape(self.shape)
 
 
+def sum_parts(parts) -> jax.Array:
+  """The float32 sum of a product's K parts (the first axis of an array, or a list of a kernel
+  body's tiles), part 0 first, one add at a time: the one order every reader of `KParts`
+  follows (a kernel too), so their sums agree."""
+  acc = parts[0]
+  for i in range(1, len(parts)):
+    acc = acc + parts[i]
+  return acc
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KParts:
+  """A product's float32 partial sums over K parts, `parts [S, ..., N]`, left unadded for the
+  kernel that reads them (the decode step's o projection with `bf16_mgpu.ksplit_launch`, read
+  by the add + norm kernel, which adds them there instead of an XLA convert kernel)."""
+
+  parts: jax.Array
+
+  @property
+  def shape(self) -> tuple:
+    return tuple(self.parts.shape[1:])
+
+  def value(self, dtype) -> jax.Array:
+    """The product in `dtype`: `sum_parts`, rounded once."""
+    return sum_parts(self.parts).astype(dtype)
+
+
 def chunk_row_index(slot, src: int, ok):
   """Inside a kernel body: chunk-row indices `slot` read as `ChunkRows.gather` reads them
   (`jnp.take`'s fill mode: a negative one counts back from `src`, one out of range reads as

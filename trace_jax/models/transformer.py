@@ -66,7 +66,8 @@ class AddRMSNorm(nn.Module):
   """The residual add `x + h` and the RMS norm of the sum (`rms_norm`, the scale named as
   `RMSNorm`'s): in one kernel where `decode` says the call is a decode step's (no derivative is
   taken there) and the kernel takes them: `kernels.add_rms_norm`, or for an MoE's output left
-  in its kernel's rows (`RoutedRows`) `kernels.combine_add_rms_norm`, its weighted sum too.
+  in its kernel's rows (`RoutedRows`) `kernels.combine_add_rms_norm`, its weighted sum too;
+  h may be `kernels.KParts` (the o projection's K parts), added in `KParts.value`'s order.
   pad_rows (the attention's input norm): that kernel may return the norm as
   `kernels.PaddedRows` (opt-in, `kernels.norm_rows_padded`)."""
   eps: float
@@ -84,6 +85,8 @@ class AddRMSNorm(nn.Module):
       return both
     if isinstance(h, RoutedRows):
       h = h.value()
+    if isinstance(h, kernels.KParts):
+      h = h.value(x.dtype)
     x = x + h
     return x, rms_norm(x, scale, self.eps)
 
@@ -101,20 +104,24 @@ def rms_norm(x, scale, eps: float, rnd=None):
 
 class Linear(nn.Module):
   """`x @ kernel (+ bias)`; kernel `[in, out]`, quantized per the context's policy. Operands in
-  `dtype`; the result in `out_dtype` (default `dtype`), accumulated in float32 either way."""
+  `dtype`; the result in `out_dtype` (default `dtype`), accumulated in float32 either way.
+  keep_parts: the result may come as `kernels.KParts` (float32 K parts, unadded) where the
+  product's kernel splits K, for an `AddRMSNorm` that adds them (the o projection)."""
 
   features: int
   ctx: QuantContext
   dtype: Any
   use_bias: bool = False
   out_dtype: Any = None
+  keep_parts: bool = False
 
   @nn.compact
   def __call__(self, x):
     w = _param(self, "kernel", _INIT, (x.shape[-1], self.features))
     w = apply_weight(w, _path(self, "kernel"), self.ctx, self.dtype)
     out_dtype = self.out_dtype or self.dtype
-    y = kernels.matmul(x.astype(self.dtype), w, out_dtype=out_dtype)
+    y = kernels.matmul(x.astype(self.dtype), w, out_dtype=out_dtype,
+                       keep_parts=self.keep_parts and not self.use_bias)
     if self.use_bias:
       y = y + _param(self, "bias", nn.initializers.zeros, (self.features,)).astype(out_dtype)
     return y
@@ -232,7 +239,10 @@ class Attention(nn.Module):
     else:
       o = kernels.attention(q, k, v, allowed, scale, dt)
     o = activation_site(o, "attn/o_in", self.guided, ctx, guidance, records)
-    return Linear(c.hidden_size, ctx, dt, c.attention_bias, name="o_proj")(o), layer
+    # (K parts only where `bf16_mgpu.ksplit_launch` splits the product: the block's
+    # post-attention `AddRMSNorm` adds them)
+    return Linear(c.hidden_size, ctx, dt, c.attention_bias, name="o_proj",
+                  keep_parts=True)(o), layer
 
   def _qk_norm_rope(self, q, k, v, positions):
     """q, k, v `[B, T, heads, hd]` from the projections' outputs: the q/k norms (per the config),
