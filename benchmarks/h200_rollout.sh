@@ -26,9 +26,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTI
 # (session 49: freshly compiling processes differ in logprobs, likely by autotuned picks, and
 # session 46 saw the o projection's pick move a 4-layer step by ~15 us). Scripts that read it:
 # profile_decode.py, rollout_repeats.py, launch/bench_rollout.py. Prepared in session 49, not run
-if [ -n "${SHARED_CACHE:-}" ]; then
+shared_cache() {
   export TRACE_JAX_COMPILATION_CACHE=${TRACE_JAX_COMPILATION_CACHE:-/tmp/xla_cache_shared}
-fi
+}
+[ -z "${SHARED_CACHE:-}" ] || shared_cache
 # nvidia-smi samples every 250 ms into $OUT/smi_NAME.csv while a command runs, then their
 # summary (benchmarks/gpu_clocks.py: SM clock, power, temperature and clock event reasons over
 # the busy samples; JSON smi_NAME.json): NAME COMMAND...
@@ -897,7 +898,7 @@ elif [ "$stage" = s49c ]; then
   timeout -k 5 ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_small_dots.py --rows 256 \
     --products qkv,o --only "^xla$|^mgpu_bm128_wg2_kb2_s1$|^mgpu_bm128_wg2_kb1_s2$|_s4$" \
     --out $OUT/bench_small_dots.json 2>&1 | grep -v "^I1\|^W1" | grep "_r256\|rror" | cut -c1-110
-  export TRACE_JAX_COMPILATION_CACHE=${TRACE_JAX_COMPILATION_CACHE:-/tmp/xla_cache_shared}
+  shared_cache
   n=0
   for side in ${KSPLIT_SIDES:-off on off on}; do
     n=$((n + 1))

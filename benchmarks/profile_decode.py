@@ -58,7 +58,7 @@ def _timed(engine, prompts, new, repeats, chunk=0):
   windows' records reaching host memory (bench_rollout's `window_step_ms`; no one-token call
   subtracted, so the host's per-call work, which moved a one-token call by 0.15 s between
   processes in session 49, stays out of it); empty without decode windows."""
-  from trace_jax.rollout.engine import window_arrivals
+  from trace_jax.rollout.engine import window_step_ms
   s = SamplingParams(temperature=1.0)
   ts, paces = [], []
   for r in range(repeats + 1):
@@ -70,8 +70,7 @@ def _timed(engine, prompts, new, repeats, chunk=0):
     del out
     timeline = getattr(engine, "last_timeline", None)
     if r and chunk and timeline is not None:
-      arrived = window_arrivals(timeline.marks)
-      paces.append([round(1e3 * (b - a) / chunk, 4) for a, b in zip(arrived, arrived[1:])])
+      paces.append([round(p, 4) for p in window_step_ms(timeline.marks, chunk)])
   return ts[0], _median(ts[1:]), per_token, paces
 
 

@@ -232,10 +232,9 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   # prefill and is left out. Unlike decode_step_ms, no one-token call is subtracted.
   window_step_ms = window_floor_ms = []
   if timelines.get(f"new_tokens_{gen_tokens}"):
-    from trace_jax.rollout.engine import window_arrivals
-    arrived = window_arrivals(timelines[f"new_tokens_{gen_tokens}"][-1]["marks"])
+    from trace_jax.rollout.engine import window_step_ms as paces
     chunk = FLAGS.decode_chunk
-    window_step_ms = [1e3 * (b - a) / chunk for a, b in zip(arrived, arrived[1:])]
+    window_step_ms = paces(timelines[f"new_tokens_{gen_tokens}"][-1]["marks"], chunk)
     window_floor_ms = [1e3 * _bytes_floor(config, policy, by_kind, batch,
                                           FLAGS.prompt_len + int((i + 1.5) * chunk))
                        / FLAGS.bandwidth for i in range(len(window_step_ms))]

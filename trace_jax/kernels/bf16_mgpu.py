@@ -213,7 +213,8 @@ def dense_launch(rows: int, k: int, n: int) -> dict | None:
   """`dense_matmul`'s launch for a bf16 product of rows x [K, N], or None where XLA's dot is
   the measured better choice or nothing was measured: 129-256 rows (at 128 XLA's dot took 12.1
   us against 16.3 for 64-row chunks, session 29), at least DENSE_MIN_CTAS CTAs (one per 128
-  columns of each 128-row chunk), N up to DENSE_MAX_N."""
+  columns of each 128-row chunk; fewer: `ksplit_launch`'s K parts, opt-in), N up to
+  DENSE_MAX_N."""
   c = DENSE_LAUNCH
   if not 128 < rows <= 256 or k % (64 * c["kb"]) or n % (64 * c["wgs"]) or n > DENSE_MAX_N:
     return None

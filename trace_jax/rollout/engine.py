@@ -808,6 +808,13 @@ def window_arrivals(marks: list) -> list:
   return [t for what, t in marks if what.startswith("window ") and what.endswith(" records")]
 
 
+def window_step_ms(marks: list, chunk: int) -> list:
+  """The chunked engine's pace, ms a decode step, between each two consecutive windows'
+  records reaching host memory (`window_arrivals`; windows of `chunk` steps)."""
+  arrived = window_arrivals(marks)
+  return [1e3 * (b - a) / chunk for a, b in zip(arrived, arrived[1:])]
+
+
 def _host_guidance_arrays(pre_records, n: int, steps: int) -> tuple[dict, list]:
   """The chunked rollout's final guidance in host memory, `[rows, prompt + steps, ...]` per
   site, shaped from the prefill's records (`n` samples a prompt: rows `i * n + j`), and the
