@@ -46,6 +46,9 @@ def _args():
   ap.add_argument("--max_new", type=int, default=32)
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--cpu_devices", type=int, default=0, help="fake CPU devices (testing)")
+  ap.add_argument("--train_determinism", default="off",
+                  help="rl.deterministic: 'off' (the default train step), 'on' (compiled with "
+                       "XLA's deterministic ops), or 'both': timed each way from the same state")
   return ap.parse_args()
 
 
@@ -151,20 +154,31 @@ def run_setting(preset: str, name: str, policy_name: str) -> dict:
       lambda: eng.generate(prompts, n=A.samples, sampling=sampling, seed=0), A.reps)
   gen = int(np.sum(par.to_host(ro.completion_mask)))
   rewards = (np.arange(ro.num_rows) % 3 == 0).astype(np.float32)
-  cfg = rl.RLConfig(alignment="trace")
-  batch = rl.batch_from_rollout(ro, rewards, A.samples, cfg)
-  if mesh is None:
-    opt, step = rl.learner(train_cfg, policy, cfg, False)
-    place = lambda x: x  # noqa: E731
-  else:
-    opt, step, place = par.sharded_learner(train_cfg, policy, cfg, mesh, False)
-  state = [place(rl.init_state(params, opt))]
+  sides = {"on": [True], "off": [False], "both": [False, True]}[A.train_determinism]
+  train = {}
+  for deterministic in sides:
+    cfg = rl.RLConfig(alignment="trace", deterministic=deterministic)
+    batch = rl.batch_from_rollout(ro, rewards, A.samples, cfg)
+    if mesh is None:
+      opt, step = rl.learner(train_cfg, policy, cfg, False)
+      place = lambda x: x  # noqa: E731
+    else:
+      opt, step, place = par.sharded_learner(train_cfg, policy, cfg, mesh, False)
+    state = [place(rl.init_state(params, opt))]
 
-  def one_step():
-    state[0], m = step(state[0], batch)
-    return m
+    def one_step():
+      state[0], m = step(state[0], batch)
+      return m
 
-  m, train_first, train_times = _timed(one_step, A.reps)
+    m, first, times = _timed(one_step, A.reps)
+    train[deterministic] = (m, first, float(np.median(times)))
+    state[0] = None  # the next side's state is built with this one freed
+  m, train_first, train_s = train[sides[0]]
+  extra = {}
+  if len(train) == 2:
+    extra = {"train_step_s_deterministic_ops": train[True][2],
+             "train_first_call_s_deterministic_ops": train[True][1],
+             "train_deterministic_ops_over_default": train[True][2] / train_s}
   roll_s = float(np.median(roll_times))
   return {
       "devices": s["devices"], "mesh": s["mesh"], "policy": policy.name,
@@ -173,7 +187,8 @@ def run_setting(preset: str, name: str, policy_name: str) -> dict:
       "guidance_bytes_per_rollout": ro.guidance_bytes_per_token() * gen,
       "rollout_first_call_s": roll_first, "rollout_s": roll_s,
       "rollout_tokens_per_s": gen / roll_s,
-      "train_first_call_s": train_first, "train_step_s": float(np.median(train_times)),
+      "train_deterministic": sides[0], **extra,
+      "train_first_call_s": train_first, "train_step_s": train_s,
       "loss": float(jax.device_get(m["loss/total"])),
       "params": train_cfg.num_params(),
   }

@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b | s49c | s49d), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b | s49c | s49d | s50a | s50b | s50c | s50d), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -872,6 +872,64 @@ elif [ "$stage" = s46a ]; then
     set -- ${side/:/ }
     TRACE_JAX_O_PROJ_OUT=$1 TRACE_JAX_NORM_ROWS=$2 STEP_BATCH=255 step_4l o_proj_$1_rows_$2 \
       "o_proj\|attn/pad\|input_norm" "o_proj $1, rows $2"
+  done
+elif [ "$stage" = s50d ]; then
+  # (session 50) after s50c (the cost of XLA's deterministic ops was its scatter expander, 1.41x
+  # at the mid shape): the two gathers whose gradients add repeated rows (the token embedding,
+  # the MoE dispatch) now add them in a fixed order (`kernels.take_rows`), the rest of the train
+  # step's scatters write each place once. Without deterministic ops: s50a's loop runs (off side,
+  # 3 runs and the killed and resumed one), then the mid train step timed with take_rows and with
+  # the plain gather (TRACE_JAX_TAKE_ROWS=plain), each its own process. Ran in session 50 on an
+  # H100: every run repeated every event; the step 0.742 s with take_rows, 0.734 s plain
+  LOOP_SIDES=off LOOP_RUNS=${LOOP_RUNS:-3} bash $0 s50a
+  for gather in repeatable plain; do
+    TRACE_JAX_TAKE_ROWS=$gather timeout -k 5 ${BENCH_TIMEOUT:-150} python3 \
+      benchmarks/train_determinism.py --variants off \
+      --out $OUT/train_determinism_take_rows_$gather.json 2>&1 | grep -v "^I1\|^W1" \
+      | grep "^[a-z_]* {\|rror" | cut -c1-400 | sed "s/^/[take_rows $gather] /"
+  done
+elif [ "$stage" = s50c ]; then
+  # (session 50) s50b measured the deterministic train step 1.46x as long as the plain one at the
+  # mid shape (H100): which XLA option repeats the step, at what cost (train_determinism.py:
+  # each variant's step run 3 times from one state and hashed, then timed). Ran in session 50 on
+  # an H100: off 0.740 s, the scatter expander alone 1.045 s (1.41x), deterministic ops 1.038 s
+  # (1.40x); xla_gpu_deterministic_reductions is no option of this XLA. All hashes equal, also
+  # off's: one step from a fresh optimizer state hides last-bit differences (now --chain)
+  timeout -k 5 ${BENCH_TIMEOUT:-480} python3 benchmarks/train_determinism.py \
+    ${TD_ARGS:-} --out $OUT/train_determinism.json 2>&1 | grep -v "^I1\|^W1" \
+    | grep "^[a-z_]* {\|rror" | cut -c1-400
+elif [ "$stage" = s50b ]; then
+  # (session 50) after s50a: the trainer's programs compiled with deterministic ops
+  # (rl.deterministic, a compile option: the rollout keeps XLA's autotuner; then the default).
+  # s50a's on side with 3 runs, s49d's tests (the train step twice; the loop killed and
+  # resumed), then the cost: bench_parallel's train step at the mid and 4-layer 30B-A3B shapes,
+  # with deterministic ops and without, from the same state in one process. Ran in session 50 on
+  # an H100: every run repeated, the tests passed, the mid step 2.13 s against 1.46 s (1.46x);
+  # the 30B-A3B shape cut by the timeout
+  LOOP_SIDES=on LOOP_RUNS=${LOOP_RUNS:-3} bash $0 s50a
+  TEST_TIMEOUT=${TEST_TIMEOUT:-150} bash $0 s49d
+  timeout -k 5 ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_parallel.py --presets mid,a3b_l4 \
+    --settings 1dev --policies paper --train_determinism both --out $OUT/bench_parallel.json \
+    2>&1 | grep -v "^I1\|^W1" | grep "^mid\|^a3b\|rror" | grep -o \
+    '^[a-z0-9_]* [a-z0-9_]* [a-z0-9_]*\|"train_[a-z_]*": [0-9.e-]*\|rror.*' | paste -sd " "
+elif [ "$stage" = s50a ]; then
+  # (session 50) s49d's failed resume test located: on the H100 the killed and resumed loop's
+  # metrics equalled the uninterrupted one's through step 4 and differed at step 5, in one
+  # process (the same compiled programs), so something computes with timing-dependent sums.
+  # benchmarks/loop_repeats.py, each side its own process: LOOP_RUNS uninterrupted runs and one
+  # killed after 3 steps and resumed, each rollout's and train step's results hashed by step
+  # (the first differing one says where). Sides (LOOP_SIDES): off (rl.deterministic=False, the
+  # default), on (the train step compiled with XLA's deterministic ops), xla_flag (off, but
+  # --xla_gpu_deterministic_ops for every program). Ran in session 50 on an H100 before
+  # `kernels.take_rows`: off parted at the second train step's parameters (run 1 and the resumed
+  # run), xla_flag repeated every event; after it (s50d) off repeated every event
+  for side in ${LOOP_SIDES:-off on xla_flag}; do
+    flags=${XLA_FLAGS:-}; det=on
+    [ $side = off ] && det=off
+    [ $side = xla_flag ] && det=off && flags="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true"
+    XLA_FLAGS=$flags timeout -k 5 ${LOOP_TIMEOUT:-240} python3 benchmarks/loop_repeats.py \
+      --runs ${LOOP_RUNS:-2} --train_determinism $det --out $OUT/loop_repeats_$side.json 2>&1 \
+      | grep -v "^I1\|^W1" | grep "vs run0\|^  {\|rror" | cut -c1-900 | sed "s/^/[$side] /"
   done
 elif [ "$stage" = s49d ]; then
   # (session 49, prepared, not run) the trainer's repeatability on the GPU: two CPU tests run

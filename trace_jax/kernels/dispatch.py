@@ -75,6 +75,7 @@ from trace_jax import quant as tq
 # fp4_mgpu imports no Pallas at module level (its kernels import Mosaic when they trace)
 from trace_jax.kernels import attention_ref, fp4_mgpu, reference
 from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
+from trace_jax.kernels.repeatable_gather import take_rows
 from trace_jax.kernels.layout import (ChunkRows, KParts, OperandRows, PackedWeight, PaddedRows,
                                       decode_parts, prepare_weight)
 from trace_jax.settings import choice_setting as _setting, int_setting
@@ -467,8 +468,8 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     order, inverse = sort_by_group(tables[1])
     rows = order if rows is None else rows[order]
     out_rows = inverse if out_rows is None else inverse[out_rows]
-  if rows is not None:
-    x = x[rows]
+  if rows is not None:  # a token's row repeats once per chosen expert: its gradient adds them
+    x = take_rows(x, rows) if isinstance(x, jax.Array) else x[rows]
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
     y = xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
   else:

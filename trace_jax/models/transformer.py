@@ -636,7 +636,9 @@ class Transformer(nn.Module):
                routes=None, last_logits_only=False):
     c = self.config
     emb = _param(self, "embed/embedding", _INIT, (c.vocab_size, c.hidden_size))
-    x = jnp.take(emb, tokens, axis=0).astype(c.compute_dtype)
+    # (a repeated token's embedding gradient added in a fixed order: `kernels.take_rows`)
+    x = kernels.take_rows(emb, tokens.reshape(-1)).reshape(*tokens.shape, -1)
+    x = x.astype(c.compute_dtype)
     key_mask = token_mask if cache is None else kvc.update_slice(cache.valid, token_mask,
                                                                   cache_index)
     new_layers, chosen, aux, z, records, dropped = [], [], [], [], {}, jnp.int32(0)

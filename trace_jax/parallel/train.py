@@ -32,7 +32,8 @@ def sharded_learner(config: M.ModelConfig, policy: tq.QuantPolicy, cfg: ts.RLCon
   ctx = ts.trainer_context(policy, cfg, record_codes)
   fn = functools.partial(ts.train_step, config=config, ctx=ctx, cfg=cfg, optimizer=optimizer)
   sh = state_shardings(config, optimizer, mesh)
-  jitted = jax.jit(fn, donate_argnums=(0,), out_shardings=(sh, replicated(mesh)))
+  jitted = jax.jit(fn, donate_argnums=(0,), out_shardings=(sh, replicated(mesh)),
+                   compiler_options=ts.compile_options(cfg.deterministic))
 
   def place_state(state):
     return jax.device_put(state, sh)

@@ -10,6 +10,7 @@ choice is a function of (seed, step), and the data position travels in the check
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -166,7 +167,8 @@ def run_sft(params, setup: Setup, config, engine: RolloutEngine, log=print):
       b2=0.98, weight_decay=0.01))
   cfg = setup.model_config
 
-  @jax.jit
+  @functools.partial(jax.jit,
+                     compiler_options=ts.compile_options(setup.rl_config.deterministic))
   def step(params, opt_state, tokens, mask, target):
     def loss_fn(p):
       out = M.apply(p, tokens, cfg, token_mask=mask)

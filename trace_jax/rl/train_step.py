@@ -52,6 +52,7 @@ class RLConfig:
   b1: float = 0.9
   b2: float = 0.98
   grad_clip: float = 1.0
+  deterministic: bool = False  # the train step compiled with XLA's deterministic ops (below)
 
   def __post_init__(self):
     if self.alignment not in ALIGNMENTS:
@@ -257,13 +258,29 @@ def train_step(state: TrainState, batch: TrainBatch, *, config: M.ModelConfig,
   return TrainState(params, opt_state, state.step + 1), metrics
 
 
+# XLA:GPU may add a gradient's scatter with atomics, in whatever order the threads arrive. The
+# model's two gathers that repeat rows take their gradients in a fixed order instead
+# (`kernels.take_rows`: on an H100, session 50, the small RL loop then repeated every step in 3
+# runs and a killed run resumed with the uninterrupted run's numbers). rl.deterministic=True
+# compiles the trainer's programs with XLA's deterministic ops as well, for a model or loss that
+# adds repeats some other way: every scatter then goes through XLA's slower deterministic
+# expander (the mid-shape train step 1.40x as long on the H100). A compile option of the
+# trainer's programs only: the rollout's keep XLA's autotuned choices.
+DETERMINISTIC_COMPILE = {"xla_gpu_deterministic_ops": True}
+
+
+def compile_options(deterministic: bool) -> dict:
+  """XLA compile options for a trainer program (`jax.jit(..., compiler_options=...)`)."""
+  return dict(DETERMINISTIC_COMPILE) if deterministic else {}
+
+
 def make_train_step(config: M.ModelConfig, policy: tq.QuantPolicy, cfg: RLConfig,
                     optimizer: optax.GradientTransformation, record_codes: bool = False):
   """A jitted `(state, batch) -> (state, metrics)` that donates the old state."""
   kernels.import_gpu_libraries()  # before the step compiles (its docstring says why)
   ctx = trainer_context(policy, cfg, record_codes)
   fn = functools.partial(train_step, config=config, ctx=ctx, cfg=cfg, optimizer=optimizer)
-  return jax.jit(fn, donate_argnums=(0,))
+  return jax.jit(fn, donate_argnums=(0,), compiler_options=compile_options(cfg.deterministic))
 
 
 @functools.lru_cache(maxsize=None)

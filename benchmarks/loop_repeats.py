@@ -1,0 +1,190 @@
+"""Does the RL loop give the same numbers when run again, and when killed and resumed? One process
+runs the small RL loop (tiny_arith with the loop tests' settings: no SFT, 6 steps of 4 prompts x
+4 samples, eval every 3, a checkpoint every 2) RUNS times uninterrupted, each in its own
+workdir, then once killed after KILL_AFTER steps and resumed. Each rollout call's tokens and
+logprobs and each train step's new parameters are hashed as they happen, keyed by the step, so
+the first difference between two runs says where it began: in a rollout (given equal
+parameters) or in a train step (given equal rollouts).
+
+  PYTHONPATH=. python benchmarks/loop_repeats.py --runs 2 --out $OUT/loop_repeats.json
+
+Runs in one process share their compiled programs (jit's cache), so a difference between them
+points at kernels whose results depend on timing (atomics, arrival order), not at what XLA
+compiled. --train_determinism on compiles the train step with XLA's deterministic ops
+(rl.deterministic; off is the default). TRACE_JAX_COMPILATION_CACHE (a directory) makes the
+process load programs an earlier process stored, as a resumed launch does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+
+import jax
+import numpy as np
+
+from configs import tiny_arith
+from trace_jax import compilation_cache
+from trace_jax.metrics import read_metrics
+from trace_jax.provenance import run_info
+from trace_jax.rl import compare, loop
+from trace_jax.rl import train_step as ts
+
+
+def digest(*arrays) -> str:
+  h = hashlib.sha256()
+  for a in arrays:
+    h.update(np.asarray(a).tobytes())
+  return h.hexdigest()[:16]
+
+
+def small_config(steps: int, deterministic: bool = True):
+  c = tiny_arith.get_config()
+  return compare.override(c, {
+      "sft.max_steps": 0, "total_steps": steps, "rollout.prompts_per_step": 4,
+      "rollout.samples_per_prompt": 4, "eval.every": 3, "eval.size": 16,
+      "checkpoint.every": 2, "rl.deterministic": deterministic})
+
+
+class Recorder:
+  """Hashes of what the loop computes, keyed by when: ("rollout", seed) for a step's rollout
+  (its seed names the step), ("train", seed) for the train step after it, ("eval", seed, n) for
+  the n-th other generate call after it (evaluation)."""
+
+  def __init__(self):
+    self.events: dict[str, str] = {}
+    self.order: list[str] = []
+    self._seed = None
+    self._other = 0
+
+  def add(self, key: str, value: str) -> None:
+    self.events[key] = value
+    self.order.append(key)
+
+  def rollout(self, seed: int, r) -> None:
+    self.add(f"rollout/{seed}", digest(r.tokens, r.logprobs))
+    self._seed, self._other = seed, 0
+
+  def other(self, r) -> None:
+    self._other += 1
+    self.add(f"eval/{self._seed}/{self._other}", digest(r.tokens))
+
+  def train(self, params) -> None:
+    self.add(f"train/{self._seed}", digest(*jax.tree.leaves(jax.device_get(params))))
+
+
+def instrument(current: list) -> None:
+  """Wrap the loop's engine and learner so that `current[0]` (a Recorder) hears of each call."""
+  make_engine, learner = loop.make_engine, ts.learner
+  rollout_seeds = set()
+
+  def make_engine_recorded(*args, **kwargs):
+    engine = make_engine(*args, **kwargs)
+    generate = engine.generate
+
+    def generate_recorded(prompts, **kw):
+      r = generate(prompts, **kw)
+      if kw.get("stop_tokens") and kw.get("seed", 0) in rollout_seeds:
+        current[0].rollout(kw["seed"], r)
+      else:
+        current[0].other(r)
+      return r
+
+    engine.generate = generate_recorded
+    return engine
+
+  def learner_recorded(*args, **kwargs):
+    optimizer, step_fn = learner(*args, **kwargs)
+
+    def step_recorded(state, batch):
+      state, m = step_fn(state, batch)
+      current[0].train(state.params)
+      return state, m
+
+    return optimizer, step_recorded
+
+  loop.make_engine, ts.learner = make_engine_recorded, learner_recorded
+  return rollout_seeds
+
+
+def compare_runs(base: dict, other: dict, base_rows, other_rows) -> dict:
+  """Where `other` first parts from `base`: events (in `other`'s order) and metric rows."""
+  events = [k for k in dict.fromkeys(other["order"]) if k in base["events"]]
+  differing = [k for k in events if other["events"][k] != base["events"][k]]
+  rows = {r["step"]: r for r in base_rows}
+  metric_diffs = []
+  for r in other_rows:
+    b = rows.get(r["step"])
+    if b is None:
+      continue
+    keys = sorted(k for k in set(r) | set(b) if k not in loop.TIMING_KEYS and r.get(k) != b.get(k))
+    if keys:
+      metric_diffs.append({"step": r["step"], "keys": {
+          k: [b.get(k), r.get(k)] for k in keys}})
+  return {"events_compared": len(events), "events_differing": len(differing),
+          "first_differing_event": differing[0] if differing else None,
+          "differing_events": differing[:12],
+          "first_differing_step": metric_diffs[0]["step"] if metric_diffs else None,
+          "metric_diffs": metric_diffs[:3]}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--runs", type=int, default=2, help="uninterrupted runs")
+  ap.add_argument("--steps", type=int, default=6)
+  ap.add_argument("--kill_after", type=int, default=3,
+                  help="steps of the killed run (0: no killed run)")
+  ap.add_argument("--train_determinism", default="off", choices=("on", "off"),
+                  help="rl.deterministic: the train step compiled with XLA's deterministic ops "
+                       "(off: the default)")
+  ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
+  ap.add_argument("--out", default="loop_repeats.json")
+  a = ap.parse_args()
+  cache_dir = compilation_cache.enable()
+  config = small_config(a.steps, a.train_determinism == "on")
+  root = a.workdir or tempfile.mkdtemp(prefix="loop_repeats_")
+  current = [None]
+  rollout_seeds = instrument(current)
+  rollout_seeds.update(loop.step_seed(int(config.seed), s, "rollout") for s in range(a.steps))
+  quiet = lambda *_: None  # noqa: E731
+  runs = []
+  for i in range(a.runs):
+    current[0] = Recorder()
+    d = os.path.join(root, f"run{i}")
+    loop.run(config, d, log=quiet)
+    runs.append({"name": f"run{i}", "events": current[0].events, "order": current[0].order,
+                 "rows": read_metrics(d)})
+  if a.kill_after:
+    d = os.path.join(root, "resumed")
+    current[0] = Recorder()
+    loop.run(config, d, log=quiet, stop_after=a.kill_after)
+    killed = current[0]
+    current[0] = Recorder()
+    loop.run(config, d, log=quiet)
+    events = {**killed.events, **current[0].events}
+    runs.append({"name": "killed_and_resumed", "events": events,
+                 "order": killed.order + current[0].order, "resumed_events": current[0].events,
+                 "rows": read_metrics(d)})
+  out = {**run_info(), "benchmark": "loop_repeats", **vars(a), "compilation_cache": cache_dir,
+         "runs": []}
+  base = runs[0]
+  for r in runs:
+    row = {"name": r["name"], "events": r["events"]}
+    if r is not base:
+      row["against_run0"] = compare_runs(base, r, base["rows"], r["rows"])
+      c = row["against_run0"]
+      print(f"{r['name']} vs run0: {c['events_differing']} of {c['events_compared']} events "
+            f"differ, first {c['first_differing_event']}; metrics first differ at step "
+            f"{c['first_differing_step']}", flush=True)
+      if c["metric_diffs"]:
+        print("  " + json.dumps(c["metric_diffs"][0])[:600], flush=True)
+    out["runs"].append(row)
+  with open(a.out, "w") as f:
+    json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

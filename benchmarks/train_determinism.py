@@ -1,0 +1,127 @@
+"""Which XLA option makes the RL train step repeat itself on a GPU, and what each costs. One
+process builds a TRACE batch (FP4 rollout with guidance) at bench_parallel's "mid" shape, then for
+each variant compiles the train step with those XLA compile options (`jax.jit(...,
+compiler_options=...)`), runs CHAIN steps from the same state REPEATS times (params hashed at the
+end of each chain: equal hashes = repeatable) and times single steps. (One step from a fresh
+optimizer state is a weak check: Adam's first update is nearly the gradient's sign, which hides
+last-bit differences in the gradient; benchmarks/loop_repeats.py is the sensitive one.)
+
+  PYTHONPATH=. python benchmarks/train_determinism.py --out $OUT/train_determinism.json
+
+Variants (--variants, in order): off (no option), deterministic_ops (xla_gpu_deterministic_ops:
+what rl.deterministic sets), scatter (xla_gpu_enable_scatter_determinism_expander), reductions
+(xla_gpu_deterministic_reductions), scatter_reductions (both), exclude
+(xla_gpu_exclude_nondeterministic_ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+import jax
+import numpy as np
+
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.provenance import run_info
+from trace_jax.rl import train_step as ts
+from trace_jax.rollout import RolloutEngine, SamplingParams
+
+VARIANTS = {
+    "off": {},
+    "deterministic_ops": dict(ts.DETERMINISTIC_COMPILE),
+    "scatter": {"xla_gpu_enable_scatter_determinism_expander": True},
+    "reductions": {"xla_gpu_deterministic_reductions": True},
+    "scatter_reductions": {"xla_gpu_enable_scatter_determinism_expander": True,
+                           "xla_gpu_deterministic_reductions": True},
+    "exclude": {"xla_gpu_exclude_nondeterministic_ops": True},
+}
+MID = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+           num_experts=32, num_experts_per_tok=4, moe_ffn_size=256)  # bench_parallel's "mid"
+
+
+def digest(tree) -> str:
+  h = hashlib.sha256()
+  for a in jax.tree.leaves(jax.device_get(tree)):
+    h.update(np.asarray(a).tobytes())
+  return h.hexdigest()[:16]
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--variants", default="off,scatter_reductions,scatter,deterministic_ops,"
+                  "reductions")
+  ap.add_argument("--preset", default="mid", choices=("mid", "tiny"))
+  ap.add_argument("--prompts", type=int, default=32)
+  ap.add_argument("--samples", type=int, default=8)
+  ap.add_argument("--prompt_len", type=int, default=16)
+  ap.add_argument("--max_new", type=int, default=32)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--chain", type=int, default=3, help="steps in a row before each hash")
+  ap.add_argument("--reps", type=int, default=2, help="timed steps after the repeats")
+  ap.add_argument("--out", default="train_determinism.json")
+  a = ap.parse_args()
+  shape = MID if a.preset == "mid" else dict(
+      hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+      num_experts_per_tok=2, moe_ffn_size=64)
+  config = M.tiny(vocab_size=128, rope_theta=10000.0, max_seq_len=a.prompt_len + a.max_new,
+                  dtype="float32", **shape)
+  policy = tq.make_policy("paper", "nvfp4").replace(guided_layers=0.5)
+  params = M.init_params(config, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(3, config.vocab_size, a.prompt_len)) for _ in range(a.prompts)]
+  eng = RolloutEngine(config.replace(dtype="bfloat16"), policy, max_new_tokens=a.max_new,
+                      prompt_bucket=a.prompt_len)
+  eng.sync(params)
+  ro = eng.generate(prompts, n=a.samples, sampling=SamplingParams(temperature=1.0), seed=0)
+  rewards = (np.arange(ro.num_rows) % 3 == 0).astype(np.float32)
+  cfg = ts.RLConfig(alignment="trace")
+  batch = ts.batch_from_rollout(ro, rewards, a.samples, cfg)
+  optimizer = ts.make_optimizer(cfg)
+  host_state = jax.device_get(ts.init_state(params, optimizer))
+  del eng, ro, params
+  ctx = ts.trainer_context(policy, cfg, False)
+  fn = lambda s, b: ts.train_step(s, b, config=config, ctx=ctx, cfg=cfg,  # noqa: E731
+                                  optimizer=optimizer)
+  out = {**run_info(), "benchmark": "train_determinism", **vars(a), "rows": len(rewards),
+         "variants": {}}
+  for name in a.variants.split(","):
+    step = jax.jit(fn, donate_argnums=(0,), compiler_options=VARIANTS[name])
+    row = {"compiler_options": VARIANTS[name], "hashes": []}
+    try:
+      for i in range(a.repeats):
+        state = jax.device_put(host_state)
+        t = time.perf_counter()
+        for _ in range(a.chain):
+          state, m = step(state, batch)
+        jax.block_until_ready(state)
+        if i == 0:
+          row["first_chain_s"] = time.perf_counter() - t  # the compile included
+        row["hashes"].append(digest(state.params))
+        del state, m
+      for _ in range(a.reps):
+        state = jax.device_put(host_state)
+        t = time.perf_counter()
+        new, m = step(state, batch)
+        jax.block_until_ready(new)
+        row.setdefault("step_s", []).append(time.perf_counter() - t)
+        del new, m
+      row["repeatable"] = len(set(row["hashes"])) == 1
+      row["step_s_median"] = float(np.median(row["step_s"]))
+    except Exception as e:  # noqa: BLE001 - record it and go on with the other variants
+      row["error"] = f"{type(e).__name__}: {e}"[:1500]
+    out["variants"][name] = row
+    base = out["variants"].get("off", {}).get("step_s_median")
+    if base and "step_s_median" in row:
+      row["step_over_off"] = row["step_s_median"] / base
+    print(name, json.dumps({k: v for k, v in row.items() if k != "compiler_options"}),
+          flush=True)
+    with open(a.out, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,73 @@
+"""Row gathers whose gradients add repeated rows in a fixed order.
+
+The gradient of `x[rows]` is a scatter-add into x's shape. Where `rows` names a row more than
+once, XLA:GPU adds the repeats with atomics in whatever order the threads arrive, so the train
+step's sums change in their last bits from run to run: on an H100 (session 50,
+benchmarks/loop_repeats.py) two runs of the small RL loop in one process parted at the second
+step's parameters, and a killed run's resumption parted from the uninterrupted run. XLA's
+deterministic ops (`rl.deterministic`) make every scatter deterministic, at 1.40x the mid-shape
+train step's time (benchmarks/train_determinism.py), mostly for scatters whose indices never
+repeat (an atomic add onto zero is exact). `take_rows` fixes the two gathers that repeat rows:
+the token embedding lookup (`models.transformer`) and the MoE layer's dispatch of each token to
+its k experts (`dispatch.grouped_matmul`'s rows, on the XLA and reference paths). With it and
+without deterministic ops (H100, session 50) 3 runs of the loop repeated every step and the
+resumed run matched; the mid-shape train step took 0.742 s against 0.734 s with plain gathers.
+
+TRACE_JAX_TAKE_ROWS=plain (an A/B switch, read at import) makes `take_rows` the plain gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.settings import choice_setting
+
+_TAKE_ROWS = choice_setting("TRACE_JAX_TAKE_ROWS", "repeatable", ("repeatable", "plain"))
+
+
+def take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+  """`x[rows]` along axis 0 (rows: int `[M]`, in range); its gradient adds the cotangent rows of
+  each x row in a fixed order: sorted stably by row, summed by a segmented scan, each sum
+  written once."""
+  if rows.ndim != 1:
+    raise ValueError(f"take_rows: rows must be 1-D, got shape {rows.shape}")
+  if _TAKE_ROWS == "plain":
+    return jnp.take(x, rows, axis=0)
+  return _take_rows(x, rows.astype(jnp.int32), x.shape[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _take_rows(x, rows, n):
+  del n
+  return jnp.take(x, rows, axis=0)
+
+
+def _take_rows_fwd(x, rows, n):
+  return _take_rows(x, rows, n), rows
+
+
+def _segment_sums(values, starts):
+  """Inclusive sums within segments of `values [M, D]` (a segment begins where `starts [M]`)."""
+  def add(a, b):
+    (sa, va), (sb, vb) = a, b
+    return sa | sb, jnp.where(sb[:, None], vb, va + vb)
+  return jax.lax.associative_scan(add, (starts, values), axis=0)[1]
+
+
+def _take_rows_bwd(n, rows, g):
+  m = rows.shape[0]
+  flat = g.reshape(m, -1)
+  order = jnp.argsort(rows, stable=True)
+  r = rows[order]
+  differs = r[1:] != r[:-1]
+  sums = _segment_sums(flat[order], jnp.concatenate([jnp.ones((1,), bool), differs]))
+  # each row's total sits at its segment's end: written there once (others fall out of range)
+  dest = jnp.where(jnp.concatenate([differs, jnp.ones((1,), bool)]), r, n)
+  out = jnp.zeros((n, flat.shape[1]), g.dtype).at[dest].add(sums, mode="drop")
+  return out.reshape((n,) + g.shape[1:]), None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
