@@ -46,7 +46,7 @@ def _args():
   ap.add_argument("--max_new", type=int, default=32)
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--cpu_devices", type=int, default=0, help="fake CPU devices (testing)")
-  ap.add_argument("--train_determinism", default="off",
+  ap.add_argument("--train_determinism", default="off", choices=("off", "on", "both"),
                   help="rl.deterministic: 'off' (the default train step), 'on' (compiled with "
                        "XLA's deterministic ops), or 'both': timed each way from the same state")
   return ap.parse_args()

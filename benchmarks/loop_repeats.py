@@ -41,7 +41,7 @@ def digest(*arrays) -> str:
   return h.hexdigest()[:16]
 
 
-def small_config(steps: int, deterministic: bool = True):
+def small_config(steps: int, deterministic: bool = False):
   c = tiny_arith.get_config()
   return compare.override(c, {
       "sft.max_steps": 0, "total_steps": steps, "rollout.prompts_per_step": 4,
@@ -76,8 +76,9 @@ class Recorder:
     self.add(f"train/{self._seed}", digest(*jax.tree.leaves(jax.device_get(params))))
 
 
-def instrument(current: list) -> None:
-  """Wrap the loop's engine and learner so that `current[0]` (a Recorder) hears of each call."""
+def instrument(current: list):
+  """Wrap the loop's engine and learner so that `current[0]` (a Recorder) hears of each call.
+  Returns (the set of rollout seeds to fill in, a function that puts the originals back)."""
   make_engine, learner = loop.make_engine, ts.learner
   rollout_seeds = set()
 
@@ -107,13 +108,18 @@ def instrument(current: list) -> None:
     return optimizer, step_recorded
 
   loop.make_engine, ts.learner = make_engine_recorded, learner_recorded
-  return rollout_seeds
+
+  def restore():
+    loop.make_engine, ts.learner = make_engine, learner
+
+  return rollout_seeds, restore
 
 
 def compare_runs(base: dict, other: dict, base_rows, other_rows) -> dict:
   """Where `other` first parts from `base`: events (in `other`'s order) and metric rows."""
   events = [k for k in dict.fromkeys(other["order"]) if k in base["events"]]
   differing = [k for k in events if other["events"][k] != base["events"][k]]
+  missing = [k for k in base["order"] if k not in other["events"]]
   rows = {r["step"]: r for r in base_rows}
   metric_diffs = []
   for r in other_rows:
@@ -125,10 +131,38 @@ def compare_runs(base: dict, other: dict, base_rows, other_rows) -> dict:
       metric_diffs.append({"step": r["step"], "keys": {
           k: [b.get(k), r.get(k)] for k in keys}})
   return {"events_compared": len(events), "events_differing": len(differing),
+          "events_missing": missing[:12],
           "first_differing_event": differing[0] if differing else None,
           "differing_events": differing[:12],
           "first_differing_step": metric_diffs[0]["step"] if metric_diffs else None,
           "metric_diffs": metric_diffs[:3]}
+
+
+def _runs(a, config, root: str, current: list, rollout_seeds: set) -> list[dict]:
+  """The uninterrupted runs, then the killed and resumed one, each with its events and rows."""
+  rollout_seeds.update(loop.step_seed(int(config.seed), s, "rollout") for s in range(a.steps))
+  quiet = lambda *_: None  # noqa: E731
+  runs = []
+  for i in range(a.runs):
+    current[0] = Recorder()
+    d = os.path.join(root, f"run{i}")
+    loop.run(config, d, log=quiet)
+    runs.append({"name": f"run{i}", "events": current[0].events, "order": current[0].order,
+                 "rows": read_metrics(d)})
+  if a.kill_after:
+    d = os.path.join(root, "resumed")
+    current[0] = Recorder()
+    loop.run(config, d, log=quiet, stop_after=a.kill_after)
+    killed = current[0]
+    current[0] = Recorder()
+    loop.run(config, d, log=quiet)
+    # the resumed run redoes the steps after the last checkpoint: its events replace the
+    # killed run's for them
+    events = {**killed.events, **current[0].events}
+    runs.append({"name": "killed_and_resumed", "events": events,
+                 "order": killed.order + current[0].order, "resumed_events": current[0].events,
+                 "rows": read_metrics(d)})
+  return runs
 
 
 def main():
@@ -147,27 +181,11 @@ def main():
   config = small_config(a.steps, a.train_determinism == "on")
   root = a.workdir or tempfile.mkdtemp(prefix="loop_repeats_")
   current = [None]
-  rollout_seeds = instrument(current)
-  rollout_seeds.update(loop.step_seed(int(config.seed), s, "rollout") for s in range(a.steps))
-  quiet = lambda *_: None  # noqa: E731
-  runs = []
-  for i in range(a.runs):
-    current[0] = Recorder()
-    d = os.path.join(root, f"run{i}")
-    loop.run(config, d, log=quiet)
-    runs.append({"name": f"run{i}", "events": current[0].events, "order": current[0].order,
-                 "rows": read_metrics(d)})
-  if a.kill_after:
-    d = os.path.join(root, "resumed")
-    current[0] = Recorder()
-    loop.run(config, d, log=quiet, stop_after=a.kill_after)
-    killed = current[0]
-    current[0] = Recorder()
-    loop.run(config, d, log=quiet)
-    events = {**killed.events, **current[0].events}
-    runs.append({"name": "killed_and_resumed", "events": events,
-                 "order": killed.order + current[0].order, "resumed_events": current[0].events,
-                 "rows": read_metrics(d)})
+  rollout_seeds, restore = instrument(current)
+  try:
+    runs = _runs(a, config, root, current, rollout_seeds)
+  finally:
+    restore()  # the loop's own engine and (cached) learner again, for whatever runs next
   out = {**run_info(), "benchmark": "loop_repeats", **vars(a), "compilation_cache": cache_dir,
          "runs": []}
   base = runs[0]

@@ -30,6 +30,9 @@ def test_compare_runs_names_where_runs_part():
   assert c["first_differing_event"] == "train/2" and c["events_differing"] == 1
   assert c["first_differing_step"] == 2
   assert c["metric_diffs"][0]["keys"] == {"loss": [0.25, 0.2500001]}
+  short = _run([("rollout/1", "a"), ("train/1", "b")], base["rows"][:1])
+  c = loop_repeats.compare_runs(base, short, base["rows"], short["rows"])
+  assert c["events_differing"] == 0 and c["events_missing"] == ["rollout/2", "train/2"]
 
 
 @pytest.mark.slow  # the RL loop three times (~20 s on 2 cores)

@@ -45,6 +45,12 @@ def test_rows_taken_twice_sum_like_the_plain_gather():
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(plain))
 
 
+def test_no_rows_no_gradient():
+  x = jnp.ones((3, 2))
+  grad = jax.grad(lambda x: jnp.sum(kernels.take_rows(x, jnp.zeros((0,), jnp.int32))))(x)
+  np.testing.assert_array_equal(np.asarray(grad), np.zeros((3, 2)))
+
+
 def test_rows_must_be_one_dimensional():
   with pytest.raises(ValueError, match="rows must be 1-D"):
     kernels.take_rows(jnp.zeros((4, 2)), jnp.zeros((2, 2), jnp.int32))

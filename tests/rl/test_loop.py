@@ -43,7 +43,7 @@ def test_launcher_one_line_errors(tmp_path):
   assert r.stderr.strip().splitlines()[-1].startswith("error: rollout.precision must be")
 
 
-@pytest.mark.slow  # ~4-7 min on 2 cores; CI runs it (.ci/run's second command)
+@pytest.mark.slow  # ~3.5-7 min on 2 cores; CI runs it (.ci/run's second command)
 def test_rl_raises_reward_on_tiny_addition(tmp_path):
   """SFT warm start to ~30%, then 200 GRPO steps (as the main job) with FP4 TRACE rollouts: the
   training reward and the held-out pass rate (on the problems the SFT stage scored, 500) both

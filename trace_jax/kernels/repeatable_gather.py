@@ -6,12 +6,18 @@ step's sums change in their last bits from run to run: on an H100 (session 50,
 benchmarks/loop_repeats.py) two runs of the small RL loop in one process parted at the second
 step's parameters, and a killed run's resumption parted from the uninterrupted run. XLA's
 deterministic ops (`rl.deterministic`) make every scatter deterministic, at 1.40x the mid-shape
-train step's time (benchmarks/train_determinism.py), mostly for scatters whose indices never
-repeat (an atomic add onto zero is exact). `take_rows` fixes the two gathers that repeat rows:
-the token embedding lookup (`models.transformer`) and the MoE layer's dispatch of each token to
-its k experts (`dispatch.grouped_matmul`'s rows, on the XLA and reference paths). With it and
-without deterministic ops (H100, session 50) 3 runs of the loop repeated every step and the
-resumed run matched; the mid-shape train step took 0.742 s against 0.734 s with plain gathers.
+train step's time (benchmarks/train_determinism.py). A scatter that adds once to each place is
+deterministic already, whatever the order; only repeats need a fixed order. `take_rows` fixes
+the two gathers that repeat rows: the token embedding lookup (`models.transformer`) and the MoE
+layer's dispatch of each token to its k experts (`dispatch.grouped_matmul`'s rows, on the XLA
+and reference paths). With it and without deterministic ops (H100, session 50) 3 runs of the
+loop repeated every step and the resumed run matched; the mid-shape train step took 0.742 s
+against 0.734 s with plain gathers (one process each: within the spread between processes).
+
+Costs not measured: with the tokens sharded over a mesh, the backward's sort runs over the whole
+batch (XLA gathers the cotangent rows to every device; on fake CPU devices: an all-gather and
+sorts where the plain gather had none). A custom VJP: forward-mode differentiation (`jax.jvp`)
+through it raises.
 
 TRACE_JAX_TAKE_ROWS=plain (an A/B switch, read at import) makes `take_rows` the plain gather.
 """
@@ -19,6 +25,7 @@ TRACE_JAX_TAKE_ROWS=plain (an A/B switch, read at import) makes `take_rows` the 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +36,9 @@ _TAKE_ROWS = choice_setting("TRACE_JAX_TAKE_ROWS", "repeatable", ("repeatable", 
 
 
 def take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
-  """`x[rows]` along axis 0 (rows: int `[M]`, in range); its gradient adds the cotangent rows of
-  each x row in a fixed order: sorted stably by row, summed by a segmented scan, each sum
-  written once."""
+  """`x[rows]` along axis 0 (rows: int `[M]`, each in [0, n): `jnp.take`'s fill, NaN, for others);
+  its gradient adds the cotangent rows of each x row in a fixed order: sorted stably by row,
+  summed by a segmented scan, each sum added once to its row."""
   if rows.ndim != 1:
     raise ValueError(f"take_rows: rows must be 1-D, got shape {rows.shape}")
   if _TAKE_ROWS == "plain":
@@ -59,7 +66,9 @@ def _segment_sums(values, starts):
 
 def _take_rows_bwd(n, rows, g):
   m = rows.shape[0]
-  flat = g.reshape(m, -1)
+  if m == 0:
+    return jnp.zeros((n,) + g.shape[1:], g.dtype), None
+  flat = g.reshape(m, math.prod(g.shape[1:]))
   order = jnp.argsort(rows, stable=True)
   r = rows[order]
   differs = r[1:] != r[:-1]

@@ -637,7 +637,7 @@ class Transformer(nn.Module):
     c = self.config
     emb = _param(self, "embed/embedding", _INIT, (c.vocab_size, c.hidden_size))
     # (a repeated token's embedding gradient added in a fixed order: `kernels.take_rows`)
-    x = kernels.take_rows(emb, tokens.reshape(-1)).reshape(*tokens.shape, -1)
+    x = kernels.take_rows(emb, tokens.reshape(-1)).reshape(*tokens.shape, c.hidden_size)
     x = x.astype(c.compute_dtype)
     key_mask = token_mask if cache is None else kvc.update_slice(cache.valid, token_mask,
                                                                   cache_index)
