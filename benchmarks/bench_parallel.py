@@ -58,6 +58,7 @@ if A.cpu_devices:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={A.cpu_devices}")
 
+import bench_util  # noqa: E402 - a sibling module (see its docstring)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -68,23 +69,15 @@ from trace_jax import quant as tq  # noqa: E402
 from trace_jax import rl  # noqa: E402
 from trace_jax.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
-VOCAB = 128
-PRESETS = {  # trainer float32, rollout bf16 (as in the configs)
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 num_experts=4, num_experts_per_tok=2, moe_ffn_size=64),
-    "mid": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
-                num_experts=32, num_experts_per_tok=4, moe_ffn_size=256),
-}
-
-
 def model_config(preset: str):
-  """The trainer's config (float32 masters) for a preset name (see the module docstring)."""
+  """The trainer's config (float32 masters; the rollout's bf16, as in the configs) for a preset
+  name (see the module docstring)."""
   shape = dict(max_seq_len=A.prompt_len + A.max_new, dtype="float32")
   if preset.startswith("a3b_l"):
     return M.qwen3_30b_a3b(num_layers=int(preset[len("a3b_l"):]), **shape)
-  if preset not in PRESETS:
+  if preset not in bench_util.SMALL_MOE:
     raise ValueError(f"unknown preset {preset!r}: tiny, mid or a3b_l<layers>")
-  return M.tiny(vocab_size=VOCAB, rope_theta=10000.0, **shape, **PRESETS[preset])
+  return bench_util.small_moe_config(preset, **shape)
 
 
 def parse_setting(name: str) -> dict:

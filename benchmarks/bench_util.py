@@ -3,10 +3,40 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
 import time
+
+# The small MoE shapes of the trainer benchmarks (bench_parallel's "tiny" and "mid" presets,
+# train_determinism's shapes): vocabulary 128, rotary theta 10,000
+SMALL_MOE = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 num_experts=4, num_experts_per_tok=2, moe_ffn_size=64),
+    "mid": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                num_experts=32, num_experts_per_tok=4, moe_ffn_size=256),
+}
+
+
+def small_moe_config(preset: str, **fields):
+  """`models.tiny` at a `SMALL_MOE` shape, other config fields (max_seq_len, dtype) given."""
+  from trace_jax import models as M  # noqa: PLC0415 - plot scripts import this module without jax
+  if preset not in SMALL_MOE:
+    raise ValueError(f"unknown small MoE preset {preset!r}: one of {sorted(SMALL_MOE)}")
+  return M.tiny(vocab_size=128, rope_theta=10000.0, **fields, **SMALL_MOE[preset])
+
+
+def digest(*trees) -> str:
+  """The first 16 hex digits of the SHA-256 of every array leaf's bytes, in order: how the
+  repeat benchmarks compare runs' numbers (tokens, logprobs, parameters)."""
+  import jax  # noqa: PLC0415 - plot scripts import this module without jax
+  import numpy as np  # noqa: PLC0415
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(trees):
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()[:16]
+
 
 def result_header(benchmark: str, **extra) -> dict:
   """The provenance every benchmark JSON starts with: name, UTC date, device, jax version, the

@@ -128,6 +128,18 @@ ncu_case() {
   python3 benchmarks/ncu_summary.py $OUT/ncu_${1}_raw.csv $OUT/ncu_${1}_sass.csv \
     --json $OUT/ncu_${1}_summary.json 2>&1 | head -40
 }
+# benchmarks/train_determinism.py with [its flags], once with `kernels.take_rows` and once with
+# the plain gather (TRACE_JAX_TAKE_ROWS), each its own process, JSON
+# train_determinism_NAME_<gather>.json: NAME TIMEOUT [flags]
+take_rows_sides() {
+  local name=$1 limit=$2 gather
+  shift 2
+  for gather in repeatable plain; do
+    TRACE_JAX_TAKE_ROWS=$gather timeout -k 5 $limit python3 benchmarks/train_determinism.py \
+      "$@" --out $OUT/train_determinism_${name}_$gather.json 2>&1 | grep -v "^I1\|^W1" \
+      | grep "^[a-z_]* {\|rror" | cut -c1-400 | sed "s/^/[take_rows $gather] /"
+  done
+}
 # GPU tests of one file matching -k (log under $OUT): FILE KEYWORD NAME TIMEOUT
 gpu_tests() {
   JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -rP -m gpu -p no:xdist -o addopts="" \
@@ -879,12 +891,7 @@ elif [ "$stage" = s50e ]; then
   # Adam state, whose update is nearly the gradient's sign) with take_rows and with the plain
   # gather, each its own process (plain should differ between repeats, take_rows not), then
   # the cost of XLA's deterministic ops at the 4-layer 30B-A3B shape (s50b cut it)
-  for gather in repeatable plain; do
-    TRACE_JAX_TAKE_ROWS=$gather timeout -k 5 ${TD_TIMEOUT:-150} python3 \
-      benchmarks/train_determinism.py --variants off --chain 3 \
-      --out $OUT/train_determinism_chain_$gather.json 2>&1 | grep -v "^I1\|^W1" \
-      | grep "^[a-z_]* {\|rror" | cut -c1-400 | sed "s/^/[take_rows $gather] /"
-  done
+  take_rows_sides chain ${TD_TIMEOUT:-150} --variants off --chain 3
   timeout -k 5 ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_parallel.py --presets a3b_l4 \
     --settings 1dev --policies paper --train_determinism both \
     --out $OUT/bench_parallel_a3b_l4.json 2>&1 | grep -v "^I1\|^W1" | grep "^a3b\|rror" \
@@ -899,12 +906,7 @@ elif [ "$stage" = s50d ]; then
   # the plain gather (TRACE_JAX_TAKE_ROWS=plain), each its own process. Ran in session 50 on an
   # H100: every run repeated every event; the step 0.742 s with take_rows, 0.734 s plain
   LOOP_SIDES=off LOOP_RUNS=${LOOP_RUNS:-3} bash $0 s50a
-  for gather in repeatable plain; do
-    TRACE_JAX_TAKE_ROWS=$gather timeout -k 5 ${BENCH_TIMEOUT:-150} python3 \
-      benchmarks/train_determinism.py --variants off \
-      --out $OUT/train_determinism_take_rows_$gather.json 2>&1 | grep -v "^I1\|^W1" \
-      | grep "^[a-z_]* {\|rror" | cut -c1-400 | sed "s/^/[take_rows $gather] /"
-  done
+  take_rows_sides take_rows ${BENCH_TIMEOUT:-150} --variants off
 elif [ "$stage" = s50c ]; then
   # (session 50) s50b measured the deterministic train step 1.46x as long as the plain one at the
   # mid shape (H100): which XLA option repeats the step, at what cost (train_determinism.py:

@@ -18,27 +18,17 @@ process load programs an earlier process stored, as a resumed launch does.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import tempfile
 
-import jax
-import numpy as np
-
+import bench_util  # (a sibling module: see its docstring)
 from configs import tiny_arith
 from trace_jax import compilation_cache
 from trace_jax.metrics import read_metrics
 from trace_jax.provenance import run_info
 from trace_jax.rl import compare, loop
 from trace_jax.rl import train_step as ts
-
-
-def digest(*arrays) -> str:
-  h = hashlib.sha256()
-  for a in arrays:
-    h.update(np.asarray(a).tobytes())
-  return h.hexdigest()[:16]
 
 
 def small_config(steps: int, deterministic: bool = False):
@@ -65,22 +55,22 @@ class Recorder:
     self.order.append(key)
 
   def rollout(self, seed: int, r) -> None:
-    self.add(f"rollout/{seed}", digest(r.tokens, r.logprobs))
+    self.add(f"rollout/{seed}", bench_util.digest(r.tokens, r.logprobs))
     self._seed, self._other = seed, 0
 
   def other(self, r) -> None:
     self._other += 1
-    self.add(f"eval/{self._seed}/{self._other}", digest(r.tokens))
+    self.add(f"eval/{self._seed}/{self._other}", bench_util.digest(r.tokens))
 
   def train(self, params) -> None:
-    self.add(f"train/{self._seed}", digest(*jax.tree.leaves(jax.device_get(params))))
+    self.add(f"train/{self._seed}", bench_util.digest(params))
 
 
-def instrument(current: list):
-  """Wrap the loop's engine and learner so that `current[0]` (a Recorder) hears of each call.
-  Returns (the set of rollout seeds to fill in, a function that puts the originals back)."""
+def instrument(current: list, rollout_seeds: set):
+  """Wrap the loop's engine and learner so that `current[0]` (a Recorder) hears of each call
+  (a generate call with stop tokens and one of `rollout_seeds` is a step's rollout). Returns a
+  function that puts the originals back."""
   make_engine, learner = loop.make_engine, ts.learner
-  rollout_seeds = set()
 
   def make_engine_recorded(*args, **kwargs):
     engine = make_engine(*args, **kwargs)
@@ -112,17 +102,18 @@ def instrument(current: list):
   def restore():
     loop.make_engine, ts.learner = make_engine, learner
 
-  return rollout_seeds, restore
+  return restore
 
 
-def compare_runs(base: dict, other: dict, base_rows, other_rows) -> dict:
-  """Where `other` first parts from `base`: events (in `other`'s order) and metric rows."""
+def compare_runs(base: dict, other: dict) -> dict:
+  """Where run `other` first parts from run `base` (each with events, their order and metric
+  rows): events (in `other`'s order) and metric rows."""
   events = [k for k in dict.fromkeys(other["order"]) if k in base["events"]]
   differing = [k for k in events if other["events"][k] != base["events"][k]]
   missing = [k for k in base["order"] if k not in other["events"]]
-  rows = {r["step"]: r for r in base_rows}
+  rows = {r["step"]: r for r in base["rows"]}
   metric_diffs = []
-  for r in other_rows:
+  for r in other["rows"]:
     b = rows.get(r["step"])
     if b is None:
       continue
@@ -138,9 +129,8 @@ def compare_runs(base: dict, other: dict, base_rows, other_rows) -> dict:
           "metric_diffs": metric_diffs[:3]}
 
 
-def _runs(a, config, root: str, current: list, rollout_seeds: set) -> list[dict]:
+def _runs(a, config, root: str, current: list) -> list[dict]:
   """The uninterrupted runs, then the killed and resumed one, each with its events and rows."""
-  rollout_seeds.update(loop.step_seed(int(config.seed), s, "rollout") for s in range(a.steps))
   quiet = lambda *_: None  # noqa: E731
   runs = []
   for i in range(a.runs):
@@ -181,9 +171,10 @@ def main():
   config = small_config(a.steps, a.train_determinism == "on")
   root = a.workdir or tempfile.mkdtemp(prefix="loop_repeats_")
   current = [None]
-  rollout_seeds, restore = instrument(current)
+  restore = instrument(current, {loop.step_seed(int(config.seed), s, "rollout")
+                                 for s in range(a.steps)})
   try:
-    runs = _runs(a, config, root, current, rollout_seeds)
+    runs = _runs(a, config, root, current)
   finally:
     restore()  # the loop's own engine and (cached) learner again, for whatever runs next
   out = {**run_info(), "benchmark": "loop_repeats", **vars(a), "compilation_cache": cache_dir,
@@ -192,7 +183,7 @@ def main():
   for r in runs:
     row = {"name": r["name"], "events": r["events"]}
     if r is not base:
-      row["against_run0"] = compare_runs(base, r, base["rows"], r["rows"])
+      row["against_run0"] = compare_runs(base, r)
       c = row["against_run0"]
       print(f"{r['name']} vs run0: {c['events_differing']} of {c['events_compared']} events "
             f"differ, first {c['first_differing_event']}; metrics first differ at step "

@@ -17,7 +17,6 @@ import argparse
 import collections
 import glob
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -281,7 +280,7 @@ def main():
       # the traced call's tokens and logprobs by hash: sides of an A/B that must not change the
       # numbers (a launch setting) compare them across processes
       out["traced_call_sha256"] = {
-          f: hashlib.sha256(np.asarray(getattr(r, f)).tobytes()).hexdigest()[:16]
+          f: bench_util.digest(getattr(r, f))
           for f in ("tokens", "logprobs") if getattr(r, f, None) is not None}
       print("traced call sha256", json.dumps(out["traced_call_sha256"]), flush=True)
       del r

@@ -14,22 +14,18 @@ stored there, as a resumed run launched with `--compilation_cache` does.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 
 import jax
 import numpy as np
 
+import bench_util  # (a sibling module: see its docstring)
 from trace_jax import compilation_cache
 from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.provenance import run_info
 from trace_jax.rollout import RolloutEngine, SamplingParams
-
-
-def digest(a) -> str:
-  return hashlib.sha256(np.asarray(a).tobytes()).hexdigest()[:16]
 
 
 def main():
@@ -64,8 +60,8 @@ def main():
     r = eng.generate(prompts, n=1, sampling=SamplingParams(temperature=1.0), seed=a.seed,
                      max_new_tokens=a.new_tokens)
     jax.block_until_ready(r.tokens)
-    row = {"s": round(time.perf_counter() - t, 3), "tokens": digest(r.tokens),
-           "logprobs": digest(r.logprobs)}
+    row = {"s": round(time.perf_counter() - t, 3), "tokens": bench_util.digest(r.tokens),
+           "logprobs": bench_util.digest(r.logprobs)}
     lp = np.asarray(r.logprobs, np.float32)
     new = np.asarray(r.tokens)[:, -lp.shape[1]:]  # the completions (tokens: prompt + them)
     if first is None:

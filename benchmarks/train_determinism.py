@@ -17,13 +17,13 @@ what rl.deterministic sets), scatter (xla_gpu_enable_scatter_determinism_expande
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 
 import jax
 import numpy as np
 
+import bench_util  # (a sibling module: see its docstring)
 from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.provenance import run_info
@@ -39,22 +39,13 @@ VARIANTS = {
                            "xla_gpu_deterministic_reductions": True},
     "exclude": {"xla_gpu_exclude_nondeterministic_ops": True},
 }
-MID = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
-           num_experts=32, num_experts_per_tok=4, moe_ffn_size=256)  # bench_parallel's "mid"
-
-
-def digest(tree) -> str:
-  h = hashlib.sha256()
-  for a in jax.tree.leaves(jax.device_get(tree)):
-    h.update(np.asarray(a).tobytes())
-  return h.hexdigest()[:16]
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--variants", default="off,scatter_reductions,scatter,deterministic_ops,"
                   "reductions")
-  ap.add_argument("--preset", default="mid", choices=("mid", "tiny"))
+  ap.add_argument("--preset", default="mid", choices=tuple(bench_util.SMALL_MOE))
   ap.add_argument("--prompts", type=int, default=32)
   ap.add_argument("--samples", type=int, default=8)
   ap.add_argument("--prompt_len", type=int, default=16)
@@ -64,11 +55,8 @@ def main():
   ap.add_argument("--reps", type=int, default=2, help="timed steps after the repeats")
   ap.add_argument("--out", default="train_determinism.json")
   a = ap.parse_args()
-  shape = MID if a.preset == "mid" else dict(
-      hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
-      num_experts_per_tok=2, moe_ffn_size=64)
-  config = M.tiny(vocab_size=128, rope_theta=10000.0, max_seq_len=a.prompt_len + a.max_new,
-                  dtype="float32", **shape)
+  config = bench_util.small_moe_config(a.preset, max_seq_len=a.prompt_len + a.max_new,
+                                       dtype="float32")
   policy = tq.make_policy("paper", "nvfp4").replace(guided_layers=0.5)
   params = M.init_params(config, jax.random.key(0))
   rng = np.random.default_rng(0)
@@ -100,7 +88,7 @@ def main():
         jax.block_until_ready(state)
         if i == 0:
           row["first_chain_s"] = time.perf_counter() - t  # the compile included
-        row["hashes"].append(digest(state.params))
+        row["hashes"].append(bench_util.digest(state.params))
         del state, m
       for _ in range(a.reps):
         state = jax.block_until_ready(jax.device_put(host_state))  # the upload not timed

@@ -1,6 +1,7 @@
 """benchmarks/bench_util.py: its reading of optimized HLO (which while body is the decode loop)
-and the kernel error the benchmarks record."""
+the kernel error the benchmarks record, and the digest the repeat benchmarks compare."""
 
+import hashlib
 import os
 import sys
 
@@ -85,3 +86,12 @@ def test_keep_checked_row_appends_prints_and_saves(tmp_path, capsys):
   a, b = capsys.readouterr().out.splitlines()
   assert a.endswith(" 256 rows a    4.25 us  equal True  ")
   assert b.endswith(" 256 rows b     nan us  equal None  ValueError: no")
+
+
+def test_digest_hashes_every_leaf_in_order():
+  a, b = np.arange(6, dtype=np.int32), np.ones((2, 2), np.float32)
+  want = hashlib.sha256(a.tobytes() + b.tobytes()).hexdigest()[:16]
+  assert bench_util.digest(a, b) == bench_util.digest({"a": a, "b": [b]}) == want
+  flipped = b.copy()
+  flipped[1, 1] = np.nextafter(np.float32(1), np.float32(2))  # one last bit
+  assert bench_util.digest(a, flipped) != want and bench_util.digest(b, a) != want

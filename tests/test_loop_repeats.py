@@ -22,16 +22,16 @@ def test_compare_runs_names_where_runs_part():
               [{"step": 1, "loss": 0.5, "time/train_s": 1.0}, {"step": 2, "loss": 0.25}])
   same = _run(list(base["events"].items()),
               [{"step": 1, "loss": 0.5, "time/train_s": 9.0}, {"step": 2, "loss": 0.25}])
-  c = loop_repeats.compare_runs(base, same, base["rows"], same["rows"])
+  c = loop_repeats.compare_runs(base, same)
   assert c["events_differing"] == 0 and c["first_differing_step"] is None  # timings ignored
   other = _run([("rollout/1", "a"), ("train/1", "b"), ("rollout/2", "c"), ("train/2", "X")],
                [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.2500001}])
-  c = loop_repeats.compare_runs(base, other, base["rows"], other["rows"])
+  c = loop_repeats.compare_runs(base, other)
   assert c["first_differing_event"] == "train/2" and c["events_differing"] == 1
   assert c["first_differing_step"] == 2
   assert c["metric_diffs"][0]["keys"] == {"loss": [0.25, 0.2500001]}
   short = _run([("rollout/1", "a"), ("train/1", "b")], base["rows"][:1])
-  c = loop_repeats.compare_runs(base, short, base["rows"], short["rows"])
+  c = loop_repeats.compare_runs(base, short)
   assert c["events_differing"] == 0 and c["events_missing"] == ["rollout/2", "train/2"]
 
 
