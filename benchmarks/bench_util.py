@@ -170,14 +170,14 @@ def save_figure(fig, title: str, path: str) -> None:
   print("wrote", path)
 
 
-def site_bars(json_path: str, title, log: bool = False) -> str:
-  """Bars of us a call per variant, one panel per row's "site" (`title(site)` its title; XLA's
-  variants grey; log: a log scale), for the benchmarks whose rows `checked_timing` timed; the
+def site_bars(json_path: str, title, log: bool = False, panel: str = "site") -> str:
+  """Bars of us a call per variant, one panel per row's `panel` field ("site": `title(site)` its
+  title; XLA's variants grey; log: a log scale), for the benchmarks that time each row once; the
   PNG beside the JSON, its path returned."""
   plt, res, rows = timed_rows_for_plot(json_path)
   groups: dict = {}
   for r in rows:
-    groups.setdefault(r["site"], []).append((r["variant"], r["us"]))
+    groups.setdefault(r[panel], []).append((r["variant"], r["us"]))
   fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
   for ax, (site, vals) in zip(axes[0], groups.items()):
     ax.bar([v for v, _ in vals], [u for _, u in vals],

@@ -53,7 +53,7 @@ from trace_jax.kernels.dispatch import (add_rms_norm, append_kv,
 from trace_jax.kernels.layout import (ChunkRows, KParts, OperandRows, PackedWeight, PaddedRows,
                                       decode_packed,
                                       fuse_projections, prepare_tree, prepare_weight)
-from trace_jax.kernels.repeatable_gather import take_rows
+from trace_jax.kernels.repeatable_gather import take_copies, take_rows
 
 __all__ = ["ChunkRows", "KParts", "OperandRows", "PackedWeight", "PaddedRows", "add_rms_norm",
            "append_kv", "attention",
@@ -65,4 +65,5 @@ __all__ = ["ChunkRows", "KParts", "OperandRows", "PackedWeight", "PaddedRows", "
            "norm_rows_padded", "on_gpu", "prefill_attention", "prefill_attention_ref",
            "prepare_tree",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route",
-           "router_gates", "sort_by_group", "swiglu_quantize_rows", "take_rows", "topk_gates"]
+           "router_gates", "sort_by_group", "swiglu_quantize_rows", "take_copies", "take_rows",
+           "topk_gates"]

@@ -75,7 +75,7 @@ from trace_jax import quant as tq
 # fp4_mgpu imports no Pallas at module level (its kernels import Mosaic when they trace)
 from trace_jax.kernels import attention_ref, fp4_mgpu, reference
 from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
-from trace_jax.kernels.repeatable_gather import take_rows
+from trace_jax.kernels.repeatable_gather import take_copies, take_rows
 from trace_jax.kernels.layout import (ChunkRows, KParts, OperandRows, PackedWeight, PaddedRows,
                                       decode_parts, prepare_weight)
 from trace_jax.settings import choice_setting as _setting, int_setting
@@ -434,8 +434,9 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None,
 
 
 def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None = None,
-                   bm: int | None = None, config=None, rows=None, out_rows=None,
-                   tables=None, keep_chunks: bool = False) -> jax.Array | ChunkRows:
+                   bm: int | None = None, config=None, rows=None, rows_inverse=None,
+                   out_rows=None, tables=None,
+                   keep_chunks: bool = False) -> jax.Array | ChunkRows:
   """Grouped (ragged) matmul of expert-sorted rows `x [M, K]` with `w [E, K, N]`.
 
   rows `[M]` ints: the sorted rows are `x[rows]` (x then holds e.g. one row per token, each
@@ -444,6 +445,10 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   gathers that lay out its operand and read its output. tables: the FP4 kernel's chunk tables
   from `route` (None: built from group_sizes); `row_chunks` tables come with rows in the
   caller's order, which paths other than the grouped kernels sort here first.
+  rows_inverse `[M]`: where each x row's copies lie when every x row is taken equally often
+  (`rows[rows_inverse[t * c + j]] == t`: a MoE dispatch, rows = order // k and rows_inverse =
+  order's inverse), for a gradient that sums each row's copies in slot order
+  (`kernels.take_copies`); without it the gradient sorts (`kernels.take_rows`)
   keep_chunks: the FP4 kernel path may return its rows ungathered (`ChunkRows`, for
   `swiglu_quantize_rows`); x may be `OperandRows` made for this call's FP4 kernel."""
   if isinstance(x, OperandRows):
@@ -467,9 +472,12 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   if fp4_mgpu.by_rows(tables):  # rows in the caller's order: sorted by expert for the rest
     order, inverse = sort_by_group(tables[1])
     rows = order if rows is None else rows[order]
+    rows_inverse = None if rows_inverse is None else inverse[rows_inverse]
     out_rows = inverse if out_rows is None else inverse[out_rows]
-  if rows is not None:  # a token's row repeats once per chosen expert: its gradient adds them
-    x = take_rows(x, rows) if isinstance(x, jax.Array) else x[rows]
+  if rows is not None and not isinstance(x, jax.Array):
+    x = x[rows]
+  elif rows is not None:  # a token's row repeats once per chosen expert: its gradient adds them
+    x = take_rows(x, rows) if rows_inverse is None else take_copies(x, rows, rows_inverse)
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
     y = xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
   else:

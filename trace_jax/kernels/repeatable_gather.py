@@ -7,19 +7,29 @@ benchmarks/loop_repeats.py) two runs of the small RL loop in one process parted 
 step's parameters, and a killed run's resumption parted from the uninterrupted run. XLA's
 deterministic ops (`rl.deterministic`) make every scatter deterministic, at 1.40x the mid-shape
 train step's time (benchmarks/train_determinism.py). A scatter that adds once to each place is
-deterministic already, whatever the order; only repeats need a fixed order. `take_rows` fixes
-the two gathers that repeat rows: the token embedding lookup (`models.transformer`) and the MoE
-layer's dispatch of each token to its k experts (`dispatch.grouped_matmul`'s rows, on the XLA
-and reference paths). With it and without deterministic ops (H100, session 50) 3 runs of the
+deterministic already, whatever the order; only repeats need a fixed order. Two gathers repeat
+rows, and each adds its repeats in a fixed order:
+- the token embedding lookup (`models.transformer`): `take_rows`, whose gradient sorts the
+  cotangent rows by row and sums each run of equal rows by a segmented scan;
+- the MoE layer's dispatch of each token to its k experts (`dispatch.grouped_matmul`'s rows, on
+  the XLA and reference paths): `take_copies`. Every token is taken k times and the routing's
+  inverse permutation says where, so its gradient gathers each token's k cotangents and sums
+  them in slot order, with neither sort nor scatter (session 50 used `take_rows` here too).
+  Its backward at a 30B-A3B layer's 32,768 tokens x top-8, width 2048, bf16 (H100, session 51,
+  benchmarks/bench_take_rows.py): 0.40 ms, against 2.88 ms sorted and 4.90 ms for XLA's
+  scatter-add.
+With `take_rows` in both places and without deterministic ops (H100, session 50) 3 runs of the
 loop repeated every step and the resumed run matched; the mid-shape train step took 0.742 s
 against 0.734 s with plain gathers (one process each: within the spread between processes).
 
-Costs not measured: with the tokens sharded over a mesh, the backward's sort runs over the whole
+Costs not measured: with the tokens sharded over a mesh, `take_rows`' sort runs over the whole
 batch (XLA gathers the cotangent rows to every device; on fake CPU devices: an all-gather and
-sorts where the plain gather had none). A custom VJP: forward-mode differentiation (`jax.jvp`)
-through it raises.
+sorts where the plain gather had none). Both are custom VJPs: forward-mode differentiation
+(`jax.jvp`) through them raises.
 
-TRACE_JAX_TAKE_ROWS=plain (an A/B switch, read at import) makes `take_rows` the plain gather.
+TRACE_JAX_TAKE_ROWS (an A/B switch, read at import): `repeatable` (the default), `sorted`
+(`take_copies` takes `take_rows`' sorted sum, as in session 50) or `plain` (both are the plain
+gather, whose gradient XLA:GPU adds with atomics).
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ import jax.numpy as jnp
 
 from trace_jax.settings import choice_setting
 
-_TAKE_ROWS = choice_setting("TRACE_JAX_TAKE_ROWS", "repeatable", ("repeatable", "plain"))
+_TAKE_ROWS = choice_setting("TRACE_JAX_TAKE_ROWS", "repeatable",
+                            ("repeatable", "sorted", "plain"))
 
 
 def take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
@@ -80,3 +91,46 @@ def _take_rows_bwd(n, rows, g):
 
 
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def take_copies(x: jax.Array, rows: jax.Array, inverse: jax.Array) -> jax.Array:
+  """`x[rows]` along axis 0 where each of x's n rows is taken c = len(rows) / n times, at the
+  places `inverse` lists: `rows[inverse[t * c + j]] == t` for j < c (a MoE layer's dispatch:
+  rows = order // k, inverse = order's inverse permutation). Its gradient gathers row t's c
+  cotangents `g[inverse[t * c:(t + 1) * c]]` and sums them in slot order (float32 sums for
+  narrower types): one gather and a reduction, no sort, no scatter. Rows and inverse are not
+  checked against each other (they are traced): a wrong inverse gives a wrong gradient."""
+  if rows.ndim != 1 or inverse.shape != rows.shape:
+    raise ValueError(f"take_copies: rows and inverse must be 1-D and alike, got {rows.shape} "
+                     f"and {inverse.shape}")
+  n = x.shape[0]
+  if (n == 0) != (rows.shape[0] == 0) or (n and rows.shape[0] % n):
+    raise ValueError(f"take_copies: {rows.shape[0]} rows do not take each of x's {n} rows "
+                     "equally often")
+  if _TAKE_ROWS == "plain":
+    return jnp.take(x, rows, axis=0)
+  if _TAKE_ROWS == "sorted":
+    return _take_rows(x, rows.astype(jnp.int32), n)
+  return _take_copies(x, rows.astype(jnp.int32), inverse.astype(jnp.int32))
+
+
+@jax.custom_vjp
+def _take_copies(x, rows, inverse):
+  del inverse
+  return jnp.take(x, rows, axis=0)
+
+
+def _take_copies_fwd(x, rows, inverse):
+  return _take_copies(x, rows, inverse), (inverse, x.shape[0])
+
+
+def _take_copies_bwd(res, g):
+  inverse, n = res
+  if n == 0:
+    return jnp.zeros(g.shape, g.dtype), None, None
+  copies = jnp.take(g, inverse, axis=0).reshape(n, inverse.shape[0] // n, *g.shape[1:])
+  acc = jnp.promote_types(g.dtype, jnp.float32)
+  return jnp.sum(copies, axis=1, dtype=acc).astype(g.dtype), None, None
+
+
+_take_copies.defvjp(_take_copies_fwd, _take_copies_bwd)

@@ -464,7 +464,7 @@ class MoE(nn.Module):
       if not isinstance(x_in, kernels.OperandRows):
         x_in, rows = x_in.astype(dt), order // k
       gu = kernels.grouped_matmul(x_in, w_gu, group_sizes, out_dtype=dt, rows=rows,
-                                  tables=tables, keep_chunks=True)
+                                  rows_inverse=inverse, tables=tables, keep_chunks=True)
       h = _down_input_site(gu, f, w_dn, tables, order, inverse, (b, t, k), self.guided, ctx,
                            guidance, records)
       defer = decode and not c.shared_ffn_size and kernels.combine_in_kernel()
