@@ -73,11 +73,15 @@ def sample_error(got, rows, g_host, sample) -> float:
 
 def plot(json_path: str) -> str:
   """Bars of us a call per variant, one panel per case (log scale); PNG beside the JSON."""
+  with open(json_path) as f:  # each case's shape as it ran (a case's shape may change later)
+    shapes = {r["case"]: r for r in json.load(f)["rows"]}
+
   def title(case):
-    kind, n, per, d = CASES[case]
-    if kind == "dispatch":
-      return f"{case}: {n} tokens x top-{per}, width {d}"
-    return f"{case}: {per} tokens of {n}, width {d}"
+    r = shapes[case]
+    if r["kind"] == "dispatch":
+      k = r["cotangent_rows"] // r["x_rows"]
+      return f"{case}: {r['x_rows']} tokens x top-{k}, width {r['width']}"
+    return f"{case}: {r['cotangent_rows']} tokens of {r['x_rows']}, width {r['width']}"
   return bench_util.site_bars(json_path, title, log=True, panel="case")
 
 

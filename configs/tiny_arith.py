@@ -65,7 +65,8 @@ def get_config():
       # True: the train (and SFT) steps compiled with XLA's deterministic ops, every scatter
       # made deterministic (1.4x the train step on an H100 at the mid shape). Not needed for
       # this model: its gathers that repeat rows add their gradients in a fixed order
-      # (`kernels.take_rows`), so a GPU run repeats itself and resumes with the same numbers
+      # (`kernels.take_rows`, `kernels.take_copies`), so a GPU run repeats itself and resumes
+      # with the same numbers
       deterministic=False))
 
   # Device mesh (trace_jax.parallel), rollout and trainer colocated: axis sizes, -1 = fill with

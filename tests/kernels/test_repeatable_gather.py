@@ -68,9 +68,9 @@ def _dispatch_case(n=11, k=3, tail=(4,), seed=3):
   return x, order // k, inverse, g
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_take_copies_gradient_sums_each_tokens_slots(dtype):
-  x, rows, inverse, g = _dispatch_case()
+@pytest.mark.parametrize("dtype,tail", [(jnp.float32, (2, 3)), (jnp.bfloat16, (4,))])
+def test_take_copies_gradient_sums_each_tokens_slots(dtype, tail):
+  x, rows, inverse, g = _dispatch_case(tail=tail)
   xd, gd = jnp.asarray(x, dtype), jnp.asarray(g, dtype)
   got_x = kernels.take_copies(xd, jnp.asarray(rows), jnp.asarray(inverse))
   np.testing.assert_array_equal(np.asarray(got_x), np.asarray(xd)[rows])
@@ -94,6 +94,9 @@ def test_take_copies_checks_its_rows():
   empty = jnp.zeros((0,), jnp.int32)
   grad = jax.grad(lambda x: jnp.sum(kernels.take_copies(x, empty, empty)))(jnp.zeros((0, 2)))
   assert grad.shape == (0, 2)
+  with pytest.raises(ValueError, match="it needs rows"):
+    kernels.grouped_matmul(jnp.zeros((4, 2)), jnp.zeros((1, 2, 3)), jnp.asarray([4], jnp.int32),
+                           rows_inverse=jnp.arange(4))
 
 
 @pytest.mark.parametrize("by_rows", [False, True])

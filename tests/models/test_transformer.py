@@ -347,3 +347,37 @@ def test_combine_rows_sums_slots_in_order_and_its_derivative_is_autodiffs():
   grads = jax.grad(loss(lambda y, w: T.combine_rows(y, w, jnp.float32)), argnums=(0, 1))(y, w)
   for g, ww in zip(grads, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(ww), rtol=1e-6, atol=1e-7)
+
+
+def test_moe_dispatch_passes_each_tokens_copies_to_take_copies(monkeypatch):
+  """The MoE layer gives its dispatch the routing's inverse (`kernels.take_copies`): on real
+  routes (an eager forward, concrete arrays) rows[inverse] lists every token k times in token
+  order, once a MoE layer; and the parameters' gradient equals the plain gather's (autodiff's
+  scatter-add), float32 rounding apart."""
+  from trace_jax.kernels import dispatch  # noqa: PLC0415
+  cfg = CFG.replace(num_experts_per_tok=3)
+  params, (tokens, mask) = _params(0), _batch()
+  real, seen = dispatch.take_copies, []
+
+  def spy(x, rows, inverse):
+    seen.append((x.shape[0], np.asarray(rows), np.asarray(inverse)))
+    return real(x, rows, inverse)
+
+  monkeypatch.setattr(dispatch, "take_copies", spy)
+  with jax.disable_jit():  # (the model jits some of its calls)
+    M.apply(params, tokens, cfg, token_mask=mask)
+  assert len(seen) == cfg.num_layers
+  for n, rows, inverse in seen:
+    np.testing.assert_array_equal(rows[inverse].reshape(n, 3), np.arange(n)[:, None].repeat(3, 1))
+
+  def loss(p):
+    return jnp.mean(jax.nn.log_softmax(M.apply(p, tokens, cfg, token_mask=mask).logits)[..., 1])
+
+  monkeypatch.setattr(dispatch, "take_copies", real)
+  ours = jax.jit(jax.grad(loss))(params)
+  monkeypatch.setattr(dispatch, "take_copies", lambda x, rows, inverse: x[rows])
+  plain = jax.jit(jax.grad(loss))(params)
+  flat_ours, flat_plain = jax.tree.leaves(ours), jax.tree.leaves(plain)
+  assert any(np.abs(np.asarray(g)).max() > 1e-6 for g in flat_ours)
+  for a, b in zip(flat_ours, flat_plain, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -441,16 +441,20 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
 
   rows `[M]` ints: the sorted rows are `x[rows]` (x then holds e.g. one row per token, each
   routed to several experts); out_rows: return `result[out_rows]` (e.g. back to token order).
-  Both are plain gathers on the reference and XLA paths; the kernel path folds them into the
-  gathers that lay out its operand and read its output. tables: the FP4 kernel's chunk tables
+  On the reference and XLA paths both are gathers (rows' gradient added in a fixed order:
+  `kernels.take_copies` with rows_inverse, else `kernels.take_rows`); the kernel paths fold them
+  into the gathers that lay out their operand and read their output (no gradient). tables: the FP4 kernel's chunk tables
   from `route` (None: built from group_sizes); `row_chunks` tables come with rows in the
   caller's order, which paths other than the grouped kernels sort here first.
-  rows_inverse `[M]`: where each x row's copies lie when every x row is taken equally often
-  (`rows[rows_inverse[t * c + j]] == t`: a MoE dispatch, rows = order // k and rows_inverse =
-  order's inverse), for a gradient that sums each row's copies in slot order
+  rows_inverse `[M]` (only with rows): where each x row's copies lie when every x row is taken
+  equally often (`rows[rows_inverse[t * c + j]] == t`: a MoE dispatch, rows = order // k and
+  rows_inverse = order's inverse), for a gradient that gathers each row's copies and sums them
   (`kernels.take_copies`); without it the gradient sorts (`kernels.take_rows`)
   keep_chunks: the FP4 kernel path may return its rows ungathered (`ChunkRows`, for
   `swiglu_quantize_rows`); x may be `OperandRows` made for this call's FP4 kernel."""
+  if rows_inverse is not None and rows is None:
+    raise ValueError("grouped_matmul: rows_inverse says where x's rows repeat in rows; "
+                     "it needs rows")
   if isinstance(x, OperandRows):
     if not (isinstance(w, PackedWeight) and w.experts and use_kernel is not False):
       raise ValueError("an operand laid out for the FP4 grouped kernel, for a weight it does "

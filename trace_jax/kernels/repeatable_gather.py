@@ -14,7 +14,8 @@ rows, and each adds its repeats in a fixed order:
 - the MoE layer's dispatch of each token to its k experts (`dispatch.grouped_matmul`'s rows, on
   the XLA and reference paths): `take_copies`. Every token is taken k times and the routing's
   inverse permutation says where, so its gradient gathers each token's k cotangents and sums
-  them in slot order, with neither sort nor scatter (session 50 used `take_rows` here too).
+  them (XLA's reduction over the k slots: a fixed order), with neither sort nor scatter
+  (session 50 used `take_rows` here too).
   Its backward at a 30B-A3B layer's 32,768 tokens x top-8, width 2048, bf16 (H100, session 51,
   benchmarks/bench_take_rows.py): 0.40 ms, against 2.88 ms sorted and 4.90 ms for XLA's
   scatter-add.
@@ -24,7 +25,8 @@ against 0.734 s with plain gathers (one process each: within the spread between 
 
 Costs not measured: with the tokens sharded over a mesh, `take_rows`' sort runs over the whole
 batch (XLA gathers the cotangent rows to every device; on fake CPU devices: an all-gather and
-sorts where the plain gather had none). Both are custom VJPs: forward-mode differentiation
+sorts where the plain gather had none); `take_copies`' gather by the routing's global inverse
+likewise reads cotangent rows from every device. Both are custom VJPs: forward-mode differentiation
 (`jax.jvp`) through them raises.
 
 TRACE_JAX_TAKE_ROWS (an A/B switch, read at import): `repeatable` (the default), `sorted`
@@ -97,8 +99,9 @@ def take_copies(x: jax.Array, rows: jax.Array, inverse: jax.Array) -> jax.Array:
   """`x[rows]` along axis 0 where each of x's n rows is taken c = len(rows) / n times, at the
   places `inverse` lists: `rows[inverse[t * c + j]] == t` for j < c (a MoE layer's dispatch:
   rows = order // k, inverse = order's inverse permutation). Its gradient gathers row t's c
-  cotangents `g[inverse[t * c:(t + 1) * c]]` and sums them in slot order (float32 sums for
-  narrower types): one gather and a reduction, no sort, no scatter. Rows and inverse are not
+  cotangents `g[inverse[t * c:(t + 1) * c]]` and sums them (an XLA reduction over the c slots,
+  deterministic; float32 sums for narrower types): one gather and a reduction, no sort, no
+  scatter. Rows and inverse are not
   checked against each other (they are traced): a wrong inverse gives a wrong gradient."""
   if rows.ndim != 1 or inverse.shape != rows.shape:
     raise ValueError(f"take_copies: rows and inverse must be 1-D and alike, got {rows.shape} "

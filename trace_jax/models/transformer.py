@@ -460,11 +460,11 @@ class MoE(nn.Module):
                                  records)
       # sorted row i is token order[i] // k; the kernel path folds these gathers into its own
       # (an operand laid out by the site's kernel needs none)
-      rows = None
+      rows = rows_inverse = None
       if not isinstance(x_in, kernels.OperandRows):
-        x_in, rows = x_in.astype(dt), order // k
+        x_in, rows, rows_inverse = x_in.astype(dt), order // k, inverse
       gu = kernels.grouped_matmul(x_in, w_gu, group_sizes, out_dtype=dt, rows=rows,
-                                  rows_inverse=inverse, tables=tables, keep_chunks=True)
+                                  rows_inverse=rows_inverse, tables=tables, keep_chunks=True)
       h = _down_input_site(gu, f, w_dn, tables, order, inverse, (b, t, k), self.guided, ctx,
                            guidance, records)
       defer = decode and not c.shared_ffn_size and kernels.combine_in_kernel()
