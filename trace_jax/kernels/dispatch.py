@@ -443,9 +443,10 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   routed to several experts); out_rows: return `result[out_rows]` (e.g. back to token order).
   On the reference and XLA paths both are gathers (rows' gradient added in a fixed order:
   `kernels.take_copies` with rows_inverse, else `kernels.take_rows`); the kernel paths fold them
-  into the gathers that lay out their operand and read their output (no gradient). tables: the FP4 kernel's chunk tables
-  from `route` (None: built from group_sizes); `row_chunks` tables come with rows in the
-  caller's order, which paths other than the grouped kernels sort here first.
+  into the gathers that lay out their operand and read their output (no gradient).
+  tables: the FP4 kernel's chunk tables from `route` (None: built from group_sizes);
+  `row_chunks` tables come with rows in the caller's order, which paths other than the grouped
+  kernels sort here first.
   rows_inverse `[M]` (only with rows): where each x row's copies lie when every x row is taken
   equally often (`rows[rows_inverse[t * c + j]] == t`: a MoE dispatch, rows = order // k and
   rows_inverse = order's inverse), for a gradient that gathers each row's copies and sums them
