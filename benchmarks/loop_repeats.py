@@ -10,7 +10,10 @@ parameters) or in a train step (given equal rollouts).
 
 Runs in one process share their compiled programs (jit's cache), so a difference between them
 points at kernels whose results depend on timing (atomics, arrival order), not at what XLA
-compiled. --train_determinism on compiles the train step with XLA's deterministic ops
+compiled. --processes new runs each run, the killed one and its resumption each in a process of
+its own (this script as a child), as launches are: the processes share one compilation cache
+that stores every program (ROOT/xla_cache, or TRACE_JAX_COMPILATION_CACHE), as a GPU launch's
+WORKDIR/xla_cache does, so the resumed process runs the programs the killed one compiled. --train_determinism on compiles the train step with XLA's deterministic ops
 (rl.deterministic; off is the default). TRACE_JAX_COMPILATION_CACHE (a directory) makes the
 process load programs an earlier process stored, as a resumed launch does.
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import bench_util  # (a sibling module: see its docstring)
@@ -129,6 +134,51 @@ def compare_runs(base: dict, other: dict) -> dict:
           "metric_diffs": metric_diffs[:3]}
 
 
+def _child_run(a, name: str, workdir: str, stop_after: int | None = None) -> dict:
+  """One run in a process of its own (this script with --child_events): its events and order."""
+  events = os.path.join(os.path.dirname(workdir), f"{name}_events.json")
+  cmd = [sys.executable, os.path.abspath(__file__), "--steps", str(a.steps),
+         "--train_determinism", a.train_determinism, "--workdir", workdir,
+         "--child_events", events, "--child_stop_after", str(stop_after or 0)]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (configs/ is there)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout, check=False,
+                     env=env)
+  if r.returncode:
+    raise RuntimeError(f"loop_repeats child {name} failed (rc {r.returncode}): "
+                       f"{r.stderr[-2000:]}")
+  with open(events) as f:
+    return json.load(f)
+
+
+def _child(a, config, current: list) -> None:
+  """--child_events: one run of the loop in WORKDIR (stopped after --child_stop_after steps if
+  given), its events and their order written to the file."""
+  current[0] = Recorder()
+  loop.run(config, a.workdir, log=lambda *_: None, stop_after=a.child_stop_after or None)
+  with open(a.child_events, "w") as f:
+    json.dump({"events": current[0].events, "order": current[0].order}, f)
+
+
+def _runs_in_processes(a, root: str) -> list[dict]:
+  """As `_runs`, each run (and the killed run, and its resumption) a process of its own."""
+  runs = []
+  for i in range(a.runs):
+    d = os.path.join(root, f"run{i}")
+    r = _child_run(a, f"run{i}", d)
+    runs.append({"name": f"run{i}", **r, "rows": read_metrics(d)})
+  if a.kill_after:
+    d = os.path.join(root, "resumed")
+    killed = _child_run(a, "killed", d, stop_after=a.kill_after)
+    resumed = _child_run(a, "resumed", d)
+    runs.append({"name": "killed_and_resumed",
+                 "events": {**killed["events"], **resumed["events"]},
+                 "order": killed["order"] + resumed["order"],
+                 "resumed_events": resumed["events"], "rows": read_metrics(d)})
+  return runs
+
+
 def _runs(a, config, root: str, current: list) -> list[dict]:
   """The uninterrupted runs, then the killed and resumed one, each with its events and rows."""
   quiet = lambda *_: None  # noqa: E731
@@ -164,17 +214,33 @@ def main():
   ap.add_argument("--train_determinism", default="off", choices=("on", "off"),
                   help="rl.deterministic: the train step compiled with XLA's deterministic ops "
                        "(off: the default)")
+  ap.add_argument("--processes", default="one", choices=("one", "new"),
+                  help="one: every run in this process; new: each run, the killed run and its "
+                       "resumption in a process of its own, sharing one compilation cache")
+  ap.add_argument("--child_timeout", type=float, default=600, help="seconds, --processes new")
   ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
   ap.add_argument("--out", default="loop_repeats.json")
+  ap.add_argument("--child_events", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--child_stop_after", type=int, default=0, help=argparse.SUPPRESS)
   a = ap.parse_args()
-  cache_dir = compilation_cache.enable()
-  config = small_config(a.steps, a.train_determinism == "on")
   root = a.workdir or tempfile.mkdtemp(prefix="loop_repeats_")
+  if a.processes == "new" and not a.child_events:
+    os.environ.setdefault(compilation_cache.ENV, os.path.join(root, "xla_cache"))
+  # a new process's programs come from the cache only if each was stored, however fast it
+  # compiled (the launcher's WORKDIR/xla_cache stores every one)
+  cache_dir = compilation_cache.enable(
+      min_compile_secs=0.0 if (a.processes == "new" or a.child_events) else 1.0)
+  config = small_config(a.steps, a.train_determinism == "on")
   current = [None]
   restore = instrument(current, {loop.step_seed(int(config.seed), s, "rollout")
                                  for s in range(a.steps)})
   try:
-    runs = _runs(a, config, root, current)
+    if a.child_events:
+      return _child(a, config, current)
+    if a.processes == "new":
+      runs = _runs_in_processes(a, root)
+    else:
+      runs = _runs(a, config, root, current)
   finally:
     restore()  # the loop's own engine and (cached) learner again, for whatever runs next
   out = {**run_info(), "benchmark": "loop_repeats", **vars(a), "compilation_cache": cache_dir,
@@ -182,6 +248,8 @@ def main():
   base = runs[0]
   for r in runs:
     row = {"name": r["name"], "events": r["events"]}
+    if "resumed_events" in r:  # what the resumption ran (the steps after the last checkpoint)
+      row["resumed_events"] = r["resumed_events"]
     if r is not base:
       row["against_run0"] = compare_runs(base, r)
       c = row["against_run0"]

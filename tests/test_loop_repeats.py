@@ -52,6 +52,27 @@ def test_run_and_resumed_run_agree(tmp_path, monkeypatch):
   assert c["first_differing_step"] is None
 
 
+@pytest.mark.slow  # the RL loop in three processes (~50 s on 2 cores)
+def test_resumed_in_a_new_process_agrees(tmp_path, monkeypatch):
+  """--processes new: the killed run and its resumption each a process of its own, sharing the
+  compilation cache, against an uninterrupted run in a third."""
+  import loop_repeats  # noqa: PLC0415
+  out = tmp_path / "loop.json"
+  monkeypatch.delenv("TRACE_JAX_COMPILATION_CACHE", raising=False)
+  monkeypatch.setattr(sys, "argv", ["loop_repeats.py", "--runs", "1", "--steps", "4",
+                                    "--kill_after", "3", "--processes", "new",
+                                    "--workdir", str(tmp_path / "w"), "--out", str(out)])
+  loop_repeats.main()
+  monkeypatch.delenv("TRACE_JAX_COMPILATION_CACHE", raising=False)  # (main set it for its runs)
+  runs = json.loads(out.read_text())["runs"]
+  c = runs[1]["against_run0"]
+  assert c["events_compared"] == 10 and c["events_differing"] == 0
+  assert c["first_differing_step"] is None
+  # the resumption redid the steps after the last checkpoint (step 2): rollouts 3 and 4
+  assert sum(k.startswith("rollout/") for k in runs[1]["resumed_events"]) == 2
+  assert any((tmp_path / "w" / "xla_cache").iterdir())
+
+
 @pytest.mark.slow  # two train-step compiles
 def test_train_determinism_variants_repeat(tmp_path, monkeypatch):
   import train_determinism  # noqa: PLC0415
