@@ -45,7 +45,8 @@ def test_off_without_a_path(monkeypatch):
 
 def test_workdir_default_on_gpu_only(tmp_path, monkeypatch):
   """Unset anywhere, a run's workdir holds the cache on a GPU (every program stored), and
-  nothing is cached elsewhere; the flag's '' or the environment's directory still decide."""
+  nothing is cached elsewhere; the flag's '' or the environment's directory still decide, and a
+  GPU run with a workdir stores every program there too (fresh compiles may differ)."""
   import jax
   from trace_jax import compilation_cache
   monkeypatch.delenv(compilation_cache.ENV, raising=False)
@@ -63,6 +64,10 @@ def test_workdir_default_on_gpu_only(tmp_path, monkeypatch):
     other = str(tmp_path / "elsewhere")
     monkeypatch.setenv(compilation_cache.ENV, other)
     assert compilation_cache.enable(workdir=wd, platform="gpu") == other
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    assert compilation_cache.enable(workdir=wd, platform="cpu") == other
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+    assert compilation_cache.enable(workdir=None, platform="gpu") == other
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
   finally:
     jax.config.update("jax_compilation_cache_dir", saved[0])

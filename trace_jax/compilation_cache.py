@@ -9,8 +9,11 @@ the GPU the numbers a program gives depend on the kernels XLA's autotuner picked
 compiled, and two processes may pick differently (session 49, the 4-layer rollout at B 255 on an
 H100: every process repeated its own tokens and logprobs bit for bit, a process that loaded
 another's programs repeated that one's, and freshly compiling processes differed in logprobs,
-at 512 tokens in tokens too). A resumed run then runs the killed run's programs. Elsewhere
-(CPU) unset means off.
+at 512 tokens in tokens too; session 51, the small RL loop on an H100, each run a new process:
+freshly compiling processes parted at the first train step, processes sharing a cache that
+stored every program repeated every step, a killed run's resumption included,
+benchmarks/loop_repeats.py --processes new). A resumed run then runs the killed run's programs.
+Elsewhere (CPU) unset means off.
 """
 
 from __future__ import annotations
@@ -37,16 +40,18 @@ def enable(path: str | None = None, min_compile_secs: float = 1.0, *,
            workdir: str | None = None, platform: str | None = None) -> str | None:
   """Turn the cache on at `path` (default: the flag, then the environment). Returns the
   directory in use, or None when caching stays off. Programs that compile faster than
-  `min_compile_secs` are not stored. With no directory given anywhere and a `workdir` on a GPU
-  (`platform`, default the default backend: call after `distributed.initialize`), the cache is
-  WORKDIR/xla_cache and stores every program."""
+  `min_compile_secs` are not stored, except in a run with a `workdir` on a GPU (`platform`,
+  default the default backend: call after `distributed.initialize`), which stores every program
+  wherever its cache is (a program compiled afresh may give other numbers). With no directory
+  given anywhere, such a run's cache is WORKDIR/xla_cache."""
   if path is None:
     path = flags.FLAGS.compilation_cache if ("compilation_cache" in flags.FLAGS
                                              and flags.FLAGS.is_parsed()) else None
   path = path if path is not None else os.environ.get(ENV)
-  if path is None and workdir:
-    if (platform or jax.default_backend()) == "gpu":
-      path, min_compile_secs = os.path.join(workdir, "xla_cache"), 0.0
+  if path == "":
+    return None
+  if workdir and (platform or jax.default_backend()) == "gpu":
+    path, min_compile_secs = path or os.path.join(workdir, "xla_cache"), 0.0
   if not path:
     return None
   path = os.path.abspath(os.path.expanduser(path))
