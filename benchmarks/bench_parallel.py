@@ -72,12 +72,7 @@ from trace_jax.rollout import RolloutEngine, SamplingParams  # noqa: E402
 def model_config(preset: str):
   """The trainer's config (float32 masters; the rollout's bf16, as in the configs) for a preset
   name (see the module docstring)."""
-  shape = dict(max_seq_len=A.prompt_len + A.max_new, dtype="float32")
-  if preset.startswith("a3b_l"):
-    return M.qwen3_30b_a3b(num_layers=int(preset[len("a3b_l"):]), **shape)
-  if preset not in bench_util.SMALL_MOE:
-    raise ValueError(f"unknown preset {preset!r}: tiny, mid or a3b_l<layers>")
-  return bench_util.small_moe_config(preset, **shape)
+  return bench_util.trainer_config(preset, max_seq_len=A.prompt_len + A.max_new, dtype="float32")
 
 
 def parse_setting(name: str) -> dict:

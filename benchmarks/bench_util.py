@@ -27,6 +27,17 @@ def small_moe_config(preset: str, **fields):
   return M.tiny(vocab_size=128, rope_theta=10000.0, **fields, **SMALL_MOE[preset])
 
 
+def trainer_config(preset: str, **fields):
+  """A trainer benchmark's model: a `SMALL_MOE` preset, or "a3b_l<N>" (the Qwen3-30B-A3B shape
+  with N layers); other config fields (max_seq_len, dtype) given."""
+  from trace_jax import models as M  # noqa: PLC0415
+  if preset.startswith("a3b_l") and preset[len("a3b_l"):].isdigit():
+    return M.qwen3_30b_a3b(num_layers=int(preset[len("a3b_l"):]), **fields)
+  if preset not in SMALL_MOE:
+    raise ValueError(f"unknown preset {preset!r}: one of {sorted(SMALL_MOE)} or a3b_l<layers>")
+  return small_moe_config(preset, **fields)
+
+
 def digest(*trees) -> str:
   """The first 16 hex digits of the SHA-256 of every array leaf's bytes, in order: how the
   repeat benchmarks compare runs' numbers (tokens, logprobs, parameters)."""

@@ -8,6 +8,11 @@ last-bit differences in the gradient; benchmarks/loop_repeats.py is the sensitiv
 
   PYTHONPATH=. python benchmarks/train_determinism.py --out $OUT/train_determinism.json
 
+--gathers repeatable,sorted,plain times the step with each of the gathers' gradients
+(`kernels.take_rows` / `take_copies`' settings, as TRACE_JAX_TAKE_ROWS names them) in this
+process, each variant with each gather (rows "VARIANT/GATHER"); --preset a3b_l4 is the
+Qwen3-30B-A3B shape with 4 layers.
+
 Variants (--variants, in order): off (no option), deterministic_ops (xla_gpu_deterministic_ops:
 what rl.deterministic sets), scatter (xla_gpu_enable_scatter_determinism_expander), reductions
 (xla_gpu_deterministic_reductions), scatter_reductions (both), exclude
@@ -26,6 +31,7 @@ import numpy as np
 import bench_util  # (a sibling module: see its docstring)
 from trace_jax import models as M
 from trace_jax import quant as tq
+from trace_jax.kernels import repeatable_gather
 from trace_jax.provenance import run_info
 from trace_jax.rl import train_step as ts
 from trace_jax.rollout import RolloutEngine, SamplingParams
@@ -45,7 +51,9 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--variants", default="off,scatter_reductions,scatter,deterministic_ops,"
                   "reductions")
-  ap.add_argument("--preset", default="mid", choices=tuple(bench_util.SMALL_MOE))
+  ap.add_argument("--preset", default="mid", help="tiny, mid or a3b_l<layers>")
+  ap.add_argument("--gathers", default="", help="TRACE_JAX_TAKE_ROWS values to run in turn "
+                  "(default: the setting's own)")
   ap.add_argument("--prompts", type=int, default=32)
   ap.add_argument("--samples", type=int, default=8)
   ap.add_argument("--prompt_len", type=int, default=16)
@@ -55,8 +63,8 @@ def main():
   ap.add_argument("--reps", type=int, default=2, help="timed steps after the repeats")
   ap.add_argument("--out", default="train_determinism.json")
   a = ap.parse_args()
-  config = bench_util.small_moe_config(a.preset, max_seq_len=a.prompt_len + a.max_new,
-                                       dtype="float32")
+  config = bench_util.trainer_config(a.preset, max_seq_len=a.prompt_len + a.max_new,
+                                     dtype="float32")
   policy = tq.make_policy("paper", "nvfp4").replace(guided_layers=0.5)
   params = M.init_params(config, jax.random.key(0))
   rng = np.random.default_rng(0)
@@ -76,39 +84,55 @@ def main():
                                   optimizer=optimizer)
   out = {**run_info(), "benchmark": "train_determinism", **vars(a), "rows": len(rewards),
          "variants": {}}
-  for name in a.variants.split(","):
-    step = jax.jit(fn, donate_argnums=(0,), compiler_options=VARIANTS[name])
-    row = {"compiler_options": VARIANTS[name], "hashes": []}
-    try:
-      for i in range(a.repeats):
-        state = jax.device_put(host_state)
-        t = time.perf_counter()
-        for _ in range(a.chain):
-          state, m = step(state, batch)
-        jax.block_until_ready(state)
-        if i == 0:
-          row["first_chain_s"] = time.perf_counter() - t  # the compile included
-        row["hashes"].append(bench_util.digest(state.params))
-        del state, m
-      for _ in range(a.reps):
-        state = jax.block_until_ready(jax.device_put(host_state))  # the upload not timed
-        t = time.perf_counter()
-        new, m = step(state, batch)
-        jax.block_until_ready(new)
-        row.setdefault("step_s", []).append(time.perf_counter() - t)
-        del new, m
-      row["repeatable"] = len(set(row["hashes"])) == 1
-      row["step_s_median"] = float(np.median(row["step_s"]))
-    except Exception as e:  # noqa: BLE001 - record it and go on with the other variants
-      row["error"] = f"{type(e).__name__}: {e}"[:1500]
-    out["variants"][name] = row
-    base = out["variants"].get("off", {}).get("step_s_median")
-    if base and "step_s_median" in row:
-      row["step_over_off"] = row["step_s_median"] / base
-    print(name, json.dumps({k: v for k, v in row.items() if k != "compiler_options"}),
-          flush=True)
-    with open(a.out, "w") as f:
-      json.dump(out, f, indent=1)
+  gathers = a.gathers.split(",") if a.gathers else [None]
+  choices = ("repeatable", "sorted", "plain")
+  if any(g not in choices for g in gathers if g is not None):
+    raise SystemExit(f"--gathers: each of {', '.join(choices)}, got {a.gathers!r}")
+  setting = repeatable_gather._TAKE_ROWS
+  try:
+    for variant, gather in [(v, g) for v in a.variants.split(",") for g in gathers]:
+      name = variant if gather is None else f"{variant}/{gather}"
+      if gather is not None:  # read when the step is traced (below, at its first call)
+        repeatable_gather._TAKE_ROWS = gather
+      step = jax.jit(fn, donate_argnums=(0,), compiler_options=VARIANTS[variant])
+      row = {"compiler_options": VARIANTS[variant], "hashes": [],
+             "gather": gather or repeatable_gather._TAKE_ROWS}
+      try:
+        for i in range(a.repeats):
+          state = jax.device_put(host_state)
+          t = time.perf_counter()
+          for _ in range(a.chain):
+            state, m = step(state, batch)
+          jax.block_until_ready(state)
+          if i == 0:
+            row["first_chain_s"] = time.perf_counter() - t  # the compile included
+          row["hashes"].append(bench_util.digest(state.params))
+          del state, m
+        for _ in range(a.reps):
+          state = jax.block_until_ready(jax.device_put(host_state))  # the upload not timed
+          t = time.perf_counter()
+          new, m = step(state, batch)
+          jax.block_until_ready(new)
+          row.setdefault("step_s", []).append(time.perf_counter() - t)
+          del new, m
+        row["repeatable"] = len(set(row["hashes"])) == 1
+        row["step_s_median"] = float(np.median(row["step_s"]))
+      except Exception as e:  # noqa: BLE001 - record it and go on with the other variants
+        row["error"] = f"{type(e).__name__}: {e}"[:1500]
+      out["variants"][name] = row
+      # over the same gather's "off" row, and over the first gather's row of this variant
+      for key, base_name in (("step_over_off", "off" if gather is None else f"off/{gather}"),
+                             ("step_over_first_gather",
+                              None if gather is None else f"{variant}/{gathers[0]}")):
+        base = out["variants"].get(base_name, {}).get("step_s_median")
+        if base and "step_s_median" in row:
+          row[key] = row["step_s_median"] / base
+      print(name, json.dumps({k: v for k, v in row.items() if k != "compiler_options"}),
+            flush=True)
+      with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+  finally:
+    repeatable_gather._TAKE_ROWS = setting  # (this process's setting again)
 
 
 if __name__ == "__main__":

@@ -79,12 +79,19 @@ def test_train_determinism_variants_repeat(tmp_path, monkeypatch):
   out = tmp_path / "td.json"
   monkeypatch.setattr(sys, "argv", [
       "train_determinism.py", "--preset", "tiny", "--prompts", "4", "--samples", "2",
-      "--max_new", "8", "--variants", "off,deterministic_ops", "--out", str(out)])
+      "--max_new", "8", "--variants", "off,deterministic_ops", "--gathers", "repeatable,sorted",
+      "--out", str(out)])
   train_determinism.main()
   variants = json.loads(out.read_text())["variants"]
+  assert sorted(variants) == ["deterministic_ops/repeatable", "deterministic_ops/sorted",
+                              "off/repeatable", "off/sorted"]
   assert all(v["repeatable"] for v in variants.values())
   # the compile option changes nothing on CPU: both variants end at the same parameters
-  assert variants["off"]["hashes"][0] == variants["deterministic_ops"]["hashes"][0]
+  assert (variants["off/repeatable"]["hashes"][0]
+          == variants["deterministic_ops/repeatable"]["hashes"][0])
+  # the gathers' sums differ in order only: at tiny's top-2 a sum of two, the same bits
+  assert variants["off/repeatable"]["hashes"][0] == variants["off/sorted"]["hashes"][0]
+  assert variants["off/sorted"]["gather"] == "sorted"
 
 
 def test_plot_train_determinism_table(tmp_path, capsys, monkeypatch):
