@@ -1,5 +1,5 @@
-"""Does the RL loop give the same numbers when run again, and when killed and resumed? One process
-runs the small RL loop (tiny_arith with the loop tests' settings: no SFT, 6 steps of 4 prompts x
+"""Does the RL loop give the same numbers when run again, and when killed and resumed? This runs
+the small RL loop (tiny_arith with the loop tests' settings: no SFT, 6 steps of 4 prompts x
 4 samples, eval every 3, a checkpoint every 2) RUNS times uninterrupted, each in its own
 workdir, then once killed after KILL_AFTER steps and resumed. Each rollout call's tokens and
 logprobs and each train step's new parameters are hashed as they happen, keyed by the step, so
@@ -13,8 +13,9 @@ points at kernels whose results depend on timing (atomics, arrival order), not a
 compiled. --processes new runs each run, the killed one and its resumption each in a process of
 its own (this script as a child), as launches are: the processes share one compilation cache
 that stores every program (ROOT/xla_cache, or TRACE_JAX_COMPILATION_CACHE), as a GPU launch's
-WORKDIR/xla_cache does, so the resumed process runs the programs the killed one compiled. --train_determinism on compiles the train step with XLA's deterministic ops
-(rl.deterministic; off is the default). TRACE_JAX_COMPILATION_CACHE (a directory) makes the
+WORKDIR/xla_cache does, so the resumed process runs the programs the killed one compiled.
+--train_determinism on compiles the train step with XLA's deterministic ops (rl.deterministic;
+off is the default). TRACE_JAX_COMPILATION_CACHE (a directory) makes the
 process load programs an earlier process stored, as a resumed launch does.
 """
 
@@ -143,8 +144,11 @@ def _child_run(a, name: str, workdir: str, stop_after: int | None = None) -> dic
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (configs/ is there)
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-  r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout, check=False,
-                     env=env)
+  try:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout,
+                       check=False, env=env)
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"loop_repeats child {name} failed: no end in {a.child_timeout} s") from e
   if r.returncode:
     raise RuntimeError(f"loop_repeats child {name} failed (rc {r.returncode}): "
                        f"{r.stderr[-2000:]}")

@@ -94,10 +94,16 @@ def main():
       name = variant if gather is None else f"{variant}/{gather}"
       if gather is not None:  # read when the step is traced (below, at its first call)
         repeatable_gather._TAKE_ROWS = gather
-      step = jax.jit(fn, donate_argnums=(0,), compiler_options=VARIANTS[variant])
+      # a new function each time: jit's trace cache is keyed by the function, so `fn` itself
+      # would give every gather the first gather's trace
+      step = jax.jit(lambda s, b: fn(s, b), donate_argnums=(0,),
+                     compiler_options=VARIANTS[variant])
       row = {"compiler_options": VARIANTS[variant], "hashes": [],
              "gather": gather or repeatable_gather._TAKE_ROWS}
       try:
+        # sorts in the traced step: tells the gathers' programs apart (the sorted one has more)
+        row["sorts_in_program"] = step.lower(host_state, batch).as_text().count(
+            "stablehlo.sort")
         for i in range(a.repeats):
           state = jax.device_put(host_state)
           t = time.perf_counter()

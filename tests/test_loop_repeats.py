@@ -56,14 +56,21 @@ def test_run_and_resumed_run_agree(tmp_path, monkeypatch):
 def test_resumed_in_a_new_process_agrees(tmp_path, monkeypatch):
   """--processes new: the killed run and its resumption each a process of its own, sharing the
   compilation cache, against an uninterrupted run in a third."""
+  import jax  # noqa: PLC0415
   import loop_repeats  # noqa: PLC0415
   out = tmp_path / "loop.json"
-  monkeypatch.delenv("TRACE_JAX_COMPILATION_CACHE", raising=False)
+  # the cache main would choose, set here so that monkeypatch takes it away after
+  monkeypatch.setenv("TRACE_JAX_COMPILATION_CACHE", str(tmp_path / "w" / "xla_cache"))
   monkeypatch.setattr(sys, "argv", ["loop_repeats.py", "--runs", "1", "--steps", "4",
                                     "--kill_after", "3", "--processes", "new",
                                     "--workdir", str(tmp_path / "w"), "--out", str(out)])
-  loop_repeats.main()
-  monkeypatch.delenv("TRACE_JAX_COMPILATION_CACHE", raising=False)  # (main set it for its runs)
+  saved = (jax.config.jax_compilation_cache_dir,
+           jax.config.jax_persistent_cache_min_compile_time_secs)
+  try:
+    loop_repeats.main()
+  finally:  # (main turned this process's cache on)
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
   runs = json.loads(out.read_text())["runs"]
   c = runs[1]["against_run0"]
   assert c["events_compared"] == 10 and c["events_differing"] == 0
@@ -92,6 +99,9 @@ def test_train_determinism_variants_repeat(tmp_path, monkeypatch):
   # the gathers' sums differ in order only: at tiny's top-2 a sum of two, the same bits
   assert variants["off/repeatable"]["hashes"][0] == variants["off/sorted"]["hashes"][0]
   assert variants["off/sorted"]["gather"] == "sorted"
+  # each gather its own trace (jit's cache would give them the first one's: no more sorts)
+  assert variants["off/sorted"]["sorts_in_program"] > variants["off/repeatable"][
+      "sorts_in_program"]
 
 
 def test_plot_train_determinism_table(tmp_path, capsys, monkeypatch):

@@ -13,7 +13,8 @@ at 512 tokens in tokens too; session 51, the small RL loop on an H100, each run 
 freshly compiling processes parted at the first train step, processes sharing a cache that
 stored every program repeated every step, a killed run's resumption included,
 benchmarks/loop_repeats.py --processes new). A resumed run then runs the killed run's programs.
-Elsewhere (CPU) unset means off.
+Elsewhere (CPU) unset means off. A GPU run with a workdir stores every program in a cache named
+by the flag or the environment too.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def define_flags() -> None:
   flags.DEFINE_string("compilation_cache", None,
                       f"Directory of the persistent XLA compilation cache (default: ${ENV}; "
                       "else, for a run with a workdir on a GPU, WORKDIR/xla_cache, which makes "
-                      "a resumed run repeat the killed one's numbers; else off). '' turns it "
-                      "off.")
+                      "a resumed run repeat the killed one's numbers; else off; a GPU run with "
+                      "a workdir stores every program wherever the cache is). '' turns it off.")
 
 
 def enable(path: str | None = None, min_compile_secs: float = 1.0, *,
