@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -85,23 +84,6 @@ def plot(json_path: str) -> str:
   return bench_util.site_bars(json_path, title, log=True, panel="case")
 
 
-def device_us(fn, args, iters: int, on_gpu: bool) -> dict:
-  """{us: median time a call, kernels_per_call}: CUPTI device time on the GPU, else wall time
-  (a CPU run checks the script, its times are not the GPU's)."""
-  if not on_gpu:
-    times = []
-    for _ in range(iters):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append((time.perf_counter() - t) * 1e6)
-    return dict(us=statistics.median(times))
-  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 - GPU only
-  _, tim = profiler.measure(fn.lower(*args).compile(), aggregate=False,
-                            iterations=iters)(*args)
-  return dict(us=statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim),
-              kernels_per_call=len(tim[0]))
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--cases", default=",".join(CASES))
@@ -142,7 +124,7 @@ def main():
         row["repeats_bitwise"] = bool(jnp.array_equal(first, second))
         row["sample_relerr"] = sample_error(first, rows, g_host, sample)
         del first, second
-        row.update(device_us(fn, args, a.iters, on_gpu))
+        row.update(bench_util.device_us(fn, args, a.iters, on_gpu))
         row["floor_tbps_at_us"] = floor_bytes / row["us"] / 1e6
       except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
         row["error"] = f"{type(e).__name__}: {e}"[:300]

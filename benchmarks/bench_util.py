@@ -146,6 +146,27 @@ def checked_timing(row: dict, fn, inputs: tuple, want: list, outputs, equal_key:
   return row
 
 
+def device_us(fn, args, iters: int, on_gpu: bool) -> dict:
+  """{us: median time a call of jitted `fn(*args)`, kernels_per_call}: CUPTI device time on the
+  GPU, else wall time (a CPU run checks the script; its times are not the GPU's)."""
+  import statistics
+  import time
+
+  import jax
+  if not on_gpu:
+    times = []
+    for _ in range(iters):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append((time.perf_counter() - t) * 1e6)
+    return dict(us=statistics.median(times))
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 - GPU only
+  _, tim = profiler.measure(fn.lower(*args).compile(), aggregate=False,
+                            iterations=iters)(*args)
+  return dict(us=statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim),
+              kernels_per_call=len(tim[0]))
+
+
 def keep_checked_row(res: dict, row: dict, label: str, equal_key: str, t0: float,
                      path: str) -> None:
   """A `checked_timing` row into the result: appended, printed (elapsed time, label, time a

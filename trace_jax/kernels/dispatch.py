@@ -152,6 +152,14 @@ _ROUTING = _setting("TRACE_JAX_ROUTING", "kernel", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
 # the default), up to its MAX_ROWS (kernel), or never (tokamax); tokamax's ragged_dot above
 _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "kernel"))
+# Grouped matmuls on the reference path (float32 experts: the trainer's): "tiles" (the default,
+# `tiled_grouped`: a loop over row tiles of GROUPED_TILE rows) or "ragged_dot"
+# (`reference.grouped_matmul_ref`'s definition), which XLA expands into a product E times as
+# large. Session 51: tiny train step on 2 CPU cores 0.283-0.321 s against 0.395-0.463 s; the
+# gradient of a 30B-A3B expert product (12,288 rows) compiled for an H200 with 0.62 GiB of
+# temporaries against 21 GiB. Not yet timed on a GPU (stage s51d)
+_GROUPED_REF = _setting("TRACE_JAX_GROUPED_REF", "tiles", ("tiles", "ragged_dot"))
+GROUPED_TILE = int_setting("TRACE_JAX_GROUPED_TILE", 128, minimum=1)
 # H200, 30B-A3B experts, kernel us, bf16_mgpu / tokamax (session 13, bench_kernels): gate+up
 # 14.1 / 22.2 at 8 rows, 83.0 / 103.1 at 64, 184.0 / 186.9 at 256; down 7.0 / 11.8 at 8, 45.7 /
 # 46.6 at 64. Not measured above 256 rows.
@@ -486,7 +494,8 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
     y = xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
   else:
-    y = reference.grouped_matmul_ref(x, w, group_sizes, out_dtype)
+    y = reference.grouped_matmul_ref(x, w, group_sizes, out_dtype,
+                                     tile=GROUPED_TILE if _GROUPED_REF == "tiles" else None)
   return y if out_rows is None else y[out_rows]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from trace_jax.kernels import tiled_grouped
 from trace_jax.kernels.layout import PackedWeight, decode_packed
 from trace_jax.quant import QArray, dequantize
 
@@ -46,13 +47,17 @@ def matmul_ref(x, w, out_dtype=None) -> jax.Array:
   return y.astype(out_dtype)
 
 
-def grouped_matmul_ref(x, w, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
+def grouped_matmul_ref(x, w, group_sizes: jax.Array, out_dtype=None,
+                       tile: int | None = None) -> jax.Array:
   """Rows of x `[M, K]` sorted by group; rows of group e multiply w[e] `[K, N]`. Rows past
-  sum(group_sizes) produce zeros. Empty groups are allowed."""
+  sum(group_sizes) produce zeros. Empty groups are allowed. tile: the same products by
+  `tiled_grouped` in tiles of that many rows (None: `jax.lax.ragged_dot`, the definition)."""
   out_dtype = out_dtype or _out_dtype(x)
   xo, wo = _operand(x), _operand(w)
   if isinstance(x, _QUANTIZED) or isinstance(w, _QUANTIZED):
     xo, wo = xo.astype(jnp.float32), wo.astype(jnp.float32)
+  if tile is not None:
+    return tiled_grouped.grouped_matmul(xo, wo, group_sizes, tile=tile).astype(out_dtype)
   y = jax.lax.ragged_dot(xo, wo, group_sizes.astype(jnp.int32),
                          precision=jax.lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)
