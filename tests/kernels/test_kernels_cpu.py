@@ -854,10 +854,13 @@ def test_grouped_wrapper_rows_and_out_rows_emulated():
       out_rows=i))(x, gs, order, inverse)
   want = reference.grouped_matmul_ref(x[order // top], q, gs, jnp.float32)[inverse]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-  # the dispatch's reference path applies the same gathers
+  # the dispatch's reference path applies the same gathers (its products by row tiles)
   ref = jax.jit(lambda x, g, o, i: kernels.grouped_matmul(x, q, g, jnp.float32, rows=o // top,
                                                           out_rows=i))(x, gs, order, inverse)
-  np.testing.assert_array_equal(np.asarray(ref), np.asarray(want))
+  tiled = reference.grouped_matmul_ref(x[order // top], q, gs, jnp.float32,
+                                       tile=dispatch.GROUPED_TILE)[inverse]
+  np.testing.assert_array_equal(np.asarray(ref), np.asarray(tiled))
+  np.testing.assert_allclose(np.asarray(ref), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_gpu_libraries_are_imported_before_programs_compile(monkeypatch):

@@ -88,14 +88,23 @@ def test_bad_shapes_and_tile_are_named():
                                  tile=0)
 
 
+def test_tile_for_sizes_tiles_to_the_rows():
+  assert tiled_grouped.tile_for(79, 5, 128) is None  # under 16 rows a group: ragged_dot
+  assert tiled_grouped.tile_for(80, 5, 128) == 16
+  assert tiled_grouped.tile_for(81, 5, 128) == 32  # 17 rows a group: the power of two above
+  assert tiled_grouped.tile_for(24576, 8, 128) == 128  # capped
+
+
 def test_dispatch_takes_the_tiles_by_default(monkeypatch):
   """grouped_matmul with rows (a MoE dispatch) on the tiles path (the default): the same values
   and gradient as TRACE_JAX_GROUPED_REF=ragged_dot (float32 rounding apart), and only the
   latter's program has a ragged_dot."""
-  x, w, _, _ = _case(m=17)
-  rows = jnp.asarray(np.random.default_rng(1).integers(0, 17, 17))
-  gy = np.random.default_rng(2).standard_normal((17, w.shape[2])).astype(np.float32)
-  sizes = jnp.asarray(SIZES)
+  rng = np.random.default_rng(1)
+  sizes, k, n = jnp.asarray([30, 0, 41, 16, 9]), 6, 7  # 96 rows: tiles of 32
+  x = rng.standard_normal((96, k)).astype(np.float32)
+  w = rng.standard_normal((5, k, n)).astype(np.float32)
+  rows = jnp.asarray(rng.integers(0, 96, 96))
+  gy = rng.standard_normal((96, n)).astype(np.float32)
 
   def run():  # (a new function each time: jit's trace cache is keyed by the function)
     def loss(x, w):
@@ -103,7 +112,6 @@ def test_dispatch_takes_the_tiles_by_default(monkeypatch):
     return jax.grad(loss, argnums=(0, 1))(x, w), str(jax.make_jaxpr(loss)(x, w))
 
   assert dispatch._GROUPED_REF == "tiles"
-  monkeypatch.setattr(dispatch, "GROUPED_TILE", 4)
   got, program = run()
   assert "ragged_dot" not in program
   monkeypatch.setattr(dispatch, "_GROUPED_REF", "ragged_dot")

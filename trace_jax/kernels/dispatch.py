@@ -152,8 +152,9 @@ _ROUTING = _setting("TRACE_JAX_ROUTING", "kernel", ("kernel", "xla"))
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
 # the default), up to its MAX_ROWS (kernel), or never (tokamax); tokamax's ragged_dot above
 _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "kernel"))
-# Grouped matmuls on the reference path (float32 experts: the trainer's): "tiles" (the default,
-# `tiled_grouped`: a loop over row tiles of GROUPED_TILE rows) or "ragged_dot"
+# Grouped matmuls on the reference path (float32 experts: the trainer's; on the CPU every
+# grouped matmul): "tiles" (the default, `tiled_grouped`: a loop over row tiles of up to
+# GROUPED_TILE rows, ragged_dot below 16 rows a group) or "ragged_dot"
 # (`reference.grouped_matmul_ref`'s definition), which XLA expands into a product E times as
 # large. Session 51: tiny train step on 2 CPU cores 0.283-0.321 s against 0.395-0.463 s; the
 # gradient of a 30B-A3B expert product (12,288 rows) compiled for an H200 with 0.62 GiB of
