@@ -96,10 +96,8 @@ def main():
   if a.plot:
     print(plot(a.plot))
     return
-  on_gpu = jax.default_backend() == "gpu"
-  res = bench_util.result_header(
-      "bench_take_rows", **vars(a), rows=[],
-      timing="cupti_device_time(profiler.measure)" if on_gpu else "wall_time(median)")
+  res = bench_util.result_header("bench_take_rows", **vars(a), rows=[],
+                                 timing=bench_util.device_us_timing())
   t0 = time.time()
   for name in a.cases.split(","):
     kind, n, per, d = CASES[name]
@@ -124,7 +122,7 @@ def main():
         row["repeats_bitwise"] = bool(jnp.array_equal(first, second))
         row["sample_relerr"] = sample_error(first, rows, g_host, sample)
         del first, second
-        row.update(bench_util.device_us(fn, args, a.iters, on_gpu))
+        row.update(bench_util.device_us(fn, args, a.iters))
         row["floor_tbps_at_us"] = floor_bytes / row["us"] / 1e6
       except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
         row["error"] = f"{type(e).__name__}: {e}"[:300]

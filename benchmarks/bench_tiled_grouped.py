@@ -73,10 +73,8 @@ def main():
   if a.plot:
     print(plot(a.plot))
     return
-  on_gpu = jax.default_backend() == "gpu"
-  res = bench_util.result_header(
-      "bench_tiled_grouped", **vars(a), rows=[],
-      timing="cupti_device_time(profiler.measure)" if on_gpu else "wall_time(median)")
+  res = bench_util.result_header("bench_tiled_grouped", **vars(a), rows=[],
+                                 timing=bench_util.device_us_timing())
   t0 = time.time()
   for case in a.cases.split(","):
     m, e, k, n = CASES[case]
@@ -100,7 +98,7 @@ def main():
             float(jnp.max(jnp.abs(o - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
             for o, r in zip(out[1:], want[1:], strict=True))
         del out
-        row.update(bench_util.device_us(fn, (x, w, g), a.iters, on_gpu))
+        row.update(bench_util.device_us(fn, (x, w, g), a.iters))
         row["useful_tflops"] = row["useful_gflop"] / row["us"] / 1e3
       except Exception as e_:  # noqa: BLE001 - a variant that fails is a row, not the end
         row["error"] = f"{type(e_).__name__}: {e_}"[:300]

@@ -146,14 +146,21 @@ def checked_timing(row: dict, fn, inputs: tuple, want: list, outputs, equal_key:
   return row
 
 
-def device_us(fn, args, iters: int, on_gpu: bool) -> dict:
+def device_us_timing() -> str:
+  """What `device_us` times on this backend, for a result header's `timing`."""
+  import jax
+  gpu = jax.default_backend() == "gpu"
+  return "cupti_device_time(profiler.measure)" if gpu else "wall_time(median)"
+
+
+def device_us(fn, args, iters: int) -> dict:
   """{us: median time a call of jitted `fn(*args)`, kernels_per_call}: CUPTI device time on the
   GPU, else wall time (a CPU run checks the script; its times are not the GPU's)."""
   import statistics
   import time
 
   import jax
-  if not on_gpu:
+  if jax.default_backend() != "gpu":
     times = []
     for _ in range(iters):
       t = time.perf_counter()

@@ -128,22 +128,28 @@ ncu_case() {
   python3 benchmarks/ncu_summary.py $OUT/ncu_${1}_raw.csv $OUT/ncu_${1}_sass.csv \
     --json $OUT/ncu_${1}_summary.json 2>&1 | head -40
 }
-# benchmarks/train_determinism.py with [its flags], once for each TRACE_JAX_TAKE_ROWS value in
-# GATHERS (default "repeatable plain": the fixed-order gathers and the plain one), each its own
-# process, JSON train_determinism_NAME_<gather>.json: NAME TIMEOUT [flags]
-take_rows_sides() {
-  local name=$1 limit=$2 gather
-  shift 2
-  for gather in ${GATHERS:-repeatable plain}; do
-    TRACE_JAX_TAKE_ROWS=$gather timeout -k 5 $limit python3 benchmarks/train_determinism.py \
-      "$@" --out $OUT/train_determinism_${name}_$gather.json 2>&1 | grep -v "^I1\|^W1" \
-      | grep "^[a-z_]* {\|rror" | cut -c1-400 | sed "s/^/[take_rows $gather] /"
+# benchmarks/train_determinism.py with [its flags], once for each value in VALUES of the setting
+# VARIABLE, each its own process, JSON train_determinism_NAME_<value>.json:
+# VARIABLE "VALUES" NAME TIMEOUT [flags]
+setting_sides() {
+  local var=$1 values=$2 name=$3 limit=$4 value
+  shift 4
+  for value in $values; do
+    env $var=$value timeout -k 5 $limit python3 benchmarks/train_determinism.py \
+      "$@" --out $OUT/train_determinism_${name}_$value.json 2>&1 | grep -v "^I1\|^W1" \
+      | grep "^[a-z_/]* {\|rror" | cut -c1-400 | sed "s/^/[$var=$value] /"
   done
 }
-# GPU tests of one file matching -k (log under $OUT): FILE KEYWORD NAME TIMEOUT
+# setting_sides for TRACE_JAX_TAKE_ROWS, values GATHERS (default "repeatable plain": the
+# fixed-order gathers and the plain one): NAME TIMEOUT [flags]
+take_rows_sides() {
+  setting_sides TRACE_JAX_TAKE_ROWS "${GATHERS:-repeatable plain}" "$@"
+}
+# GPU tests of one file matching -k (log under $OUT), those marked TEST_MARK (default gpu; "":
+# all of them, CPU tests run on the GPU): FILE KEYWORD NAME TIMEOUT
 gpu_tests() {
-  JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -rP -m gpu -p no:xdist -o addopts="" \
-    $1 -k "$2" > $OUT/test_$3.txt 2>&1
+  JAX_PLATFORMS=cuda timeout -k 5 $4 python3 -m pytest -q -rP -m "${TEST_MARK-gpu}" -p no:xdist \
+    -o addopts="" $1 -k "$2" > $OUT/test_$3.txt 2>&1
   echo "$3 gpu tests rc=$?"
   grep -v "^I1\|^W1" $OUT/test_$3.txt | grep -E "Error|assert|passed|failed| off: |relative error" \
     | tail -12
@@ -891,17 +897,11 @@ elif [ "$stage" = s51d ]; then
   # on the GPU, the products side by side (bench_tiled_grouped.py: forward + dx + dw, tiles of
   # 128 / 256 / 512 rows), then the mid train step with each (TRACE_JAX_GROUPED_REF), each its
   # own process, and the 4-layer 30B-A3B step with tiles (ragged_dot did not fit an H100)
-  JAX_PLATFORMS=cuda timeout -k 5 ${TEST_TIMEOUT:-90} python3 -m pytest -q -p no:xdist \
-    -o addopts="" tests/kernels/test_tiled_grouped.py > $OUT/test_tiled_grouped.txt 2>&1
-  tail -1 $OUT/test_tiled_grouped.txt
+  TEST_MARK= gpu_tests tests/kernels/test_tiled_grouped.py "" tiled_grouped ${TEST_TIMEOUT:-90}
   timeout -k 5 ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_tiled_grouped.py \
     --out $OUT/bench_tiled_grouped.json 2>&1 | grep -v "^I1\|^W1" | grep "^\[\|/ ragged\|rror"
-  for ref in ragged_dot tiles; do
-    TRACE_JAX_GROUPED_REF=$ref timeout -k 5 ${TD_TIMEOUT:-120} python3 \
-      benchmarks/train_determinism.py --variants off --chain 2 --repeats 2 --reps 5 \
-      --out $OUT/train_determinism_mid_$ref.json 2>&1 | grep "^off {\|rror" | cut -c1-400 \
-      | sed "s/^/[$ref] /"
-  done
+  setting_sides TRACE_JAX_GROUPED_REF "ragged_dot tiles" mid ${TD_TIMEOUT:-120} --variants off \
+    --chain 2 --repeats 2 --reps 5
   TRACE_JAX_GROUPED_REF=tiles timeout -k 5 ${A3B_TIMEOUT:-200} python3 \
     benchmarks/train_determinism.py --preset a3b_l4 --prompts 4 --variants off --chain 1 \
     --repeats 1 --reps 3 --out $OUT/train_determinism_a3b_l4_tiles.json 2>&1 \
@@ -938,9 +938,8 @@ elif [ "$stage" = s51a ]; then
   # own process (repeatable = take_copies in the dispatch, sorted = session 50's, plain). Ran
   # in session 51 on an H100: 30B-A3B layer backward 0.40 ms copies, 2.88 sorted, 4.90 plain;
   # the chains repeated with copies and sorted, plain gave 3 hashes in 3; steps within 0.15%
-  JAX_PLATFORMS=cuda timeout -k 5 ${TEST_TIMEOUT:-90} python3 -m pytest -q -p no:xdist \
-    -o addopts="" tests/kernels/test_repeatable_gather.py > $OUT/test_repeatable_gather.txt 2>&1
-  tail -1 $OUT/test_repeatable_gather.txt
+  TEST_MARK= gpu_tests tests/kernels/test_repeatable_gather.py "" repeatable_gather \
+    ${TEST_TIMEOUT:-90}
   timeout -k 5 ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_take_rows.py \
     --out $OUT/bench_take_rows.json 2>&1 | grep -v "^I1\|^W1" | grep "^\[\|/ plain\|rror"
   GATHERS="repeatable sorted plain" take_rows_sides chain ${TD_TIMEOUT:-120} --variants off \

@@ -22,6 +22,7 @@ process load programs an earlier process stored, as a resumed launch does.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -156,56 +157,31 @@ def _child_run(a, name: str, workdir: str, stop_after: int | None = None) -> dic
     return json.load(f)
 
 
-def _child(a, config, current: list) -> None:
-  """--child_events: one run of the loop in WORKDIR (stopped after --child_stop_after steps if
-  given), its events and their order written to the file."""
+def _run_here(config, current: list, workdir: str, stop_after: int | None = None) -> dict:
+  """One run of the loop in this process (stopped after `stop_after` steps if given): its events
+  and their order."""
   current[0] = Recorder()
-  loop.run(config, a.workdir, log=lambda *_: None, stop_after=a.child_stop_after or None)
-  with open(a.child_events, "w") as f:
-    json.dump({"events": current[0].events, "order": current[0].order}, f)
+  loop.run(config, workdir, log=lambda *_: None, stop_after=stop_after)
+  return {"events": current[0].events, "order": current[0].order}
 
 
-def _runs_in_processes(a, root: str) -> list[dict]:
-  """As `_runs`, each run (and the killed run, and its resumption) a process of its own."""
+def _runs(a, root: str, one_run) -> list[dict]:
+  """The uninterrupted runs, then the killed and resumed one, each with its events and rows;
+  `one_run(name, workdir, stop_after=None)` runs one (here or in a child process)."""
   runs = []
   for i in range(a.runs):
     d = os.path.join(root, f"run{i}")
-    r = _child_run(a, f"run{i}", d)
-    runs.append({"name": f"run{i}", **r, "rows": read_metrics(d)})
+    runs.append({"name": f"run{i}", **one_run(f"run{i}", d), "rows": read_metrics(d)})
   if a.kill_after:
     d = os.path.join(root, "resumed")
-    killed = _child_run(a, "killed", d, stop_after=a.kill_after)
-    resumed = _child_run(a, "resumed", d)
+    killed = one_run("killed", d, a.kill_after)
+    resumed = one_run("resumed", d)
+    # the resumed run redoes the steps after the last checkpoint: its events replace the
+    # killed run's for them
     runs.append({"name": "killed_and_resumed",
                  "events": {**killed["events"], **resumed["events"]},
                  "order": killed["order"] + resumed["order"],
                  "resumed_events": resumed["events"], "rows": read_metrics(d)})
-  return runs
-
-
-def _runs(a, config, root: str, current: list) -> list[dict]:
-  """The uninterrupted runs, then the killed and resumed one, each with its events and rows."""
-  quiet = lambda *_: None  # noqa: E731
-  runs = []
-  for i in range(a.runs):
-    current[0] = Recorder()
-    d = os.path.join(root, f"run{i}")
-    loop.run(config, d, log=quiet)
-    runs.append({"name": f"run{i}", "events": current[0].events, "order": current[0].order,
-                 "rows": read_metrics(d)})
-  if a.kill_after:
-    d = os.path.join(root, "resumed")
-    current[0] = Recorder()
-    loop.run(config, d, log=quiet, stop_after=a.kill_after)
-    killed = current[0]
-    current[0] = Recorder()
-    loop.run(config, d, log=quiet)
-    # the resumed run redoes the steps after the last checkpoint: its events replace the
-    # killed run's for them
-    events = {**killed.events, **current[0].events}
-    runs.append({"name": "killed_and_resumed", "events": events,
-                 "order": killed.order + current[0].order, "resumed_events": current[0].events,
-                 "rows": read_metrics(d)})
   return runs
 
 
@@ -239,12 +215,15 @@ def main():
   restore = instrument(current, {loop.step_seed(int(config.seed), s, "rollout")
                                  for s in range(a.steps)})
   try:
-    if a.child_events:
-      return _child(a, config, current)
+    if a.child_events:  # (a child of --processes new: one run, its events to the file)
+      with open(a.child_events, "w") as f:
+        json.dump(_run_here(config, current, a.workdir, a.child_stop_after or None), f)
+      return
     if a.processes == "new":
-      runs = _runs_in_processes(a, root)
+      runs = _runs(a, root, functools.partial(_child_run, a))
     else:
-      runs = _runs(a, config, root, current)
+      runs = _runs(a, root, lambda name, d, stop_after=None: _run_here(config, current, d,
+                                                                       stop_after))
   finally:
     restore()  # the loop's own engine and (cached) learner again, for whatever runs next
   out = {**run_info(), "benchmark": "loop_repeats", **vars(a), "compilation_cache": cache_dir,

@@ -488,10 +488,13 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     rows = order if rows is None else rows[order]
     rows_inverse = None if rows_inverse is None else inverse[rows_inverse]
     out_rows = inverse if out_rows is None else inverse[out_rows]
-  if rows is not None and not isinstance(x, jax.Array):
-    x = x[rows]
-  elif rows is not None:  # a token's row repeats once per chosen expert: its gradient adds them
-    x = take_rows(x, rows) if rows_inverse is None else take_copies(x, rows, rows_inverse)
+  if rows is not None:  # a token's row repeats once per chosen expert: its gradient adds them
+    if not isinstance(x, jax.Array):
+      x = x[rows]
+    elif rows_inverse is None:
+      x = take_rows(x, rows)
+    else:
+      x = take_copies(x, rows, rows_inverse)
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
     y = xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
   else:

@@ -101,8 +101,8 @@ def take_copies(x: jax.Array, rows: jax.Array, inverse: jax.Array) -> jax.Array:
   rows = order // k, inverse = order's inverse permutation). Its gradient gathers row t's c
   cotangents `g[inverse[t * c:(t + 1) * c]]` and sums them (an XLA reduction over the c slots,
   deterministic; float32 sums for narrower types): one gather and a reduction, no sort, no
-  scatter. Rows and inverse are not
-  checked against each other (they are traced): a wrong inverse gives a wrong gradient."""
+  scatter. Rows and inverse are not checked against each other (they are traced): a wrong
+  inverse gives a wrong gradient. TRACE_JAX_TAKE_ROWS=sorted or =plain: `take_rows`."""
   if rows.ndim != 1 or inverse.shape != rows.shape:
     raise ValueError(f"take_copies: rows and inverse must be 1-D and alike, got {rows.shape} "
                      f"and {inverse.shape}")
@@ -110,10 +110,8 @@ def take_copies(x: jax.Array, rows: jax.Array, inverse: jax.Array) -> jax.Array:
   if (n == 0) != (rows.shape[0] == 0) or (n and rows.shape[0] % n):
     raise ValueError(f"take_copies: {rows.shape[0]} rows do not take each of x's {n} rows "
                      "equally often")
-  if _TAKE_ROWS == "plain":
-    return jnp.take(x, rows, axis=0)
-  if _TAKE_ROWS == "sorted":
-    return _take_rows(x, rows.astype(jnp.int32), n)
+  if _TAKE_ROWS != "repeatable":  # (its sorted sum, or the plain gather)
+    return take_rows(x, rows)
   return _take_copies(x, rows.astype(jnp.int32), inverse.astype(jnp.int32))
 
 

@@ -86,16 +86,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: 
 
 
 def _tiles(a, slot_row, t, tile):
-  """a's rows laid into the tiles `[t, tile, ...]` (a zero row for the empty slots)."""
-  padded = jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
-  return jnp.take(padded, slot_row, axis=0).reshape(t, tile, *a.shape[1:])
+  """a's rows laid into the tiles `[t, tile, ...]` (zeros for the empty slots, whose index is
+  past a's rows)."""
+  return jnp.take(a, slot_row, axis=0, mode="fill", fill_value=0).reshape(t, tile, *a.shape[1:])
 
 
 def _rows(tiles, row_slot):
-  """The tiles' rows back in row order (zeros for rows past the groups)."""
-  flat = tiles.reshape(-1, tiles.shape[-1])
-  flat = jnp.concatenate([flat, jnp.zeros((1, flat.shape[1]), flat.dtype)])
-  return jnp.take(flat, row_slot, axis=0)
+  """The tiles' rows back in row order (zeros for rows past the groups, whose slot is past the
+  tiles)."""
+  return jnp.take(tiles.reshape(-1, tiles.shape[-1]), row_slot, axis=0, mode="fill",
+                  fill_value=0)
 
 
 def _dot(a, b, precision):
@@ -123,11 +123,6 @@ def _forward(x, w, group_sizes, tile, precision):
   return _rows(yt, row_slot), (x, w, slot_row, row_slot, tile_group)
 
 
-def _grouped_fwd(x, w, group_sizes, tile, precision):
-  y, res = _forward(x, w, group_sizes, tile, precision)
-  return y, res
-
-
 def _grouped_bwd(tile, precision, res, dy):
   x, w, slot_row, row_slot, tile_group = res
   t = tile_group.shape[0]
@@ -148,4 +143,4 @@ def _grouped_bwd(tile, precision, res, dy):
   return _rows(dxt, row_slot).astype(x.dtype), dw.astype(w.dtype), None
 
 
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped.defvjp(_forward, _grouped_bwd)

@@ -261,8 +261,8 @@ def train_step(state: TrainState, batch: TrainBatch, *, config: M.ModelConfig,
 # XLA:GPU may add a gradient's scatter with atomics, in whatever order the threads arrive. The
 # model's two gathers that repeat rows take their gradients in a fixed order instead
 # (`kernels.take_rows` for the embedding, `kernels.take_copies` for the MoE dispatch: on an H100,
-# session 50, the small RL loop then repeated every step in 3
-# runs and a killed run resumed with the uninterrupted run's numbers). rl.deterministic=True
+# sessions 50-51, the small RL loop then repeated every step in 3 runs and a killed run resumed
+# with the uninterrupted run's numbers, in one process and in new ones). rl.deterministic=True
 # compiles the trainer's programs with XLA's deterministic ops as well, for a model or loss that
 # adds repeats some other way: every scatter then goes through XLA's slower deterministic
 # expander (the mid-shape train step 1.40x as long on the H100). A compile option of the
