@@ -34,16 +34,17 @@ CASES = {
 
 
 def variant_fn(name: str, sizes):
-  """jitted (x, w, g) -> (sum(y g), dx, dw) for "ragged_dot" or "tiles<T>"."""
+  """jitted (x, w, g) -> (sum(y g), dx, dw) for "ragged_dot" or "tiles<T>[x<per step>]"."""
   if name == "ragged_dot":
     def f(x, w):
       return jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST,
                                 preferred_element_type=jnp.float32)
   else:
-    tile = int(name[len("tiles"):])
+    tile, _, per_step = name[len("tiles"):].partition("x")
 
     def f(x, w):
-      return tiled_grouped.grouped_matmul(x, w, sizes, tile=tile)
+      return tiled_grouped.grouped_matmul(x, w, sizes, tile=int(tile),
+                                          per_step=int(per_step or 1))
 
   def value_and_grads(x, w, g):
     loss, (dx, dw) = jax.value_and_grad(lambda x, w: jnp.sum(f(x, w) * g), argnums=(0, 1))(x, w)
@@ -65,7 +66,8 @@ def plot(json_path: str) -> str:
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--cases", default="mid_gate_up,mid_down,a3b_gate_up_2k,a3b_down_2k")
-  ap.add_argument("--variants", default="ragged_dot,tiles128,tiles256,tiles512")
+  ap.add_argument("--variants", default="ragged_dot,tiles128,tiles256,tiles512,tiles128x4,"
+                  "tiles128x16,tiles64x8")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--out", default="bench_tiled_grouped.json")
   ap.add_argument("--plot", default="", help="only draw the PNG of this saved JSON and exit")

@@ -51,7 +51,8 @@ def digest(*trees) -> str:
 
 def result_header(benchmark: str, **extra) -> dict:
   """The provenance every benchmark JSON starts with: name, UTC date, device, jax version, the
-  commit and the source tree that ran (an A/B side's own), the command line; then `extra`."""
+  commit and the source tree that ran (an A/B side's own), the command line, the TRACE_JAX_*
+  and XLA_FLAGS settings it ran under (an A/B side is often only a setting); then `extra`."""
   import datetime
   import sys
 
@@ -62,7 +63,9 @@ def result_header(benchmark: str, **extra) -> dict:
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
               device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
               git_commit=provenance.git_commit(), source_tree=provenance.source_tree(),
-              command=" ".join([os.path.basename(sys.executable)] + sys.argv), **extra)
+              command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+              settings={k: v for k, v in sorted(os.environ.items())
+                        if k.startswith("TRACE_JAX_") or k == "XLA_FLAGS"}, **extra)
 
 
 def write_result(path: str, benchmark: str, **fields) -> dict:

@@ -24,12 +24,13 @@ def _case(m=20, k=6, n=7, seed=0):
   return x, w, gy, group
 
 
-@pytest.mark.parametrize("tile", [1, 3, 4, 32])
-def test_tile_table_places_each_row_in_a_tile_of_its_group(tile):
+@pytest.mark.parametrize("tile,per_step", [(1, 1), (3, 1), (4, 1), (32, 1), (3, 4)])
+def test_tile_table_places_each_row_in_a_tile_of_its_group(tile, per_step):
   m = 20
   slot_row, row_slot, tile_group = map(np.asarray, tiled_grouped.tile_table(
-      jnp.asarray(SIZES), m, tile))
-  t = tiled_grouped.tile_count(m, len(SIZES), tile)
+      jnp.asarray(SIZES), m, tile, per_step))
+  t = tiled_grouped.tile_count(m, len(SIZES), tile, per_step)
+  assert t % per_step == 0 and t >= -(-m // tile) + len(SIZES)
   assert tile_group.shape == (t,) and slot_row.shape == (t * tile,)
   group = np.repeat(np.arange(len(SIZES)), SIZES)
   for r, g in enumerate(group):
@@ -43,15 +44,19 @@ def test_tile_table_places_each_row_in_a_tile_of_its_group(tile):
     assert len(used) == -(-size // tile)
 
 
-@pytest.mark.parametrize("tile", [1, 3, 128])
-def test_product_and_gradient_against_enumeration(tile):
+# (3, 4): the 9-row group's three tiles in one loop step, their dw parts added in turn
+@pytest.mark.parametrize("tile,per_step", [(1, 1), (3, 1), (128, 1), (3, 4), (1, 5)])
+def test_product_and_gradient_against_enumeration(tile, per_step):
   x, w, gy, group = _case()
   sizes = jnp.asarray(SIZES)
 
-  def loss(x, w):
-    return jnp.sum(tiled_grouped.grouped_matmul(x, w, sizes, tile=tile) * gy)
+  def product(x, w):
+    return tiled_grouped.grouped_matmul(x, w, sizes, tile=tile, per_step=per_step)
 
-  y = np.asarray(tiled_grouped.grouped_matmul(x, w, sizes, tile=tile))
+  def loss(x, w):
+    return jnp.sum(product(x, w) * gy)
+
+  y = np.asarray(product(x, w))
   x64, w64, gy64 = (a.astype(np.float64) for a in (x, w, gy))
   want = np.zeros((x.shape[0], w.shape[2]))
   want_dx, want_dw = np.zeros(x.shape), np.zeros(w.shape)
@@ -83,9 +88,10 @@ def test_bf16_inputs_keep_their_dtype_in_the_gradient():
 def test_bad_shapes_and_tile_are_named():
   with pytest.raises(ValueError, match="x \\[M, K\\], w \\[E, K, N\\]"):
     tiled_grouped.grouped_matmul(jnp.zeros((4, 3)), jnp.zeros((2, 5, 2)), jnp.asarray([2, 2]))
-  with pytest.raises(ValueError, match="tile must be >= 1"):
-    tiled_grouped.grouped_matmul(jnp.zeros((4, 3)), jnp.zeros((2, 3, 2)), jnp.asarray([2, 2]),
-                                 tile=0)
+  for bad in (dict(tile=0), dict(per_step=0)):
+    with pytest.raises(ValueError, match="tile and per_step must be >= 1"):
+      tiled_grouped.grouped_matmul(jnp.zeros((4, 3)), jnp.zeros((2, 3, 2)),
+                                   jnp.asarray([2, 2]), **bad)
 
 
 def test_tile_for_sizes_tiles_to_the_rows():

@@ -161,6 +161,8 @@ _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "
 # temporaries against 21 GiB. Not yet timed on a GPU (stage s51d)
 _GROUPED_REF = _setting("TRACE_JAX_GROUPED_REF", "tiles", ("tiles", "ragged_dot"))
 GROUPED_TILE = int_setting("TRACE_JAX_GROUPED_TILE", 128, minimum=1)
+# tiles a loop step of the tiles path (one batched product of that many tiles)
+GROUPED_TILES_PER_STEP = int_setting("TRACE_JAX_GROUPED_TILES_PER_STEP", 1, minimum=1)
 # H200, 30B-A3B experts, kernel us, bf16_mgpu / tokamax (session 13, bench_kernels): gate+up
 # 14.1 / 22.2 at 8 rows, 83.0 / 103.1 at 64, 184.0 / 186.9 at 256; down 7.0 / 11.8 at 8, 45.7 /
 # 46.6 at 64. Not measured above 256 rows.
@@ -499,7 +501,8 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None, *, use_kernel: bool | None
     y = xla_grouped_matmul(x, parts, group_sizes, _out_dtype(x, out_dtype))
   else:
     y = reference.grouped_matmul_ref(x, w, group_sizes, out_dtype,
-                                     tile=GROUPED_TILE if _GROUPED_REF == "tiles" else None)
+                                     tile=GROUPED_TILE if _GROUPED_REF == "tiles" else None,
+                                     per_step=GROUPED_TILES_PER_STEP)
   return y if out_rows is None else y[out_rows]
 
 

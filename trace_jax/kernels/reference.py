@@ -48,11 +48,12 @@ def matmul_ref(x, w, out_dtype=None) -> jax.Array:
 
 
 def grouped_matmul_ref(x, w, group_sizes: jax.Array, out_dtype=None,
-                       tile: int | None = None) -> jax.Array:
+                       tile: int | None = None, per_step: int = 1) -> jax.Array:
   """Rows of x `[M, K]` sorted by group; rows of group e multiply w[e] `[K, N]`. Rows past
   sum(group_sizes) produce zeros. Empty groups are allowed. tile: the same products by
   `tiled_grouped` in tiles of at most that many rows, where the rows are many enough
-  (`tiled_grouped.tile_for`); None: `jax.lax.ragged_dot`, the definition."""
+  (`tiled_grouped.tile_for`), `per_step` tiles a loop step; None: `jax.lax.ragged_dot`, the
+  definition."""
   out_dtype = out_dtype or _out_dtype(x)
   xo, wo = _operand(x), _operand(w)
   if isinstance(x, _QUANTIZED) or isinstance(w, _QUANTIZED):
@@ -60,7 +61,8 @@ def grouped_matmul_ref(x, w, group_sizes: jax.Array, out_dtype=None,
   if tile is not None:  # (sized to the rows: at most `tile`; None for few rows)
     tile = tiled_grouped.tile_for(xo.shape[0], wo.shape[0], tile)
   if tile is not None:
-    return tiled_grouped.grouped_matmul(xo, wo, group_sizes, tile=tile).astype(out_dtype)
+    return tiled_grouped.grouped_matmul(xo, wo, group_sizes, tile=tile,
+                                        per_step=per_step).astype(out_dtype)
   y = jax.lax.ragged_dot(xo, wo, group_sizes.astype(jnp.int32),
                          precision=jax.lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)

@@ -20,6 +20,11 @@ Measured (session 51): the tiny model's train step on 2 CPU cores 0.283-0.321 s 
 (49,152 rows, 32 experts, 512 x 512) 0.31 GiB against 6 GiB. GPU times: not yet measured
 (stage s51d). `dispatch.grouped_matmul` takes it by default (TRACE_JAX_GROUPED_REF).
 
+A loop step may take `per_step` tiles at once (one batched product, their weights gathered:
+`per_step` [K, N] copies): fewer steps where each step's fixed costs (its kernel launches, the
+weight copy XLA makes for `w[g]`) are large against a small tile's product. On the CPU the
+bits do not change with it (tiny train step, 3 steps: the same parameter hash at 1 and 4).
+
 The gradient is a custom VJP in the same loop: dx tile by tile, and dw summed tile after tile
 into its group's slot (a dynamic-update-slice in the loop's carry: a fixed order, no atomics).
 Products at `precision` (HIGHEST: full float32) with float32 accumulation; the result float32.
@@ -34,18 +39,20 @@ import jax
 import jax.numpy as jnp
 
 
-def tile_count(m: int, num_groups: int, tile: int) -> int:
-  """Tiles enough for any group sizes of m rows: sum(ceil(s / tile)) <= m / tile + groups."""
-  return -(-m // tile) + num_groups
+def tile_count(m: int, num_groups: int, tile: int, per_step: int = 1) -> int:
+  """Tiles enough for any group sizes of m rows, sum(ceil(s / tile)) <= m / tile + groups,
+  rounded up to a multiple of `per_step` (the tiles one loop step multiplies)."""
+  t = -(-m // tile) + num_groups
+  return -(-t // per_step) * per_step
 
 
-def tile_table(group_sizes: jax.Array, m: int, tile: int):
+def tile_table(group_sizes: jax.Array, m: int, tile: int, per_step: int = 1):
   """(slot_row [T * tile], row_slot [m], tile_group [T]) for m rows sorted by group:
   slot s of the tiles holds row slot_row[s] (m: a zero row), row r sits at slot row_slot[r]
   (T * tile for rows past the groups: a zero row), tile t multiplies group tile_group[t]
   (tiles past the last group's: the last group, their rows zeros)."""
   e = group_sizes.shape[0]
-  t = tile_count(m, e, tile)
+  t = tile_count(m, e, tile, per_step)
   gs = group_sizes.astype(jnp.int32)
   ends = jnp.cumsum(gs)
   tiles = (gs + tile - 1) // tile
@@ -74,21 +81,25 @@ def tile_for(m: int, num_groups: int, largest: int) -> int | None:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int = 128,
-                   precision=jax.lax.Precision.HIGHEST) -> jax.Array:
+                   per_step: int = 1, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
   """float32 `[M, N]`: rows of group e of x `[M, K]` (sorted by group) times w[e] `[K, N]`, in
-  tiles of `tile` rows (see `tile_for` for a tile sized to the rows)."""
+  tiles of `tile` rows (see `tile_for` for a tile sized to the rows), `per_step` tiles a loop
+  step (one batched product: fewer, larger steps, for `per_step` weight copies of [K, N])."""
   if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != w.shape[:1]:
     raise ValueError(f"tiled grouped matmul: x [M, K], w [E, K, N], group_sizes [E]; got "
                      f"{x.shape}, {w.shape}, {group_sizes.shape}")
-  if tile < 1:
-    raise ValueError(f"tiled grouped matmul: tile must be >= 1, got {tile}")
-  return _grouped(jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes), tile, precision)
+  if tile < 1 or per_step < 1:
+    raise ValueError(f"tiled grouped matmul: tile and per_step must be >= 1, got {tile}, "
+                     f"{per_step}")
+  return _grouped(jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes), tile, per_step,
+                  precision)
 
 
-def _tiles(a, slot_row, t, tile):
-  """a's rows laid into the tiles `[t, tile, ...]` (zeros for the empty slots, whose index is
-  past a's rows)."""
-  return jnp.take(a, slot_row, axis=0, mode="fill", fill_value=0).reshape(t, tile, *a.shape[1:])
+def _tiles(a, slot_row, steps, per_step, tile):
+  """a's rows laid into the tiles `[steps, per_step, tile, ...]` (zeros for the empty slots,
+  whose index is past a's rows)."""
+  return jnp.take(a, slot_row, axis=0, mode="fill", fill_value=0).reshape(
+      steps, per_step, tile, *a.shape[1:])
 
 
 def _rows(tiles, row_slot):
@@ -98,48 +109,51 @@ def _rows(tiles, row_slot):
                   fill_value=0)
 
 
-def _dot(a, b, precision):
-  return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision=precision,
-                 preferred_element_type=jnp.float32)
+def _dot(spec, a, b, precision):
+  return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), precision=precision,
+                    preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, group_sizes, tile, precision):
-  return _forward(x, w, group_sizes, tile, precision)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped(x, w, group_sizes, tile, per_step, precision):
+  return _forward(x, w, group_sizes, tile, per_step, precision)[0]
 
 
-def _forward(x, w, group_sizes, tile, precision):
+def _forward(x, w, group_sizes, tile, per_step, precision):
   m = x.shape[0]
-  slot_row, row_slot, tile_group = tile_table(group_sizes, m, tile)
-  t = tile_group.shape[0]
-  xt = _tiles(x, slot_row, t, tile)
+  slot_row, row_slot, tile_group = tile_table(group_sizes, m, tile, per_step)
+  steps = tile_group.shape[0] // per_step
+  xt = _tiles(x, slot_row, steps, per_step, tile)
 
   def one(_, inputs):
-    x_tile, g = inputs
-    return None, _dot(x_tile, w[g], precision)
+    x_tiles, g = inputs  # [per_step, tile, K], [per_step]
+    return None, _dot("btk,bkn->btn", x_tiles, w[g], precision)
 
-  _, yt = jax.lax.scan(one, None, (xt, tile_group))
+  _, yt = jax.lax.scan(one, None, (xt, tile_group.reshape(steps, per_step)))
   # x, not its tiles (larger by the padding), kept for the backward
   return _rows(yt, row_slot), (x, w, slot_row, row_slot, tile_group)
 
 
-def _grouped_bwd(tile, precision, res, dy):
+def _grouped_bwd(tile, per_step, precision, res, dy):
   x, w, slot_row, row_slot, tile_group = res
-  t = tile_group.shape[0]
-  xt = _tiles(x, slot_row, t, tile)
-  dyt = _tiles(dy.astype(jnp.float32), slot_row, t, tile)
+  steps = tile_group.shape[0] // per_step
+  xt = _tiles(x, slot_row, steps, per_step, tile)
+  dyt = _tiles(dy.astype(jnp.float32), slot_row, steps, per_step, tile)
   k, n = w.shape[1:]
 
   def one(dw, inputs):
-    x_tile, dy_tile, g = inputs
-    dx_tile = _dot(dy_tile, w[g].T, precision)
-    # this tile's dw added to its group's slot, tile after tile (a fixed order)
-    part = jax.lax.dynamic_slice(dw, (g, 0, 0), (1, k, n))
-    dw = jax.lax.dynamic_update_slice(dw, part + _dot(x_tile.T, dy_tile, precision)[None],
-                                      (g, 0, 0))
-    return dw, dx_tile
+    x_tiles, dy_tiles, g = inputs
+    dx_tiles = _dot("btn,bkn->btk", dy_tiles, w[g], precision)
+    parts = _dot("btk,btn->bkn", x_tiles, dy_tiles, precision)
+    # each tile's dw added to its group's slot, tile after tile (a fixed order; tiles of one
+    # step may share a group)
+    for i in range(per_step):
+      part = jax.lax.dynamic_slice(dw, (g[i], 0, 0), (1, k, n))
+      dw = jax.lax.dynamic_update_slice(dw, part + parts[i][None], (g[i], 0, 0))
+    return dw, dx_tiles
 
-  dw, dxt = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), (xt, dyt, tile_group))
+  dw, dxt = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
+                         (xt, dyt, tile_group.reshape(steps, per_step)))
   return _rows(dxt, row_slot).astype(x.dtype), dw.astype(w.dtype), None
 
 
