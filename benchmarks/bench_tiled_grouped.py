@@ -101,7 +101,7 @@ def main():
             for o, r in zip(out[1:], want[1:], strict=True))
         del out
         row.update(bench_util.device_us(fn, (x, w, g), a.iters))
-        row["useful_tflops"] = row["useful_gflop"] / row["us"] / 1e3
+        row["useful_tflops"] = row["useful_gflop"] / row["us"] * 1e3  # GFLOP / us = PFLOP/s
       except Exception as e_:  # noqa: BLE001 - a variant that fails is a row, not the end
         row["error"] = f"{type(e_).__name__}: {e_}"[:300]
       res["rows"].append(row)

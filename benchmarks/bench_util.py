@@ -64,8 +64,7 @@ def result_header(benchmark: str, **extra) -> dict:
               device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
               git_commit=provenance.git_commit(), source_tree=provenance.source_tree(),
               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-              settings={k: v for k, v in sorted(os.environ.items())
-                        if k.startswith("TRACE_JAX_") or k == "XLA_FLAGS"}, **extra)
+              settings=provenance.settings(), **extra)
 
 
 def write_result(path: str, benchmark: str, **fields) -> dict:

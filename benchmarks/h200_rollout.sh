@@ -892,7 +892,9 @@ elif [ "$stage" = s46a ]; then
       "o_proj\|attn/pad\|input_norm" "o_proj $1, rows $2"
   done
 elif [ "$stage" = s51d ]; then
-  # (session 51, prepared, not run) the trainer's float32 grouped matmul by row tiles
+  # (session 51; ran in session 52 on an H100: tests passed, tiles 11-36x faster than
+  # ragged_dot with 16 a step, results/session52_h100_2026-12-06) the trainer's float32 grouped
+  # matmul by row tiles
   # (`kernels.tiled_grouped`) against XLA's ragged_dot, which XLA:GPU expands E-fold: the tests
   # on the GPU, the products side by side (bench_tiled_grouped.py: forward + dx + dw, tiles of
   # 128 / 256 / 512 rows), then the mid train step with each (TRACE_JAX_GROUPED_REF), each its
@@ -901,7 +903,8 @@ elif [ "$stage" = s51d ]; then
   timeout -k 5 ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_tiled_grouped.py \
     --out $OUT/bench_tiled_grouped.json 2>&1 | grep -v "^I1\|^W1" | grep "^\[\|/ ragged\|rror"
 elif [ "$stage" = s51e ]; then
-  # (session 52, prepared) s51d's train steps (split from it in session 52: one call each)
+  # (session 52) s51d's train steps (split from it: one call each). Ran in session 52 by hand
+  # on an H100 with a third side, 16 tiles a step: mid 0.729 / 0.241 / 0.090 s
   setting_sides TRACE_JAX_GROUPED_REF "ragged_dot tiles" mid ${TD_TIMEOUT:-120} --variants off \
     --chain 2 --repeats 2 --reps 5
   TRACE_JAX_GROUPED_REF=tiles timeout -k 5 ${A3B_TIMEOUT:-200} python3 \

@@ -1,4 +1,5 @@
-"""trace_jax.provenance: the source-tree fingerprint against git's own tree id."""
+"""trace_jax.provenance: the source-tree fingerprint against git's own tree id; the settings a
+run records."""
 
 import os
 import shutil
@@ -39,3 +40,14 @@ def test_source_tree_is_gits_tree_id(tmp_path):
   assert provenance.source_tree(str(root)) == want
   (root / "foo.py").write_text("import foo  # changed\n")
   assert provenance.source_tree(str(root)) != want
+
+
+def test_settings_are_the_trace_jax_and_xla_flags_variables(monkeypatch):
+  for name in list(os.environ):
+    if name.startswith("TRACE_JAX_") or name == "XLA_FLAGS":
+      monkeypatch.delenv(name)
+  monkeypatch.setenv("TRACE_JAX_GROUPED_REF", "ragged_dot")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  monkeypatch.setenv("NOT_TRACE_JAX_X", "1")
+  assert provenance.settings() == {"TRACE_JAX_GROUPED_REF": "ragged_dot",
+                                   "XLA_FLAGS": "--xla_dump_to=/tmp/x"}

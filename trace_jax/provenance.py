@@ -59,6 +59,12 @@ def source_tree(path: str | None = None) -> str:
   return top.hex() if top is not None else "empty"
 
 
+def settings() -> dict:
+  """The TRACE_JAX_* and XLA_FLAGS settings of this process: an A/B side is often only one."""
+  return {k: v for k, v in sorted(os.environ.items())
+          if k.startswith("TRACE_JAX_") or k == "XLA_FLAGS"}
+
+
 def run_info() -> dict:
   import jax
   dev = jax.devices()[0]
@@ -67,4 +73,4 @@ def run_info() -> dict:
               platform=platform.platform(), jax_version=jax.__version__,
               git_commit=git_commit(), source_tree=source_tree(),
               command=" ".join([sys.executable] + sys.argv),
-              xla_flags=os.environ.get("XLA_FLAGS", ""))
+              xla_flags=os.environ.get("XLA_FLAGS", ""), settings=settings())

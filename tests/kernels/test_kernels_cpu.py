@@ -858,7 +858,8 @@ def test_grouped_wrapper_rows_and_out_rows_emulated():
   ref = jax.jit(lambda x, g, o, i: kernels.grouped_matmul(x, q, g, jnp.float32, rows=o // top,
                                                           out_rows=i))(x, gs, order, inverse)
   tiled = reference.grouped_matmul_ref(x[order // top], q, gs, jnp.float32,
-                                       tile=dispatch.GROUPED_TILE)[inverse]
+                                       tile=dispatch.GROUPED_TILE,
+                                       per_step=dispatch.GROUPED_TILES_PER_STEP)[inverse]
   np.testing.assert_array_equal(np.asarray(ref), np.asarray(tiled))
   np.testing.assert_allclose(np.asarray(ref), np.asarray(want), rtol=1e-5, atol=1e-4)
 

@@ -24,13 +24,17 @@ def _case(m=20, k=6, n=7, seed=0):
   return x, w, gy, group
 
 
-@pytest.mark.parametrize("tile,per_step", [(1, 1), (3, 1), (4, 1), (32, 1), (3, 4)])
+@pytest.mark.parametrize("tile,per_step", [(1, 1), (3, 1), (4, 1), (32, 1), (3, 4), (1, 16)])
 def test_tile_table_places_each_row_in_a_tile_of_its_group(tile, per_step):
   m = 20
   slot_row, row_slot, tile_group = map(np.asarray, tiled_grouped.tile_table(
       jnp.asarray(SIZES), m, tile, per_step))
   t = tiled_grouped.tile_count(m, len(SIZES), tile, per_step)
-  assert t % per_step == 0 and t >= -(-m // tile) + len(SIZES)
+  steps, per = tiled_grouped.step_shape(m, len(SIZES), tile, per_step)
+  need = -(-m // tile) + len(SIZES)
+  # as few steps as hold the tiles, at most per_step a step, less padding than a tile a step
+  assert steps * per == t and per <= per_step and (steps - 1) * per_step < need <= t
+  assert t - need < steps
   assert tile_group.shape == (t,) and slot_row.shape == (t * tile,)
   group = np.repeat(np.arange(len(SIZES)), SIZES)
   for r, g in enumerate(group):
@@ -45,7 +49,7 @@ def test_tile_table_places_each_row_in_a_tile_of_its_group(tile, per_step):
 
 
 # (3, 4): the 9-row group's three tiles in one loop step, their dw parts added in turn
-@pytest.mark.parametrize("tile,per_step", [(1, 1), (3, 1), (128, 1), (3, 4), (1, 5)])
+@pytest.mark.parametrize("tile,per_step", [(1, 1), (3, 1), (128, 1), (3, 4), (1, 5), (4, 16)])
 def test_product_and_gradient_against_enumeration(tile, per_step):
   x, w, gy, group = _case()
   sizes = jnp.asarray(SIZES)

@@ -154,15 +154,20 @@ _ROUTING = _setting("TRACE_JAX_ROUTING", "kernel", ("kernel", "xla"))
 _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "kernel"))
 # Grouped matmuls on the reference path (float32 experts: the trainer's; on the CPU every
 # grouped matmul): "tiles" (the default, `tiled_grouped`: a loop over row tiles of up to
-# GROUPED_TILE rows, ragged_dot below 16 rows a group) or "ragged_dot"
-# (`reference.grouped_matmul_ref`'s definition), which XLA expands into a product E times as
-# large. Session 51: tiny train step on 2 CPU cores 0.283-0.321 s against 0.395-0.463 s; the
-# gradient of a 30B-A3B expert product (12,288 rows) compiled for an H200 with 0.62 GiB of
-# temporaries against 21 GiB. Not yet timed on a GPU (stage s51d)
+# GROUPED_TILE rows, GROUPED_TILES_PER_STEP tiles a loop step, ragged_dot below 16 rows a
+# group) or "ragged_dot" (`reference.grouped_matmul_ref`'s definition), which XLA expands into
+# a product E times as large. H100 (session 52): the mid train step 0.729 s with ragged_dot,
+# 0.241 with tiles of 128 one a step, 0.090 with 16 a step; one 30B-A3B expert product's
+# forward + gradient at 16,384 rows 786 ms (ragged_dot), 29.3 (tiles), 21.7 (16 a step), 20.7
+# (32); at the mid shape (1,536 rows a group) tiles of 256 were 14-19% faster than of 128, at
+# 30B-A3B's (96 rows a group, so `tile_for` keeps 128) 20-23% slower. The 4-layer 30B-A3B train
+# step, out of memory with ragged_dot, 0.262 s. The defaults (256, 32) as a pair are not yet
+# timed in a train step. On 2 CPU cores (session 51) the tiny train step 0.28-0.32 s against
+# 0.40-0.46 s, and 16 a step no different
 _GROUPED_REF = _setting("TRACE_JAX_GROUPED_REF", "tiles", ("tiles", "ragged_dot"))
-GROUPED_TILE = int_setting("TRACE_JAX_GROUPED_TILE", 128, minimum=1)
+GROUPED_TILE = int_setting("TRACE_JAX_GROUPED_TILE", 256, minimum=1)
 # tiles a loop step of the tiles path (one batched product of that many tiles)
-GROUPED_TILES_PER_STEP = int_setting("TRACE_JAX_GROUPED_TILES_PER_STEP", 1, minimum=1)
+GROUPED_TILES_PER_STEP = int_setting("TRACE_JAX_GROUPED_TILES_PER_STEP", 32, minimum=1)
 # H200, 30B-A3B experts, kernel us, bf16_mgpu / tokamax (session 13, bench_kernels): gate+up
 # 14.1 / 22.2 at 8 rows, 83.0 / 103.1 at 64, 184.0 / 186.9 at 256; down 7.0 / 11.8 at 8, 45.7 /
 # 46.6 at 64. Not measured above 256 rows.

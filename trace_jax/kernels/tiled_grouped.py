@@ -13,17 +13,26 @@ static count: at most one partly filled tile a group, the rest padding), so the 
 about M / E rows where the rows are few (`tile_for`); the temporaries are the tiled rows,
 `[(M + E tile), K]` and `[(M + E tile), N]`.
 
-Measured (session 51): the tiny model's train step on 2 CPU cores 0.283-0.321 s against
-0.395-0.463 s with ragged_dot (benchmarks/train_determinism.py, two rounds); the gradient of one
-30B-A3B expert product (12,288 rows, 128 experts, K 2048, N 1536) compiled for an H200
-(deviceless) with 0.62 GiB of temporaries against 21 GiB, and at bench_parallel's mid shape
-(49,152 rows, 32 experts, 512 x 512) 0.31 GiB against 6 GiB. GPU times: not yet measured
-(stage s51d). `dispatch.grouped_matmul` takes it by default (TRACE_JAX_GROUPED_REF).
+Measured: on an H100 (session 52, CUPTI device time of forward + dx + dw, benchmarks/
+bench_tiled_grouped.py) one 30B-A3B expert product, 16,384 rows x 128 experts, K 2048, N 1536:
+ragged_dot 786 ms, tiles of 128 rows 29.3 ms, 16 of them a loop step 21.7 ms (a second run:
+16 / 32 / 64 a step 21.7 / 20.7 / 20.2); bench_parallel's mid shape (49,152 rows, 32 experts,
+512 x 512) 56.7 / 12.1 / 4.3 ms (second run: 4.8 / 4.0 / 3.9, tiles of 256 at 16 a step 3.5);
+the mid train step 0.729 / 0.241 / 0.090 s; the 4-layer 30B-A3B train step (out of memory with
+ragged_dot) 0.262 s at 16 a step. On 2
+CPU cores (session 51) the tiny train step 0.283-0.321 s against 0.395-0.463 s with ragged_dot.
+Compiled for an H200 (deviceless), the gradient of a 12,288-row 30B-A3B expert product holds
+0.62 GiB of temporaries against 21 GiB. `dispatch.grouped_matmul` takes it by default, with
+tiles of up to 256 rows, 32 a step (TRACE_JAX_GROUPED_REF, TRACE_JAX_GROUPED_TILE,
+TRACE_JAX_GROUPED_TILES_PER_STEP).
 
 A loop step may take `per_step` tiles at once (one batched product, their weights gathered:
-`per_step` [K, N] copies): fewer steps where each step's fixed costs (its kernel launches, the
-weight copy XLA makes for `w[g]`) are large against a small tile's product. On the CPU the
-bits do not change with it (tiny train step, 3 steps: the same parameter hash at 1 and 4).
+`per_step` [K, N] copies): fewer steps where each step's fixed costs (its ~10 kernel launches,
+the weight copy XLA makes for `w[g]`) are large against a small tile's product (above: 2.9-3.8x
+faster at the mid shape, 1.35-1.49x at 30B-A3B's). On the CPU the bits do not change with it (tiny
+train step, 3 steps: the same parameter hash at 1, 4, 16 and 32); on the H100 the products
+at 16, 32 and 64 a step were bit for bit equal, the mid train step at 1 and 16 was not (each
+repeatable).
 
 The gradient is a custom VJP in the same loop: dx tile by tile, and dw summed tile after tile
 into its group's slot (a dynamic-update-slice in the loop's carry: a fixed order, no atomics).
@@ -39,11 +48,19 @@ import jax
 import jax.numpy as jnp
 
 
-def tile_count(m: int, num_groups: int, tile: int, per_step: int = 1) -> int:
-  """Tiles enough for any group sizes of m rows, sum(ceil(s / tile)) <= m / tile + groups,
-  rounded up to a multiple of `per_step` (the tiles one loop step multiplies)."""
+def step_shape(m: int, num_groups: int, tile: int, per_step: int = 1) -> tuple[int, int]:
+  """(loop steps, tiles a step) for m rows: tiles enough for any group sizes,
+  sum(ceil(s / tile)) <= m / tile + groups, in as few steps of at most `per_step` tiles as
+  can hold them, the tiles spread evenly over the steps (padding: fewer tiles than steps)."""
   t = -(-m // tile) + num_groups
-  return -(-t // per_step) * per_step
+  steps = -(-t // per_step)
+  return steps, -(-t // steps)
+
+
+def tile_count(m: int, num_groups: int, tile: int, per_step: int = 1) -> int:
+  """The tiles of `step_shape`: loop steps x tiles a step."""
+  steps, per = step_shape(m, num_groups, tile, per_step)
+  return steps * per
 
 
 def tile_table(group_sizes: jax.Array, m: int, tile: int, per_step: int = 1):
@@ -122,7 +139,7 @@ def _grouped(x, w, group_sizes, tile, per_step, precision):
 def _forward(x, w, group_sizes, tile, per_step, precision):
   m = x.shape[0]
   slot_row, row_slot, tile_group = tile_table(group_sizes, m, tile, per_step)
-  steps = tile_group.shape[0] // per_step
+  steps, per_step = step_shape(m, w.shape[0], tile, per_step)
   xt = _tiles(x, slot_row, steps, per_step, tile)
 
   def one(_, inputs):
@@ -136,7 +153,7 @@ def _forward(x, w, group_sizes, tile, per_step, precision):
 
 def _grouped_bwd(tile, per_step, precision, res, dy):
   x, w, slot_row, row_slot, tile_group = res
-  steps = tile_group.shape[0] // per_step
+  steps, per_step = step_shape(x.shape[0], w.shape[0], tile, per_step)
   xt = _tiles(x, slot_row, steps, per_step, tile)
   dyt = _tiles(dy.astype(jnp.float32), slot_row, steps, per_step, tile)
   k, n = w.shape[1:]
