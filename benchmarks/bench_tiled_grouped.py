@@ -97,8 +97,7 @@ def main():
         if want is None:
           want = out
         row["max_rel_diff_vs_first"] = max(
-            float(jnp.max(jnp.abs(o - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
-            for o, r in zip(out[1:], want[1:], strict=True))
+            bench_util.relerr_max(o, r) for o, r in zip(out[1:], want[1:], strict=True))
         del out
         row.update(bench_util.device_us(fn, (x, w, g), a.iters))
         row["useful_tflops"] = row["useful_gflop"] / row["us"] * 1e3  # GFLOP / us = PFLOP/s

@@ -132,17 +132,11 @@ def checked_timing(row: dict, fn, inputs: tuple, want: list, outputs, equal_key:
   numpy arrays) against `want` bit for bit (`row[equal_key]`), its CUPTI device time a call
   (all its kernels, median over `iters`: `us`) and kernel count (`kernels_per_call`); a
   variant that fails gets `error` instead (a row, not the end of the run)."""
-  import statistics
-
   import numpy as np
-  from jax.experimental.mosaic.gpu import profiler
   try:
     got = outputs(fn(*inputs))
     row[equal_key] = all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
-    _, tim = profiler.measure(fn.lower(*inputs).compile(), aggregate=False,
-                              iterations=iters)(*inputs)
-    row["us"] = statistics.median(sum(ms for _, ms in it) * 1e3 for it in tim)
-    row["kernels_per_call"] = len(tim[0])
+    row.update(_cupti_us(fn, inputs, iters))
   except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
     row["error"] = f"{type(e).__name__}: {e}"[:300]
   return row
@@ -159,16 +153,23 @@ def device_us(fn, args, iters: int) -> dict:
   """{us: median time a call of jitted `fn(*args)`, kernels_per_call}: CUPTI device time on the
   GPU, else wall time (a CPU run checks the script; its times are not the GPU's)."""
   import statistics
-  import time
 
   import jax
-  if jax.default_backend() != "gpu":
-    times = []
-    for _ in range(iters):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append((time.perf_counter() - t) * 1e6)
-    return dict(us=statistics.median(times))
+  if jax.default_backend() == "gpu":
+    return _cupti_us(fn, args, iters)
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t) * 1e6)
+  return dict(us=statistics.median(times))
+
+
+def _cupti_us(fn, args, iters: int) -> dict:
+  """{us: median CUPTI device time a call of jitted `fn(*args)` (all its kernels),
+  kernels_per_call}: `checked_timing`'s and `device_us`'s GPU timing."""
+  import statistics
+
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 - GPU only
   _, tim = profiler.measure(fn.lower(*args).compile(), aggregate=False,
                             iterations=iters)(*args)

@@ -19,8 +19,8 @@ ragged_dot 786 ms, tiles of 128 rows 29.3 ms, 16 of them a loop step 21.7 ms (a 
 16 / 32 / 64 a step 21.7 / 20.7 / 20.2); bench_parallel's mid shape (49,152 rows, 32 experts,
 512 x 512) 56.7 / 12.1 / 4.3 ms (second run: 4.8 / 4.0 / 3.9, tiles of 256 at 16 a step 3.5);
 the mid train step 0.729 / 0.241 / 0.090 s; the 4-layer 30B-A3B train step (out of memory with
-ragged_dot) 0.262 s at 16 a step. On 2
-CPU cores (session 51) the tiny train step 0.283-0.321 s against 0.395-0.463 s with ragged_dot.
+ragged_dot) 0.262 s at 16 a step. On 2 CPU cores (session 51) the tiny train step 0.283-0.321
+s against 0.395-0.463 s with ragged_dot.
 Compiled for an H200 (deviceless), the gradient of a 12,288-row 30B-A3B expert product holds
 0.62 GiB of temporaries against 21 GiB. `dispatch.grouped_matmul` takes it by default, with
 tiles of up to 256 rows, 32 a step (TRACE_JAX_GROUPED_REF, TRACE_JAX_GROUPED_TILE,
