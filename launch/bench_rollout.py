@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app
 from absl import flags
 
-from trace_jax import compilation_cache
+from trace_jax import compilation_cache, settings
 
 flags.DEFINE_string("preset", "tiny", "Model preset (trace_jax.models.config.PRESETS).")
 flags.DEFINE_integer("num_layers", 0, "Override the preset's layer count (0: keep it).")
@@ -402,6 +402,7 @@ def _agreement(rows, tokens_dir):
 
 def main(argv):
   del argv
+  settings.warn_unknown()
   compilation_cache.enable()
   from trace_jax import models as M
   from trace_jax.provenance import run_info

@@ -22,7 +22,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from trace_jax import compilation_cache
+from trace_jax import compilation_cache, settings
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "serve_compare.py")
@@ -35,6 +35,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  settings.warn_unknown()
   compilation_cache.enable()
   from trace_jax.rl import loop
   from trace_jax.serving import compare

@@ -15,6 +15,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from trace_jax import settings
+
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "tiny_arith.py")
 config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_config()).")
@@ -26,6 +28,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  settings.warn_unknown()
   from trace_jax.rl import compare, loop
   unknown = set(FLAGS.variants) - set(compare.VARIANTS)
   if unknown:

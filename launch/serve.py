@@ -22,7 +22,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from trace_jax import compilation_cache
+from trace_jax import compilation_cache, settings
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "serve_compare.py")
@@ -40,18 +40,19 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  settings.warn_unknown()
   compilation_cache.enable()
   import uvicorn
 
   from trace_jax.rl import loop
   from trace_jax.rollout import SamplingParams
   from trace_jax.serving import build_serving
-  from trace_jax.serving.server import build_app
+  from trace_jax.serving.server import API_KEY_ENV, build_app
   try:
     model = build_serving(FLAGS.config, FLAGS.arm, warm_sampling=SamplingParams(0.0))
   except loop.ConfigError as e:
     sys.exit(f"error: {e}")
-  key = FLAGS.api_key or os.environ.get("TRACE_JAX_API_KEY") or None
+  key = FLAGS.api_key or os.environ.get(API_KEY_ENV) or None
   if FLAGS.host not in ("127.0.0.1", "localhost", "::1") and not key:
     print(f"warning: serving on {FLAGS.host} without an API key", file=sys.stderr)
   app_ = build_app(model, api_key=key, max_body_bytes=int(FLAGS.config.serve.max_body_bytes))

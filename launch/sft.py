@@ -16,7 +16,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from trace_jax import compilation_cache
+from trace_jax import compilation_cache, settings
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                         "tiny_arith.py")
@@ -29,6 +29,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  settings.warn_unknown()
   cache = compilation_cache.enable(workdir=FLAGS.workdir)
   if cache:
     print(f"compilation cache: {cache}")

@@ -19,7 +19,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from trace_jax import compilation_cache
+from trace_jax import compilation_cache, settings
 from trace_jax.parallel import distributed
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
@@ -35,6 +35,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   distributed.initialize()  # a no-op for one process
+  settings.warn_unknown()
   cache = compilation_cache.enable(workdir=FLAGS.workdir)
   if cache:
     print(f"compilation cache: {cache}")

@@ -24,7 +24,10 @@ import os
 import jax
 from absl import flags
 
-ENV = "TRACE_JAX_COMPILATION_CACHE"
+from trace_jax.settings import declare
+
+ENV = declare("TRACE_JAX_COMPILATION_CACHE", "", "a directory",
+              "the persistent XLA compilation cache (what `--compilation_cache` defaults to)")
 
 
 def define_flags() -> None:

@@ -10,12 +10,19 @@ import platform
 import subprocess
 import sys
 
+from trace_jax import settings as _settings
+from trace_jax.settings import declare
+
+
+COMMIT_ENV = declare("TRACE_JAX_COMMIT", "", "a commit",
+                     "the commit result JSONs record outside a git checkout (device copies)")
+
 
 def git_commit() -> str:
   """HEAD of the checkout holding this package; outside a git checkout (a copy sent to a GPU
   machine) the `TRACE_JAX_COMMIT` environment variable, else "unknown"."""
-  if os.environ.get("TRACE_JAX_COMMIT"):
-    return os.environ["TRACE_JAX_COMMIT"]
+  if os.environ.get(COMMIT_ENV):
+    return os.environ[COMMIT_ENV]
   try:
     return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                    stderr=subprocess.DEVNULL,
@@ -60,7 +67,8 @@ def source_tree(path: str | None = None) -> str:
 
 
 def settings() -> dict:
-  """The TRACE_JAX_* and XLA_FLAGS settings of this process: an A/B side is often only one."""
+  """The TRACE_JAX_* and XLA_FLAGS settings of this process: an A/B side is often only one.
+  (`run_info`'s `unknown_settings` lists the TRACE_JAX_* names among them that nothing reads.)"""
   return {k: v for k, v in sorted(os.environ.items())
           if k.startswith("TRACE_JAX_") or k == "XLA_FLAGS"}
 
@@ -73,4 +81,5 @@ def run_info() -> dict:
               platform=platform.platform(), jax_version=jax.__version__,
               git_commit=git_commit(), source_tree=source_tree(),
               command=" ".join([sys.executable] + sys.argv),
-              xla_flags=os.environ.get("XLA_FLAGS", ""), settings=settings())
+              xla_flags=os.environ.get("XLA_FLAGS", ""), settings=settings(),
+              unknown_settings=_settings.unknown_names())

@@ -40,7 +40,8 @@ from trace_jax.models import transformer as T
 # Elements a program takes (whole rows: one 2,048-wide row at the 30B-A3B shape) and its warps;
 # TRACE_JAX_ADD_NORM_WARPS for the GPU's A/B (others not yet timed)
 TILE_ELEMS = 2048
-NUM_WARPS = int_setting("TRACE_JAX_ADD_NORM_WARPS", 4, minimum=1)
+NUM_WARPS = int_setting("TRACE_JAX_ADD_NORM_WARPS", 4, minimum=1,
+                        doc="warps a program of the add + norm kernel")
 MAX_ROW_ELEMS = 8192
 
 

@@ -119,17 +119,23 @@ LOG2E, LN2 = float(np.log2(np.e)), float(np.log(2.0))  # the kernel's softmax ru
 # The running max rises only when a tile's score passes it by more than this (log2 units), so
 # the probabilities stay <= 2**8 and most tiles skip the cross-warp max and the rescale.
 # TRACE_JAX_ATTN_LAZY_MAX=off: the exact running max every tile (the A/B side).
-LAZY_TAU = 8.0 if choice_setting("TRACE_JAX_ATTN_LAZY_MAX", "on", ("on", "off")) == "on" else None
+LAZY_TAU = 8.0 if choice_setting(
+    "TRACE_JAX_ATTN_LAZY_MAX", "on", ("on", "off"),
+    doc="FP4 decode attention's lazy running max (off: the exact max every tile)") == "on" else None
 _MULT_F32 = "0f7A800000"  # 2**118 as a PTX float32 literal
 # The split combine: in the kernel, by the last split of a row to finish (`_split_merger`), or
 # TRACE_JAX_ATTN_MERGE=xla: as XLA ops after the kernel (the A/B side).
-MERGE_IN_KERNEL = choice_setting("TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla")) == "kernel"
+MERGE_IN_KERNEL = choice_setting(
+    "TRACE_JAX_ATTN_MERGE", "kernel", ("kernel", "xla"),
+    doc="the split schedule's partials merged in the kernel, or by XLA after it") == "kernel"
 MERGE_UNROLL = 4  # parts whose partials the merging part loads at once
 # TMA pipeline stages, 38 KB each (`max_stages`; fewer where 4 do not fit: 3 with V through SMEM
 # whole). Without the automatic barriers a third stage pays (H200, session 22: B 64 x 32k 496.8
 # -> 468.4 us a kernel; with them it did not, session 21); with V in halves a fourth (`V_HALVES`).
 # TRACE_JAX_ATTN_STAGES: another default (A/B)
-STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 4, minimum=1)
+STAGES = int_setting(
+    "TRACE_JAX_ATTN_STAGES", 4, minimum=1,
+    doc="TMA pipeline stages of the FP4 decode attention (fewer where they do not fit)")
 # Mosaic brackets each SMEM store of a warpgroup with warpgroup barriers (earlier reads done
 # before, the writes done after). These kernels need none of them: their stores (P^T, decoded V)
 # are read only by wgmma, after `commit_smem` (a fence and a barrier, always emitted), and are
@@ -140,7 +146,9 @@ STAGES = int_setting("TRACE_JAX_ATTN_STAGES", 4, minimum=1)
 # shorter on the H200 (session 22). The split kernel with XLA's merge keeps them (its partials
 # go out through an SMEM buffer rewritten after a single thread's TMA wait).
 # TRACE_JAX_ATTN_AUTO_BARRIERS=on: back on (A/B)
-AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off")) == "on"
+AUTO_BARRIERS = choice_setting(
+    "TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "off"),
+    doc="Mosaic's automatic warpgroup barriers around the FP4 attention's SMEM stores") == "on"
 
 
 # Decoded V goes through SMEM as the PV products' A operand: "halves" (the default: one head_dim
@@ -153,7 +161,9 @@ AUTO_BARRIERS = choice_setting("TRACE_JAX_ATTN_AUTO_BARRIERS", "off", ("on", "of
 # (Half 1 decoded after half 0's product is issued, to run under it, was slower: B 64 x 32k
 # 450.5 -> 481.8, B 256 L 1,600 102.3 -> 108.2; benchmarks/results/session34_h200_2026-12-04/
 # v1_decode_overlap.patch.) TRACE_JAX_ATTN_V_SMEM=whole: the other (A/B)
-V_HALVES = choice_setting("TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves")) == "halves"
+V_HALVES = choice_setting(
+    "TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves"),
+    doc="decoded V through SMEM one head_dim half at a time, or whole") == "halves"
 
 # With V in halves: a tile's V code words and scale bytes loaded from SMEM with K's, before the
 # S product ("on"), so that the loads' latency runs under the S product and the softmax, or
@@ -163,21 +173,27 @@ V_HALVES = choice_setting("TRACE_JAX_ATTN_V_SMEM", "halves", ("whole", "halves")
 # 121.3 -> 118.6, B 64 x 32k 432.0 -> 424.1; rollout-shaped (8k cache, L live) B 256 L 1,600
 # 102.8 -> 104.2, B 64 L 1,536 31.2 -> 31.4: 2% faster over whole caches, 1% slower at the
 # rollout's shape, so off until a second run decides. TRACE_JAX_ATTN_PREFETCH_V=on: the A/B side
-PREFETCH_V = choice_setting("TRACE_JAX_ATTN_PREFETCH_V", "off", ("off", "on")) == "on"
+PREFETCH_V = choice_setting(
+    "TRACE_JAX_ATTN_PREFETCH_V", "off", ("off", "on"),
+    doc="V's code words and scales loaded from SMEM with K's (opt-in)") == "on"
 
 
 # The schedule of the tiles over the SMs: "stream" (`mgpu_stream_kernel`: one CTA per SM, each
 # a run of (row, tile) units crossing rows) or "splits" (`mgpu_decode_kernel`: a CTA per row and
 # split of the cache). Stream: the 48-layer FP4 decode step at 8k capacity 19.93 -> 18.17 ms on
 # the H200 (session 21). TRACE_JAX_ATTN_SCHEDULE: the other (A/B runs)
-SCHEDULE = choice_setting("TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "splits"))
+SCHEDULE = choice_setting(
+    "TRACE_JAX_ATTN_SCHEDULE", "stream", ("stream", "splits"),
+    doc="FP4 decode attention: one CTA per SM streaming across rows, or (row, split)")
 
 # The stream kernel's merge counters: "own" (a semaphore array of the kernel's, which XLA fills
 # with zeros and copies for every call: 48 kernels of a 48-layer step's 1,155, deviceless
 # census) or "given" (zeroed by the q/k/v kernel that writes the queries, `PhysicalQuery.counts`;
 # the kernel leaves them zero: 1,107 kernels). "given" is the default since its H200 tests
 # passed (stage s42b, session 43); TRACE_JAX_ATTN_COUNTS=own for the kernel's own
-GIVEN_COUNTS = choice_setting("TRACE_JAX_ATTN_COUNTS", "given", ("given", "own")) == "given"
+GIVEN_COUNTS = choice_setting(
+    "TRACE_JAX_ATTN_COUNTS", "given", ("given", "own"),
+    doc="the stream attention's merge counters zeroed by the q/k/v kernel, or its own") == "given"
 
 
 def default_v_halves(overlap: bool, merge: bool) -> bool:
@@ -1273,7 +1289,8 @@ def live_splits(kt, split_tiles: int, n_splits: int) -> jax.Array:
 
 
 # 1024 slots: see default_splits. TRACE_JAX_ATTN_MAX_SPLIT_TILES: another bound (A/B runs)
-MAX_SPLIT_TILES = int_setting("TRACE_JAX_ATTN_MAX_SPLIT_TILES", 16, minimum=1)
+MAX_SPLIT_TILES = int_setting("TRACE_JAX_ATTN_MAX_SPLIT_TILES", 16, minimum=1,
+                              doc="most 64-token tiles a split of the attention's split schedule")
 
 
 def default_splits(b: int, s: int) -> int:

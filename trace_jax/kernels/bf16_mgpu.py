@@ -192,7 +192,9 @@ DENSE_LAUNCH = dict(bm=128, wgs=2, kb=2, splits=1)
 # rows "chunks" costs a slice of [255, 5120] a layer (H100, 4-layer decode step at B 255,
 # session 45: 120 -> 116 kernels and 1.763 -> 1.750 ms of kernels a step with "exact"; the pad
 # to 256 stays). TRACE_JAX_BF16_DENSE_ROWS=chunks: the A/B side
-DENSE_ROWS = choice_setting("TRACE_JAX_BF16_DENSE_ROWS", "exact", ("chunks", "exact"))
+DENSE_ROWS = choice_setting(
+    "TRACE_JAX_BF16_DENSE_ROWS", "exact", ("chunks", "exact"),
+    doc="bf16 dense rows padded to a multiple of 8 and written exactly, or to chunks")
 DENSE_MIN_CTAS = 64
 DENSE_MAX_N = 8192  # past the attention projections' widths (the lm_head's 151,936): untimed
 # Products with too few CTAs for `DENSE_LAUNCH` (the o projection at 255 rows: 16 column tiles
@@ -204,7 +206,8 @@ DENSE_MAX_N = 8192  # past the attention projections' widths (the lm_head's 151,
 # XLA in the convert the bf16 output takes anyway. Session 32 timed only 2 parts with 128-row
 # chunks (17.70 us at o on the H200 against XLA's 17.47: 64 CTAs); 4 parts are the
 # bench_small_dots rows `mgpu_bm128_wg2_kb{1,2}_s4` (session 49: prepared, not run)
-DENSE_KSPLIT = choice_setting("TRACE_JAX_BF16_DENSE_KSPLIT", "off", ("off", "on"))
+DENSE_KSPLIT = choice_setting("TRACE_JAX_BF16_DENSE_KSPLIT", "off", ("off", "on"),
+                              doc="bf16 dense products of too few CTAs split along K (opt-in)")
 DENSE_KSPLIT_LAUNCH = dict(bm=128, wgs=2, kb=1)
 KSPLIT_PARTS = (2, 4, 8)
 
@@ -336,7 +339,9 @@ CLUSTER_SPLITS = (2, 4, 8)  # portable cluster sizes whose row slices are whole 
 # `cluster_matmul` ("on") or XLA's dot ("off", the default: session 47's 4-layer step at B 255,
 # H100, 1.776 -> 1.782 ms of kernels; the kernel 16.4 us a layer against XLA's GEMM and convert
 # 16.9, but the attention's 255 rows take a 2.3 us pad to 256 on this path)
-DENSE_CLUSTER = choice_setting("TRACE_JAX_BF16_CLUSTER", "off", ("off", "on"))
+DENSE_CLUSTER = choice_setting(
+    "TRACE_JAX_BF16_CLUSTER", "off", ("off", "on"),
+    doc="small bf16 products with K split over a thread block cluster (opt-in)")
 # H100, 256 rows, o 4096 x 2048, us a call (session 46, bench_small_dots): one 256-row chunk in
 # clusters of 8 / 4 / 2, 2 warpgroups: 35.0 / 21.9 / 31.9 against XLA's 18.9 (two pipeline
 # stages beside the received partials: too few bytes in flight). Session 47 (H100, rotated

@@ -78,7 +78,7 @@ from trace_jax.kernels.fp4_mgpu import ROW_CHUNKS
 from trace_jax.kernels.repeatable_gather import take_copies, take_rows
 from trace_jax.kernels.layout import (ChunkRows, KParts, OperandRows, PackedWeight, PaddedRows,
                                       decode_parts, prepare_weight)
-from trace_jax.settings import choice_setting as _setting, int_setting
+from trace_jax.settings import choice_setting as _setting, declare, int_setting
 from trace_jax.quant import QArray
 from trace_jax.quant.qarray import decode_blocks, from_blocks
 
@@ -89,10 +89,13 @@ __all__ = ["add_rms_norm", "append_kv", "combine_add_rms_norm",
            "prefill_attention", "prepare_weight", "quantize_rows", "quantize_rows_to_operand",
            "route", "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
-_ATTENTION = _setting("TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"))
+_ATTENTION = _setting(
+    "TRACE_JAX_DECODE_ATTENTION", "mosaic", ("kernel", "reference", "mosaic"),
+    doc="decode attention: Mosaic for NVFP4 caches, Pallas for all, or the reference")
 _ATTENTION_KERNEL = _ATTENTION != "reference"
 _ATTENTION_MOSAIC = _ATTENTION == "mosaic"
-_KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
+_KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"),
+                      doc="the decode step's NVFP4 K/V cache write as a kernel, or XLA's ops")
 # Three decode-step kernels, the GPU defaults since session 40 ("xla" opts out of each). H200,
 # kernel time of the 4-layer 8k-capacity decode step at B 256, command buffers off: all XLA
 # 1.630 ms; q/k/v kernel 1.600; add + norm 1.625; add + norm and combine 1.622; all three
@@ -101,44 +104,67 @@ _KV_APPEND = _setting("TRACE_JAX_KV_APPEND", "kernel", ("xla", "kernel"))
 # (benchmarks/results/session40_h200_2026-12-05).
 # q/k norms, rotary embedding and K/V append as one kernel (`decode_qkv`), or XLA's ops and
 # the K/V append kernel ("xla")
-_DECODE_QKV = _setting("TRACE_JAX_DECODE_QKV", "kernel", ("xla", "kernel"))
+_DECODE_QKV = _setting(
+    "TRACE_JAX_DECODE_QKV", "kernel", ("xla", "kernel"),
+    doc="q/k norms, rotary embedding and K/V cache write in one kernel, or XLA's ops")
 # a guided layer's compact guidance bits of K, V (`decode_qkv`) and the experts' input
 # (`quantize_rows_to_operand`) written by the kernels that quantize them ("kernel"; 3
 # element-wise XLA kernels a guided layer fewer; the GPU default since their H200 tests passed,
 # stage s42b, session 43) or made by XLA from their codes ("xla")
-_GUIDANCE_BITS = _setting("TRACE_JAX_GUIDANCE_BITS", "kernel", ("xla", "kernel"))
+_GUIDANCE_BITS = _setting(
+    "TRACE_JAX_GUIDANCE_BITS", "kernel", ("xla", "kernel"),
+    doc="guidance bits written by the quantizing kernels, or made by XLA from codes")
 # a residual add and the RMS norm after it as one kernel (`add_rms_norm`), or XLA's two
-_ADD_NORM = _setting("TRACE_JAX_ADD_NORM", "kernel", ("xla", "kernel"))
+_ADD_NORM = _setting(
+    "TRACE_JAX_ADD_NORM", "kernel", ("xla", "kernel"),
+    doc="a residual add and the RMS norm after it in one kernel (decode step), or XLA's ops")
 # the MoE's output (its gates' weighted sum of the down kernel's rows), the residual add and
 # the next RMS norm as one kernel (`combine_add_rms_norm`), or XLA's ops ("xla")
-_MOE_COMBINE = _setting("TRACE_JAX_MOE_COMBINE", "kernel", ("xla", "kernel"))
-_ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"))
-_SWIGLU_QUANT = _setting("TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"))
-_ROW_QUANT_OPERAND = _setting("TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"))
+_MOE_COMBINE = _setting(
+    "TRACE_JAX_MOE_COMBINE", "kernel", ("xla", "kernel"),
+    doc="the MoE's gated sum, residual add and next norm in one kernel, or XLA's ops")
+_ROW_QUANT = _setting("TRACE_JAX_ROW_QUANT", "kernel", ("xla", "kernel"),
+                      doc="activation-site NVFP4 quantization as a kernel, or XLA's ops")
+_SWIGLU_QUANT = _setting(
+    "TRACE_JAX_SWIGLU_QUANT", "kernel", ("xla", "kernel"),
+    doc="the down input's SwiGLU, quantization and operand in one kernel, or XLA's")
+_ROW_QUANT_OPERAND = _setting(
+    "TRACE_JAX_ROW_QUANT_OPERAND", "kernel", ("xla", "kernel"),
+    doc="experts' input quantized into the gate/up kernel's operand, or XLA's")
 # The router's gates: "kernel" (softmax, top-k and weights in one kernel, `topk_gates`) or "xla"
 # (XLA's ops)
-_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel"))
+_ROUTER_TOPK = _setting("TRACE_JAX_ROUTER_TOPK", "kernel", ("xla", "kernel"),
+                        doc="the router's softmax, top-k and weights in one kernel, or XLA's ops")
 # The rollout router's split-K parts: summed by XLA's reduction kernel after its product
 # ("xla"), or by the gates kernel ("kernel", opt-in: `router_gates`, decode batches only). H100,
 # 4-layer decode step at B 255 (session 45): 103 -> 99 kernels a step, 1.734 -> 1.732 ms of
 # kernels (the router's 9.6 us a layer 9.5): one kernel and its gap fewer a layer, no faster
-_ROUTER_SUM = _setting("TRACE_JAX_ROUTER_SUM", "xla", ("xla", "kernel"))
+_ROUTER_SUM = _setting(
+    "TRACE_JAX_ROUTER_SUM", "xla", ("xla", "kernel"),
+    doc="the router's split-K parts summed by XLA, or by the gates kernel (opt-in)")
 # The router's float32 product of bf16 operands (the rollout's activations and weights) on the
 # GPU: "bf16" (the default) one bf16 product with float32 accumulation (`bf16_operands_dot`;
 # its derivative the float32 dot's); "float32" converts them and runs XLA's float32 dot at
 # HIGHEST precision. H200, the 4-layer 8k-capacity decode step at B 256 (session 41, one A/B,
 # each side its own process): the router product's two kernels 39.2 -> 19.7 us a step, all
 # kernels 1.589 -> 1.569 ms
-_ROUTER_DOT = _setting("TRACE_JAX_ROUTER_DOT", "bf16", ("float32", "bf16"))
-_PREFILL_KERNEL = _setting("TRACE_JAX_PREFILL_ATTENTION", "kernel",
-                           ("kernel", "reference")) == "kernel"
+_ROUTER_DOT = _setting(
+    "TRACE_JAX_ROUTER_DOT", "bf16", ("float32", "bf16"),
+    doc="the router's bf16-operand product as a bf16 product, or converted to float32")
+_PREFILL_KERNEL = _setting(
+    "TRACE_JAX_PREFILL_ATTENTION", "kernel", ("kernel", "reference"),
+    doc="prefill attention by the flash-style Pallas kernel, or the reference") == "kernel"
 # FP4 KV caches the Mosaic decode attention kernel reads hold bit-placed code words ("kv_words":
 # its decode 13 instructions a word instead of 17); TRACE_JAX_KV_WORDS=nibbles keeps the nibble
 # packing (A/B runs)
-_KV_WORDS = _setting("TRACE_JAX_KV_WORDS", "placed", ("placed", "nibbles"))
+_KV_WORDS = _setting(
+    "TRACE_JAX_KV_WORDS", "placed", ("placed", "nibbles"),
+    doc="FP4 KV caches of bit-placed code words for the attention's decode, or nibbles")
 # decode attention over at most this many cache slots (batch x slots) takes the Pallas kernel
 # where the Mosaic one also applies (see the module docstring); 0: the Mosaic kernel always
-SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
+SHORT_CACHE_SLOTS = int_setting(
+    "TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0,
+    doc="decode attention over at most this many batch x cache slots by Pallas")
 # Dense FP4 products of more rows than the GEMV kernel takes, up to this many, through the
 # grouped kernel with the rows as one group (`fp4_mgpu.matmul_as_group`); past it (prefill) the
 # weight is decoded to bf16 once and XLA's dot runs (0: always). Policies with FP4 dense
@@ -146,12 +172,18 @@ SHORT_CACHE_SLOTS = int_setting("TRACE_JAX_ATTN_SHORT_SLOTS", 4096, minimum=0)
 # 256 rows, us per call (session 26, benchmarks/results/session26_h200_2026-12-02): attention o
 # 4096x2048 kernel 15.4 against decode + dot 88.1 (XLA bf16 17.5); fused q/k/v 2048x5120 19.3
 # against 100.9 (XLA bf16 17.3). Not timed past 256 rows.
-DENSE_GROUP_ROWS = int_setting("TRACE_JAX_DENSE_GROUP_ROWS", 256, minimum=0)
-_SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"))
-_ROUTING = _setting("TRACE_JAX_ROUTING", "kernel", ("kernel", "xla"))
+DENSE_GROUP_ROWS = int_setting("TRACE_JAX_DENSE_GROUP_ROWS", 256, minimum=0,
+                               doc="dense FP4 products up to this many rows by the grouped kernel")
+_SINGLE_ROW = _setting("TRACE_JAX_SINGLE_ROW", "pad", ("pad", "xla"),
+                       doc="one-row products (batch-1 decode) padded to two rows, or XLA's")
+_ROUTING = _setting(
+    "TRACE_JAX_ROUTING", "kernel", ("kernel", "xla"),
+    doc="MoE routing tables (FP4 experts, GPU) from two Pallas kernels, or XLA's ops")
 # bf16 expert weights: the Mosaic kernel of `bf16_mgpu.py` up to BF16_KERNEL_ROWS rows (auto,
 # the default), up to its MAX_ROWS (kernel), or never (tokamax); tokamax's ragged_dot above
-_BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "kernel"))
+_BF16_GROUPED = _setting(
+    "TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "kernel"),
+    doc="bf16 expert products: Mosaic up to 256 rows (auto), to its maximum, or tokamax")
 # Grouped matmuls on the reference path (float32 experts: the trainer's; on the CPU every
 # grouped matmul): "tiles" (the default, `tiled_grouped`: a loop over row tiles of up to
 # GROUPED_TILE rows, GROUPED_TILES_PER_STEP tiles a loop step, ragged_dot below 16 rows a
@@ -164,10 +196,15 @@ _BF16_GROUPED = _setting("TRACE_JAX_BF16_GROUPED", "auto", ("auto", "tokamax", "
 # step, out of memory with ragged_dot, 0.262 s. The defaults (256, 32) as a pair are not yet
 # timed in a train step. On 2 CPU cores (session 51) the tiny train step 0.28-0.32 s against
 # 0.40-0.46 s, and 16 a step no different
-_GROUPED_REF = _setting("TRACE_JAX_GROUPED_REF", "tiles", ("tiles", "ragged_dot"))
-GROUPED_TILE = int_setting("TRACE_JAX_GROUPED_TILE", 256, minimum=1)
+_GROUPED_REF = _setting(
+    "TRACE_JAX_GROUPED_REF", "tiles", ("tiles", "ragged_dot"),
+    doc="grouped products off the kernels (trainer, CPU): row tiles, or XLA's ragged_dot")
+GROUPED_TILE = int_setting("TRACE_JAX_GROUPED_TILE", 256, minimum=1,
+                           doc="most rows a tile of the grouped products' row-tile loop")
 # tiles a loop step of the tiles path (one batched product of that many tiles)
-GROUPED_TILES_PER_STEP = int_setting("TRACE_JAX_GROUPED_TILES_PER_STEP", 32, minimum=1)
+GROUPED_TILES_PER_STEP = int_setting(
+    "TRACE_JAX_GROUPED_TILES_PER_STEP", 32, minimum=1,
+    doc="tiles a step of the row-tile loop multiplies in one batched product")
 # H200, 30B-A3B experts, kernel us, bf16_mgpu / tokamax (session 13, bench_kernels): gate+up
 # 14.1 / 22.2 at 8 rows, 83.0 / 103.1 at 64, 184.0 / 186.9 at 256; down 7.0 / 11.8 at 8, 45.7 /
 # 46.6 at 64. Not measured above 256 rows.
@@ -182,12 +219,15 @@ BF16_KERNEL_ROWS = 256
 # session 33). Its summation order is not XLA's: the engine smoke at 160 sequences (1 layer,
 # kernels against the jnp reference path) had 12 of 160 rows take another token at a near-tie
 # (0 with "xla", whose products are the reference's own).
-BF16_DENSE = _setting("TRACE_JAX_BF16_DENSE", "kernel", ("xla", "kernel"))
+BF16_DENSE = _setting("TRACE_JAX_BF16_DENSE", "kernel", ("xla", "kernel"),
+                      doc="bf16 dense products (q/k/v, o) by the bf16 Mosaic kernel, or XLA's dot")
 # A decode step's input norm (the MoE combine kernel's) writing its rows padded to a multiple of
 # 8 for the bf16 q/k/v kernel ("padded", opt-in: `norm_rows_padded`; XLA's pad of [255, 2048]
 # to 256 rows before that kernel, 1.5 us a layer in the 48-layer step, should go), or as they
 # are ("exact")
-_NORM_ROWS = _setting("TRACE_JAX_NORM_ROWS", "exact", ("exact", "padded"))
+_NORM_ROWS = _setting(
+    "TRACE_JAX_NORM_ROWS", "exact", ("exact", "padded"),
+    doc="the combine kernel's norm rows padded to a multiple of 8 (opt-in), or exact")
 
 
 def on_gpu() -> bool:
@@ -213,9 +253,13 @@ def _thawed(config) -> dict | None:
   return dict(config) if config else None
 
 
+_NO_TOKAMAX = declare("TRACE_JAX_GROUPED", "", "xla",
+                      "xla: bf16 grouped products on the XLA path never take tokamax's ragged_dot")
+
+
 @functools.cache
 def _tokamax_ragged_dot():
-  if os.environ.get("TRACE_JAX_GROUPED", "") == "xla":
+  if os.environ.get(_NO_TOKAMAX, "") == "xla":
     return None
   try:
     import tokamax  # optional GPU dependency (Python >= 3.12, jax >= 0.11.1)
@@ -537,7 +581,9 @@ def _bf16_grouped(x, w, group_sizes, rows, out_rows, tables, *, bm, by_rows, out
 # one [M, M] compare-and-sum; group sizes one [G, M] compare-and-sum. Above it XLA's sort, a
 # scatter and a scatter-add, whose cost does not grow as M^2. A decode step has M = batch x
 # top-k (512 at B=64, top-8). `TRACE_JAX_SMALL_SORT` sets it (0: always sort).
-SMALL_SORT = int_setting("TRACE_JAX_SMALL_SORT", 4096, minimum=0)
+SMALL_SORT = int_setting(
+    "TRACE_JAX_SMALL_SORT", 4096, minimum=0,
+    doc="routing tables by comparisons up to this many rows, sorts above (0: always)")
 
 
 def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -562,7 +608,9 @@ def sort_by_group(group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 # order (`row_chunks`): no ordering or counting kernels. Every chunk reads its row's expert, so
 # rows that share an expert read it once each: 8 = one token of top-8, whose experts differ.
 # `TRACE_JAX_ROW_CHUNK_ROWS` sets it (0: never).
-ROW_CHUNK_ROWS = int_setting("TRACE_JAX_ROW_CHUNK_ROWS", 8, minimum=0)
+ROW_CHUNK_ROWS = int_setting(
+    "TRACE_JAX_ROW_CHUNK_ROWS", 8, minimum=0,
+    doc="up to this many routed rows as chunks of one row, no ordering kernels")
 
 
 def row_chunks(group_ids: jax.Array, num_groups: int):

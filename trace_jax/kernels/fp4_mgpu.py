@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from trace_jax.kernels import layout as L
-from trace_jax.settings import choice_setting
+from trace_jax.settings import choice_setting, declare
 
 # wgmma N sides this kernel is built for (tokens per chunk)
 BM_CHOICES = (16, 32, 64)
@@ -89,7 +89,8 @@ def tables_total(tables):
 # processes a side): off 1.748 / 1.840 ms a step, early 1.758 / 1.842, no gain; GPU tests pass
 # under early (benchmarks/results/session49_h100_2026-12-06). Stays off.
 PDL_MODES = ("off", "wait", "early")
-PDL = choice_setting("TRACE_JAX_PDL", "off", PDL_MODES)
+PDL = choice_setting("TRACE_JAX_PDL", "off", PDL_MODES,
+                     doc="programmatic dependent launch of the Mosaic kernels (opt-in)")
 
 
 def mosaic_kernel(body, *, pdl: str | None = None, **kwargs):
@@ -360,7 +361,9 @@ def gather_rows(out, slot, out_rows, n: int, out_dtype):
 # (session 31) and 80.8 -> 75.6 (session 32), down 2,208 rows 44.6 -> 42.7, gate+up 32,768 rows
 # (bm 64) 465.8 -> 441.9, dense 8192 x 28672 at 32 / 64 rows 43.7 / 59.2 -> 41.9 / 55.3
 # (benchmarks/results/session31_h200_2026-12-04, session32_h200_2026-12-04).
-WGMMA_IN_FLIGHT = choice_setting("TRACE_JAX_WGMMA_IN_FLIGHT", "one", ("one", "all"))
+WGMMA_IN_FLIGHT = choice_setting(
+    "TRACE_JAX_WGMMA_IN_FLIGHT", "one", ("one", "all"),
+    doc="grouped FP4 kernel: wait for all but the newest wgmma, or all")
 WGMMA_WAIT_MIN_ROWS = 32
 
 
@@ -934,11 +937,15 @@ def fit_stages(per_stage: int, fixed: int, steps: int, n_inner: int) -> int:
 # 30B-A3B expert shapes, kernel us for n_inner 1 -> all: gate+up 256 rows 79.2 -> 69.4, 512 rows
 # 89.5 -> 72.7, 32768 rows 495 -> 488; down 256 rows 56.8 -> 44.3 (n_inner 4)
 # (benchmarks/results/bench_kernels_h200_2026-11-30_inner.json).
-GROUPED_N_INNER = os.environ.get("TRACE_JAX_GROUPED_N_INNER", "all")
+GROUPED_N_INNER = os.environ.get(declare(
+    "TRACE_JAX_GROUPED_N_INNER", "all", "all, or a number",
+    "column tiles a CTA of the grouped FP4 kernel computes"), "all")
 
 # Dense calls' stream-K schedule (`stream_k_plan`): "auto" (where it runs fewer steps on the
 # busiest SM than equal K splits) or "off".
-STREAM_K = choice_setting("TRACE_JAX_STREAM_K", "auto", ("auto", "off"))
+STREAM_K = choice_setting(
+    "TRACE_JAX_STREAM_K", "auto", ("auto", "off"),
+    doc="dense FP4 calls whose column tiles leave SMs idle by a stream-K schedule")
 STREAM_K_MAX_BM = 32
 
 
@@ -1202,7 +1209,8 @@ def chunk_tables(group_sizes: jax.Array, m: int, bm: int, ends: jax.Array | None
 # 62.2 / 53.4 vs 66.2 / 58.8 (tokamax bf16 190.0 a call); down 128 rows 29.6 / 25.2 vs 37.2 /
 # 33.5, 256 rows 37.4 / 32.8 vs 38.2 / 34.4. Past 256 rows every SM has a chunk already and
 # the kernel was slower (gate+up 512 rows 65.6 vs 63.2 us, 2,208 rows 83.3 vs 79.2).
-GROUPED_STREAM_K = choice_setting("TRACE_JAX_GROUPED_STREAM_K", "auto", ("auto", "on", "off"))
+GROUPED_STREAM_K = choice_setting("TRACE_JAX_GROUPED_STREAM_K", "auto", ("auto", "on", "off"),
+                                  doc="grouped FP4 calls of 32-256 rows as equal runs of work a SM")
 GROUPED_STREAM_K_MIN_ROWS, GROUPED_STREAM_K_MAX_ROWS = 32, 256
 # Where the two parts of a tile cut by a stream-K run's end are added: "xla" (float32 parts,
 # added in the output gather; the default) or "kernel" (in the kernel by the part that
@@ -1211,8 +1219,9 @@ GROUPED_STREAM_K_MIN_ROWS, GROUPED_STREAM_K_MAX_ROWS = 32, 256
 # 65.2 / 69.1; down 64 rows 23.1 / 26.6, 128 rows 31.0 / 35.7, 256 rows 37.9 / 37.8
 # (benchmarks/results/session31_h200_2026-12-04): its kernel lost 3-6 us, more than the XLA
 # add's kernel costs (0.5-1.4 us).
-GROUPED_STREAM_K_MERGE = choice_setting("TRACE_JAX_GROUPED_STREAM_K_MERGE", "xla",
-                                        ("xla", "kernel"))
+GROUPED_STREAM_K_MERGE = choice_setting(
+    "TRACE_JAX_GROUPED_STREAM_K_MERGE", "xla", ("xla", "kernel"),
+    doc="where grouped stream-K tile parts are added: XLA's gather, or the kernel")
 
 
 def grouped_stream_k(m: int, bm: int, row_chunks: bool, config: dict) -> bool:

@@ -46,7 +46,8 @@ from trace_jax.settings import int_setting
 # call alone at B 256 / 64 (session 40, bench_moe_combine): 4 warps 4.90 / 4.13, 8 3.89 / 3.26,
 # 16 3.36 / 2.37, XLA's ops 7.68 / 5.31; in the 4-layer decode step 7.9 us a call at 4 warps,
 # 5.1 at 16
-NUM_WARPS = int_setting("TRACE_JAX_MOE_COMBINE_WARPS", 16, minimum=1)
+NUM_WARPS = int_setting("TRACE_JAX_MOE_COMBINE_WARPS", 16, minimum=1,
+                        doc="warps a program of the MoE combine kernel")
 
 
 def kernel_supported(x, rows: L.ChunkRows, inverse, weights, scale) -> str | None:

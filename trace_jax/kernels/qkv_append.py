@@ -48,7 +48,8 @@ from trace_jax.models import transformer as T
 LAYOUTS = ("logical", "mosaic")  # q's head_dim order: the model's, or the Mosaic kernel's
 # Warps a program (one sequence: 32 q heads and 8 K/V heads of 128 at the 30B-A3B shape);
 # TRACE_JAX_QKV_WARPS for the GPU's A/B (8 not yet timed)
-NUM_WARPS = int_setting("TRACE_JAX_QKV_WARPS", 4, minimum=1)
+NUM_WARPS = int_setting("TRACE_JAX_QKV_WARPS", 4, minimum=1,
+                        doc="warps a program of the q/k/v kernel")
 
 
 def kernel_supported(qkv, k_cache, v_cache, num_heads: int, layout: str = "logical"):

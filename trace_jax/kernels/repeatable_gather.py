@@ -44,8 +44,9 @@ import jax.numpy as jnp
 
 from trace_jax.settings import choice_setting
 
-_TAKE_ROWS = choice_setting("TRACE_JAX_TAKE_ROWS", "repeatable",
-                            ("repeatable", "sorted", "plain"))
+_TAKE_ROWS = choice_setting(
+    "TRACE_JAX_TAKE_ROWS", "repeatable", ("repeatable", "sorted", "plain"),
+    doc="repeated-row gathers' gradients in a fixed order, sorted, or XLA's scatter")
 
 
 def take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:

@@ -40,7 +40,8 @@ from trace_jax.settings import int_setting
 # Tokens a program takes (a power of two; `TRACE_JAX_ROUTER_TOPK_ROWS`): at B 256 16 gives 16
 # programs, 4.4 us a call in the H200's decode step (session 38), not tuned
 # (checked where a call takes it, `_gates_call`)
-ROWS = int_setting("TRACE_JAX_ROUTER_TOPK_ROWS", 16, minimum=1)
+ROWS = int_setting("TRACE_JAX_ROUTER_TOPK_ROWS", 16, minimum=1,
+                   doc="rows a program of the router gates kernel")
 NUM_WARPS = 4
 MAX_EXPERTS = 1024
 

@@ -54,7 +54,8 @@ MAX_ROW_ELEMS = 4096
 # Warps of `quantize_rows_to_operand`'s programs (one 2,048-element row each at the experts'
 # input: few programs, so more warps shorten each one's serial work; TRACE_JAX_OPERAND_WARPS).
 # H200, B 256, ncu: 6.2 us at 8, 6.5 at 4 (7.1 before the destinations were loaded first)
-OPERAND_WARPS = int_setting("TRACE_JAX_OPERAND_WARPS", 8, minimum=1)
+OPERAND_WARPS = int_setting("TRACE_JAX_OPERAND_WARPS", 8, minimum=1,
+                            doc="warps a program of the experts' input quantization kernel")
 
 
 def _ieee_reciprocal(d):

@@ -45,8 +45,10 @@ from trace_jax.quant import qarray as Q
 # Elements of h a program takes (whole rows, at least one; a row of F 768 is held as 1,024) and
 # its warps (`TRACE_JAX_SWIGLU_TILE`, `TRACE_JAX_SWIGLU_WARPS` for A/B runs). H200, B 256, us a
 # call: 2,048 x 4 warps 8.61, x 8 8.77; 1,024 x 4 9.82; 4,096 x 8 9.04 (session 37)
-TILE_ELEMS = int_setting("TRACE_JAX_SWIGLU_TILE", 2048, minimum=16)
-NUM_WARPS = int_setting("TRACE_JAX_SWIGLU_WARPS", 4, minimum=1)
+TILE_ELEMS = int_setting("TRACE_JAX_SWIGLU_TILE", 2048, minimum=16,
+                         doc="elements a tile of the SwiGLU kernel")
+NUM_WARPS = int_setting("TRACE_JAX_SWIGLU_WARPS", 4, minimum=1,
+                        doc="warps a program of the SwiGLU kernel")
 MAX_ROW_ELEMS = 4096  # the longest h row (F) a program holds
 # "on": rows in tiles of the largest power of two of blocks that divides them (F 768: three
 # tiles of 16 blocks), no idle lanes; "off": one tile of the blocks rounded up to a power of
@@ -54,7 +56,9 @@ MAX_ROW_ELEMS = 4096  # the longest h row (F) a program holds
 # instructions, session 37). H200 (session 38), us a call, off -> on: B 256 8.64 -> 8.03, B 64
 # 4.77 -> 4.83 (4 warps); the 4-layer decode step's SwiGLU kernels 37.4 -> 35.7 us, its
 # prefill's 12.0 -> 10.6 ms; bit for bit the same. `TRACE_JAX_SWIGLU_SPLIT=off`: the other
-SPLIT_ROWS = choice_setting("TRACE_JAX_SWIGLU_SPLIT", "on", ("off", "on"))
+SPLIT_ROWS = choice_setting(
+    "TRACE_JAX_SWIGLU_SPLIT", "on", ("off", "on"),
+    doc="a row of the SwiGLU kernel in tiles with no idle blocks, or one tile")
 
 
 def swiglu(g, u, *, to_bf16=None, recip=None):

@@ -32,7 +32,9 @@ _RINT_MAGIC = 1.5 * 2**23
 _RINT_MAGIC_BITS = np.uint32(np.float32(_RINT_MAGIC).view(np.uint32))
 # TRACE_JAX_E2M1_INDEX=midpoints: `magnitude_index_rtne` by its comparisons (the same values; the
 # A/B side when timing the quantizing kernels)
-_INDEX_BY = choice_setting("TRACE_JAX_E2M1_INDEX", "bits", ("bits", "midpoints"))
+_INDEX_BY = choice_setting(
+    "TRACE_JAX_E2M1_INDEX", "bits", ("bits", "midpoints"),
+    doc="quantizing kernels' E2M1 index by float32 arithmetic, or midpoint comparisons")
 
 
 def _sign_bit(z: jax.Array) -> jax.Array:

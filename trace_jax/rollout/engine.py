@@ -638,7 +638,9 @@ def _sync_weights(master, old_parts, policy, dtype):
 
 # `kernels.fuse_projections` on unsharded kernel-layout weights ("off": q, k and v as three
 # calls). H200, 12 layers, w4a16 at HF's B 1 load: 862.7 -> 964.4 tok/s (BF16 900.7), session 18.
-FUSE_PROJECTIONS = choice_setting("TRACE_JAX_FUSE_PROJECTIONS", "on", ("on", "off"))
+FUSE_PROJECTIONS = choice_setting(
+    "TRACE_JAX_FUSE_PROJECTIONS", "on", ("on", "off"),
+    doc="q, k and v side by side in one FP4 weight at the rollout's weight sync")
 
 
 def _kernel_layout(params, fuse: bool = True):
@@ -855,7 +857,9 @@ def _host_guidance(guidance, pre_records, n: int) -> None:
 # of its own (copies started there; the window dropped after the last one is never copied).
 # On the H200, 48 layers at 8k capacity, thread 35.95 s against inline 36.21, within the
 # spread (session 36). With several processes the landing is inline whatever this says.
-GUIDANCE_LANDING = choice_setting("TRACE_JAX_GUIDANCE_LANDING", "inline", ("inline", "thread"))
+GUIDANCE_LANDING = choice_setting(
+    "TRACE_JAX_GUIDANCE_LANDING", "inline", ("inline", "thread"),
+    doc="guidance windows landed in host arrays inline, or on a thread of their own")
 
 
 def _run_now(fn, *args) -> concurrent.futures.Future:
@@ -891,7 +895,9 @@ def _to_host(tree):
 # layers, 8k capacity, 255 x 2,048 tokens, one process, async / pinned / async): whole
 # rollouts 35.41 / 35.51 / 35.43 s, the device the bound; prefill plus one step 5.8 -> 5.0 s.
 # Pinned stays opt-in: the runtime keeps the pinned memory (~8 GB there) for the process's life.
-GUIDANCE_COPY = choice_setting("TRACE_JAX_GUIDANCE_COPY", "async", ("async", "pinned"))
+GUIDANCE_COPY = choice_setting(
+    "TRACE_JAX_GUIDANCE_COPY", "async", ("async", "pinned"),
+    doc="guidance windows copied to the host asynchronously, or through pinned memory")
 
 
 def _start_host_copies(tree, mode: str = "async"):

@@ -37,7 +37,9 @@ import numpy as np
 
 from trace_jax.settings import choice_setting
 
-SAMPLER = choice_setting("TRACE_JAX_SAMPLER", "gumbel", ("gumbel", "hashed_gumbel", "inverse_cdf"))
+SAMPLER = choice_setting(
+    "TRACE_JAX_SAMPLER", "gumbel", ("gumbel", "hashed_gumbel", "inverse_cdf"),
+    doc="the sampler's draw: Gumbel per entry, Gumbel from a counter hash, or inverse CDF")
 CDF_BLOCK = 512  # vocabulary entries a block of `inverse_cdf_sample`'s two-level prefix sums
 
 

@@ -39,6 +39,10 @@ from starlette.routing import Route
 from trace_jax.rollout import SamplingParams
 from trace_jax.serving.backend import ServingModel
 from trace_jax.serving.scheduler import GenerationRequest, QueueFullError, SchedulerClosedError
+from trace_jax.settings import declare
+
+API_KEY_ENV = declare("TRACE_JAX_API_KEY", "", "a key",
+                      "the API key `launch/serve.py` requires when `--api_key` is not given")
 
 DEFAULT_MAX_TOKENS = 16
 
