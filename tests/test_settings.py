@@ -84,3 +84,20 @@ def test_one_definition_of_each_setting(monkeypatch):
                      r"\(default 'a', a, b\) and again by tests.test_settings \(default 'b'"):
     choice_setting("TRACE_JAX_TEST_TWICE", "b", ("a", "b"))
   assert settings.REGISTRY["TRACE_JAX_TEST_TWICE"].module == "tests.test_settings"
+
+
+def test_import_package_leaves_out_modules_whose_dependency_is_missing():
+  """On the GPU machine the package goes in without its dependencies (no starlette there):
+  `unknown_names`, which every result header calls, must still work. A fresh process with
+  starlette made unimportable: the server modules are listed as left out, the rest register."""
+  import subprocess
+  import sys
+  code = ("import sys; sys.modules['starlette'] = None\n"
+          "from trace_jax import settings\n"
+          "missing = settings.import_package()\n"
+          "print(sorted(missing))\n"
+          "print('TRACE_JAX_ATTN_STAGES' in settings.REGISTRY, settings.unknown_names({}))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       check=True).stdout.splitlines()
+  assert "trace_jax.serving.server" in out[0]
+  assert out[1] == "True []"

@@ -76,11 +76,19 @@ def declare(name: str, default: str, values: str, doc: str) -> str:
   return name
 
 
-def import_package() -> None:
-  """Imports every module of trace_jax, so that `REGISTRY` holds every setting."""
+def import_package() -> dict[str, str]:
+  """Imports every module of trace_jax, so that `REGISTRY` holds every setting. A module whose
+  optional dependency is missing here (the GPU machine installs the package without its
+  dependencies: no HTTP server there) is left out; returns those, each with its error."""
   import trace_jax  # noqa: PLC0415 - deferred: this module is imported by the package itself
-  for info in pkgutil.walk_packages(trace_jax.__path__, "trace_jax."):
-    importlib.import_module(info.name)
+  missing = {}
+  for info in pkgutil.walk_packages(trace_jax.__path__, "trace_jax.",
+                                    onerror=lambda name: None):
+    try:
+      importlib.import_module(info.name)
+    except ImportError as e:
+      missing[info.name] = str(e)
+  return missing
 
 
 def package_settings() -> list[Setting]:

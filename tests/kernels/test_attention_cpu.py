@@ -294,6 +294,7 @@ def test_dispatch_on_gpu_sends_short_caches_to_pallas(monkeypatch):
   (The kernels are replaced by markers: this checks the choice, the GPU tests the kernels.)"""
   from trace_jax.kernels import attention_mgpu, dispatch  # noqa: PLC0415
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(dispatch, "_ATTENTION_KERNEL", True)
   monkeypatch.setattr(dispatch, "_ATTENTION_MOSAIC", True)
   monkeypatch.setattr(attention_mgpu, "decode_attention", lambda *a, **kw: "mosaic")
@@ -320,6 +321,7 @@ def test_kv_packing_places_the_words_the_mosaic_kernel_reads(monkeypatch):
   from trace_jax.kernels import dispatch  # noqa: PLC0415
   assert kernels.kv_packing(4, 128, "nvfp4") == "nibbles"  # CPU
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(dispatch, "_ATTENTION_MOSAIC", True)
   assert kernels.kv_packing(4, 128, "nvfp4") == "kv_words"
   for args in ((2, 128, "nvfp4"), (4, 64, "nvfp4"), (4, 128, "mxfp4"), (4, 128, None)):

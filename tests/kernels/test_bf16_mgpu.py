@@ -69,6 +69,7 @@ def test_dispatch_chooses_it_on_gpu(monkeypatch):
   above, and with `TRACE_JAX_BF16_GROUPED=tokamax`, not."""
   monkeypatch.setattr(dispatch, "_BF16_GROUPED", "auto")
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   calls = []
 
   def model(*args, **kw):
@@ -169,6 +170,7 @@ def test_dense_dispatch(monkeypatch):
   default) the rows as they are where they are a multiple of 8 (200), else padded to one (255
   -> 256) and told the count, so no slice follows it."""
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", "chunks")
   jax.clear_caches()  # (read when the call is traced)
   calls = []
@@ -213,6 +215,7 @@ def test_ksplit_dispatch(monkeypatch):
   product; off (the default), XLA's dot. At the o projection's shape the rule takes 4 parts
   (32 CTAs: 8 parts would be 256), and none where no part count reaches DENSE_MIN_CTAS."""
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(dispatch, "BF16_DENSE", "kernel")
   monkeypatch.setattr(bf16_mgpu, "DENSE_CLUSTER", "off")
   calls = []
@@ -251,6 +254,7 @@ def test_cluster_dispatch(monkeypatch):
   it) with its rows padded to a multiple of 8 and their count, as the o projection would on
   the GPU; off (the default), or at 120 rows, XLA's dot."""
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(dispatch, "BF16_DENSE", "kernel")
   calls = []
 
@@ -300,6 +304,7 @@ def test_padded_rows_dispatch(monkeypatch):
                                  ("kernel", False, False)):
     monkeypatch.setattr(dispatch, "BF16_DENSE", setting)
     monkeypatch.setattr(dispatch, "on_gpu", lambda on_gpu=on_gpu: on_gpu)
+    monkeypatch.setattr(dispatch, "kernels_on", lambda on_gpu=on_gpu: on_gpu)
     jax.clear_caches()
     got = dispatch.matmul(x, w, jnp.float32)
     assert got.shape == (255, 1, 4096)
@@ -314,6 +319,7 @@ def test_padded_rows_dispatch(monkeypatch):
     monkeypatch.setattr(dispatch, "BF16_DENSE", bf16_dense)
     monkeypatch.setattr(bf16_mgpu, "DENSE_ROWS", rows_mode)
     monkeypatch.setattr(dispatch, "on_gpu", lambda on_gpu=on_gpu: on_gpu)
+    monkeypatch.setattr(dispatch, "kernels_on", lambda on_gpu=on_gpu: on_gpu)
     assert dispatch.norm_rows_padded() == padded
   with pytest.raises(ValueError, match="rows 257"):
     bf16_mgpu.dense_matmul(rows, w, bm=128, wgs=2, kb=2, rows=257,

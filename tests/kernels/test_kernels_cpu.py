@@ -131,6 +131,7 @@ def test_one_row_products_are_two_row_products_where_xla_gpu_needs_it(monkeypatc
 
   for rows, on_gpu in ((1, False), (1, True), (3, True)):
     monkeypatch.setattr(dispatch, "on_gpu", lambda on_gpu=on_gpu: on_gpu)
+    monkeypatch.setattr(dispatch, "kernels_on", lambda on_gpu=on_gpu: on_gpu)
     x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.float32)
     text = jax.jit(functools.partial(fresh)).lower(x, w).as_text()
     padded = rows == 1 and on_gpu
@@ -160,6 +161,7 @@ def test_router_product_of_bf16_operands(monkeypatch):
   w = (jax.random.normal(jax.random.key(4), (k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
   want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
 
   def fresh(x, w):  # a new function each time: the choice is made at trace time
     return dispatch.float32_dot(x, w)
@@ -200,6 +202,7 @@ def test_router_product_default_and_derivative(monkeypatch):
   w = jnp.asarray(rng.normal(size=(96, 24)) * 0.1, jnp.bfloat16)
   ct = rng.normal(size=(2, 3, 24)).astype(np.float32)
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   grads = {}
   for setting in ("bf16", "float32"):
     monkeypatch.setattr(dispatch, "_ROUTER_DOT", setting)
@@ -881,6 +884,7 @@ def test_gpu_libraries_are_imported_before_programs_compile(monkeypatch):
   dispatch.import_gpu_libraries()
   assert calls == []
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   dispatch.import_gpu_libraries()
   assert calls == [1]
 

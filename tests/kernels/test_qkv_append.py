@@ -161,6 +161,7 @@ def test_dispatch_writes_q_for_the_attention_that_reads_it(monkeypatch):
   from trace_jax.kernels import dispatch  # noqa: PLC0415
   layouts = []
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(dispatch, "_DECODE_QKV", "kernel")
   monkeypatch.setattr(dispatch, "_decode_qkv",
                       lambda *a, layout, **kw: layouts.append(layout) or layout)

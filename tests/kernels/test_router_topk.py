@@ -194,6 +194,7 @@ def test_router_gates_dispatch(monkeypatch):
   from trace_jax.kernels import dispatch  # noqa: PLC0415
   x, w = router_case(4, 256, 16, 0)
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   calls = []
   monkeypatch.setattr(dispatch, "_router_gates", lambda x, w, **kw: calls.append(kw) or "gates")
   for sum_setting, topk_setting, taken in (("xla", "kernel", False), ("kernel", "xla", False),
@@ -203,6 +204,7 @@ def test_router_gates_dispatch(monkeypatch):
     assert (dispatch.router_gates(x, w, 2, True) == "gates") == taken
   assert dispatch.router_gates(x.astype(jnp.float32), w, 2, True) is None  # not bf16
   monkeypatch.setattr(dispatch, "on_gpu", lambda: False)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: False)
   assert dispatch.router_gates(x, w, 2, True) is None
   assert calls == [dict(k=2, normalize=True)]
 

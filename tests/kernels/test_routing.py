@@ -75,6 +75,7 @@ def test_route_feeds_the_grouped_kernel_its_tables(monkeypatch):
   assert (np.asarray(off[3][4]) == np.asarray(apart[3])[0]).all()
   monkeypatch.setattr(dispatch, "_ROUTING", "kernel")
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(routing, "routing_tables",
                       functools.partial(routing.routing_tables, interpret=True))
   on = kernels.route(idx, e, pw)
@@ -181,6 +182,7 @@ def test_row_chunks_need_no_order(monkeypatch):
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
   # route: row chunks on the GPU up to the limit (here the bf16 weight's kernel), sorted above
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "kernels_on", lambda: True)
   monkeypatch.setattr(dispatch, "_BF16_GROUPED", "auto")
   assert dispatch.route(ids, e, wb)[3][4:] == (dispatch.ROW_CHUNKS,)
   assert dispatch.route(ids, e, pw)[3][4:] == (dispatch.ROW_CHUNKS,)

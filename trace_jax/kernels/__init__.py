@@ -8,6 +8,12 @@ tree by `prepare_tree(params)`). Dispatch: on a GPU backend with a `PackedWeight
 Mosaic GPU kernel (`fp4_mgpu.py`); on a GPU otherwise the XLA path (bf16 decode, tokamax or XLA
 grouped matmul); on CPU the reference in `reference.py`.
 
+Which GPUs: the kernels (here "on GPU") run on NVIDIA Hopper GPUs (compute capability 9.0),
+the architecture they were written and checked for (`kernels_on`). On any other GPU (Ampere,
+Ada, Blackwell, ROCm) every call takes the XLA path, which the kernels are checked against, so
+results agree with a Hopper's to rounding; `TRACE_JAX_KERNELS=on` tries the kernels on any GPU,
+`=off` keeps them off everywhere.
+
 `decode_attention(q, k, v, valid)` (one query token over a bf16/FP8/FP4 KV cache): on GPU the
 Mosaic NVFP4 kernel of `attention_mgpu.py` where it applies, else the Pallas kernel of
 `attention_pallas.py` (`TRACE_JAX_DECODE_ATTENTION=kernel|reference` choose otherwise), else
@@ -45,7 +51,7 @@ from trace_jax.kernels.dispatch import (add_rms_norm, append_kv,
                                         norm_rows_padded,
                                         decode_attention,
                                         decode_qkv, float32_dot, grouped_backend, grouped_matmul,
-                                        import_gpu_libraries, kv_packing,
+                                        import_gpu_libraries, kernels_on, kv_packing,
                                         matmul, on_gpu,
                                         prefill_attention, quantize_rows,
                                         quantize_rows_to_operand, route, router_gates,
@@ -61,7 +67,7 @@ __all__ = ["ChunkRows", "KParts", "OperandRows", "PackedWeight", "PaddedRows", "
            "decode_qkv",
            "decode_attention_ref", "decode_packed", "float32_dot", "fuse_projections",
            "grouped_backend",
-           "grouped_matmul", "import_gpu_libraries", "kv_packing", "matmul",
+           "grouped_matmul", "import_gpu_libraries", "kernels_on", "kv_packing", "matmul",
            "norm_rows_padded", "on_gpu", "prefill_attention", "prefill_attention_ref",
            "prepare_tree",
            "prepare_weight", "quantize_rows", "quantize_rows_to_operand", "route",

@@ -85,7 +85,7 @@ from trace_jax.quant.qarray import decode_blocks, from_blocks
 __all__ = ["add_rms_norm", "append_kv", "combine_add_rms_norm",
            "combine_in_kernel", "count_by_group", "decode_attention", "decode_qkv", "float32_dot",
            "grouped_backend",
-           "grouped_matmul", "kv_packing", "matmul", "norm_rows_padded", "on_gpu",
+           "grouped_matmul", "kernels_on", "kv_packing", "matmul", "norm_rows_padded", "on_gpu",
            "prefill_attention", "prepare_weight", "quantize_rows", "quantize_rows_to_operand",
            "route", "router_gates", "sort_by_group", "swiglu_quantize_rows", "topk_gates"]
 
@@ -231,7 +231,49 @@ _NORM_ROWS = _setting(
 
 
 def on_gpu() -> bool:
+  """Whether the default backend is a GPU (for XLA-path choices, which hold on any GPU)."""
   return jax.default_backend() == "gpu"
+
+
+# The kernels (the Mosaic GPU ones, the Triton-lowered Pallas ones, tokamax's): "auto" on NVIDIA
+# Hopper GPUs (compute capability 9.0) only, the one architecture they were built and checked
+# for (wgmma, TMA and setmaxnreg are sm_90a instructions; the Pallas kernels' inline PTX was
+# only ever run on the H100 and H200); "on" on any GPU (to try them elsewhere); "off" never.
+# Elsewhere every call takes the XLA path, which is what the kernels are checked against.
+_KERNELS = _setting(
+    "TRACE_JAX_KERNELS", "auto", ("auto", "on", "off"),
+    doc="the GPU kernels on Hopper (sm_90) GPUs only (auto), on any GPU, or never")
+KERNEL_CAPABILITY = (9, 0)
+
+
+def kernels_allowed(setting: str, backend: str, platform_version: str,
+                    capability: str | None) -> bool:
+  """Whether the kernels run on a device of this backend, PJRT platform version ("... cuda
+  ..." for NVIDIA's) and compute capability ("9.0"), under TRACE_JAX_KERNELS `setting`."""
+  if setting == "off" or backend != "gpu":
+    return False
+  if setting == "on":
+    return True
+  if "cuda" not in platform_version.lower() or not capability:
+    return False
+  try:
+    major_minor = tuple(int(x) for x in capability.split(".")[:2])
+  except ValueError:
+    return False
+  return major_minor == KERNEL_CAPABILITY
+
+
+@functools.cache
+def kernels_on() -> bool:
+  """Whether this process's calls take the kernels: the default device is an NVIDIA Hopper
+  GPU (or TRACE_JAX_KERNELS says otherwise). Read once, from the first device."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return kernels_allowed(_KERNELS, backend, "", None)
+  device = jax.devices()[0]
+  version = getattr(getattr(device, "client", None), "platform_version", "") or ""
+  return kernels_allowed(_KERNELS, backend, version,
+                         getattr(device, "compute_capability", None))
 
 
 def _lowered_once(*static_argnames: str):
@@ -276,7 +318,7 @@ def import_gpu_libraries() -> None:
   BF16 engine's second call trace and compile its program again (H200, 12 layers, B 1: a 12.5 s
   call where the third took 0.01 s; session 16). `RolloutEngine` and `make_train_step` call
   this before they compile anything."""
-  if on_gpu():
+  if kernels_on():
     _tokamax_ragged_dot()
 
 
@@ -284,14 +326,14 @@ def grouped_backend() -> str:
   """Which bf16 grouped matmul the XLA path uses here: 'tokamax' or 'xla'; on a GPU (unless
   `TRACE_JAX_BF16_GROUPED=tokamax`) 'bf16_mgpu+tokamax' / 'bf16_mgpu+xla': the kernel up to
   `_bf16_kernel_rows()` rows, the other above."""
-  base = "tokamax" if on_gpu() and _tokamax_ragged_dot() is not None else "xla"
-  return f"bf16_mgpu+{base}" if on_gpu() and _bf16_kernel_rows() else base
+  base = "tokamax" if kernels_on() and _tokamax_ragged_dot() is not None else "xla"
+  return f"bf16_mgpu+{base}" if kernels_on() and _bf16_kernel_rows() else base
 
 
 def _ragged_bf16(x, a, group_sizes) -> jax.Array:
   """bf16 grouped matmul with float32 accumulation and output."""
   group_sizes = group_sizes.astype(jnp.int32)
-  if on_gpu() and _tokamax_ragged_dot() is not None:
+  if kernels_on() and _tokamax_ragged_dot() is not None:
     return _tokamax_grouped(x, a, group_sizes)
   return jax.lax.ragged_dot(x, a, group_sizes, preferred_element_type=jnp.float32)
 
@@ -455,7 +497,7 @@ def _kernel_ok(x, w, use_kernel) -> bool:
     return False
   if use_kernel:
     return True
-  return on_gpu() and x.dtype in (jnp.bfloat16, jnp.float32)
+  return kernels_on() and x.dtype in (jnp.bfloat16, jnp.float32)
 
 
 def _out_dtype(x, out_dtype):
@@ -472,7 +514,7 @@ def matmul(x, w, out_dtype=None, *, use_kernel: bool | None = None, config=None,
   if padded is not None:
     x = padded.value()  # (a slice, dead where the dense kernel takes the padded rows)
   if _xla_gpu_ok(x, w, use_kernel) and (parts := _bf16_parts(w)) is not None:
-    if BF16_DENSE == "kernel" and parts[1] is None:
+    if BF16_DENSE == "kernel" and parts[1] is None and kernels_on():
       rows2d = x.reshape(-1, x.shape[-1]) if padded is None else padded.rows
       y = _bf16_dense(rows2d, parts[0], _out_dtype(x, out_dtype),
                       rows=None if padded is None else padded.n, keep_parts=keep_parts)
@@ -563,7 +605,7 @@ def _bf16_kernel_rows() -> int:
 
 def _bf16_kernel_weight(w, m: int) -> bool:
   """Whether bf16 expert weights `w` with `m` rows go to the Mosaic kernel of `bf16_mgpu.py`."""
-  return (on_gpu() and isinstance(w, jax.Array) and w.dtype == jnp.bfloat16 and w.ndim == 3
+  return (kernels_on() and isinstance(w, jax.Array) and w.dtype == jnp.bfloat16 and w.ndim == 3
           and m <= _bf16_kernel_rows())
 
 
@@ -642,9 +684,9 @@ def route(group_ids: jax.Array, num_groups: int, w=None):
   XLA kernels)."""
   m = group_ids.shape[0]
   takes_tables = _kernel_takes_tables(w, group_ids, num_groups)
-  if takes_tables and m <= ROW_CHUNK_ROWS and on_gpu():  # (before the kernels: no kernel)
+  if takes_tables and m <= ROW_CHUNK_ROWS and kernels_on():  # (before the kernels: no kernel)
     return row_chunks(group_ids, num_groups)
-  if (_ROUTING == "kernel" and on_gpu() and isinstance(w, PackedWeight) and w.experts):
+  if (_ROUTING == "kernel" and kernels_on() and isinstance(w, PackedWeight) and w.experts):
     from trace_jax.kernels import routing  # noqa: PLC0415 - Pallas imports stay lazy
     if routing.kernel_supported(group_ids, num_groups) is None:
       bm = fp4_mgpu.grouped_bm(m, w.codes.shape[0])
@@ -727,7 +769,7 @@ def append_kv(k_cache, v_cache, k, v, index):
   v_cache, kq, vq), or None where the caller's XLA path (quantize, then
   `kv_cache.write_layer`; the same bits) applies: off the GPU, caches the kernel does not
   write, and with `TRACE_JAX_KV_APPEND=xla`."""
-  if _KV_APPEND != "kernel" or not on_gpu():
+  if _KV_APPEND != "kernel" or not kernels_on():
     return None
   from trace_jax.kernels import kv_append  # noqa: PLC0415 - Pallas imports stay lazy
   if kv_append.kernel_supported(k_cache, k) or kv_append.kernel_supported(v_cache, v):
@@ -753,7 +795,7 @@ def decode_qkv(qkv, positions, k_cache, v_cache, index, *, num_heads: int, q_sca
   for them and `TRACE_JAX_GUIDANCE_BITS=kernel`, else None; or None where the caller's XLA path
   applies: with `TRACE_JAX_DECODE_QKV=xla`, off the GPU, with the K/V append kernel off, and
   for shapes it does not take."""
-  if (_DECODE_QKV != "kernel" or _KV_APPEND != "kernel" or not on_gpu()
+  if (_DECODE_QKV != "kernel" or _KV_APPEND != "kernel" or not kernels_on()
       or not isinstance(k_cache, QArray)):
     return None
   from trace_jax.kernels import qkv_append as DQ  # noqa: PLC0415 - Pallas imports stay lazy
@@ -783,7 +825,7 @@ def add_rms_norm(x, h, scale, eps: float):
   Pallas kernel of `add_norm.py` (the sum exact, the norm to rounding), or None where the
   caller's ops apply: with `TRACE_JAX_ADD_NORM=xla`, off the GPU, and for shapes it does not
   take. Inference only (the kernel has no derivative)."""
-  if _ADD_NORM != "kernel" or not on_gpu():
+  if _ADD_NORM != "kernel" or not kernels_on():
     return None
   from trace_jax.kernels import add_norm  # noqa: PLC0415 - Pallas imports stay lazy
   if add_norm.kernel_supported(x, h, scale):
@@ -801,14 +843,14 @@ def combine_in_kernel() -> bool:
   """Whether a decode step's MoE may leave its output in the down kernel's rows for
   `combine_add_rms_norm` (on the GPU, unless `TRACE_JAX_MOE_COMBINE=xla`); where that
   kernel then declines the shapes, the caller's XLA ops read the rows."""
-  return _MOE_COMBINE == "kernel" and on_gpu()
+  return _MOE_COMBINE == "kernel" and kernels_on()
 
 
 def norm_rows_padded() -> bool:
   """Whether a decode step's input norm may hand the attention its rows padded to a multiple of
   8 (`PaddedRows`, for the bf16 q/k/v kernel's exact rows): on the GPU with
   `TRACE_JAX_NORM_ROWS=padded` (opt-in), the bf16 dense kernel on and its rows exact."""
-  if _NORM_ROWS != "padded" or BF16_DENSE != "kernel" or not on_gpu():
+  if _NORM_ROWS != "padded" or BF16_DENSE != "kernel" or not kernels_on():
     return False
   from trace_jax.kernels import bf16_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
   return bf16_mgpu.DENSE_ROWS == "exact"
@@ -844,7 +886,7 @@ def quantize_rows(x, fmt):
   second_level="row")`, the same bits) from the Pallas kernel of `row_quant.py`, or None where
   the caller's XLA path applies: off the GPU, formats and shapes the kernel does not take, and
   with `TRACE_JAX_ROW_QUANT=xla`."""
-  if _ROW_QUANT != "kernel" or not on_gpu():
+  if _ROW_QUANT != "kernel" or not kernels_on():
     return None
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
   if row_quant.kernel_supported(x, fmt):
@@ -865,7 +907,7 @@ def topk_gates(logits, k: int, normalize: bool):
   `TRACE_JAX_ROUTER_TOPK=xla` (its weights agree with XLA's to rounding, its experts exactly;
   H200, session 38: the 4-layer decode step at B 256 1.629 -> 1.603 ms of kernels, 151 -> 147
   kernels)."""
-  if _ROUTER_TOPK == "xla" or not on_gpu():
+  if _ROUTER_TOPK == "xla" or not kernels_on():
     return None
   from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
   if router_topk.kernel_supported(logits, k):
@@ -882,7 +924,7 @@ def router_gates(x, w, k: int, normalize: bool):
   chunks, then the chunks in order), where XLA's own split-K product chooses its own. None where
   the caller's ops apply: off the GPU, `TRACE_JAX_ROUTER_TOPK=xla`, other dtypes and shapes,
   more rows than `router_topk.MAX_PARTS_ROWS` (prefills)."""
-  if _ROUTER_SUM != "kernel" or _ROUTER_TOPK == "xla" or not on_gpu():
+  if _ROUTER_SUM != "kernel" or _ROUTER_TOPK == "xla" or not kernels_on():
     return None
   from trace_jax.kernels import router_topk  # noqa: PLC0415 - Pallas imports stay lazy
   if router_topk.parts_supported(x, w, k):
@@ -913,7 +955,7 @@ def quantize_rows_to_operand(x, fmt, inverse, copies: int, w, tables=None,
   `TRACE_JAX_GUIDANCE_BITS=kernel` (else None), from the Pallas kernel of `row_quant.py`; or
   None where the caller's path applies (as `quantize_rows`, w not an FP4 expert weight,
   `TRACE_JAX_ROW_QUANT_OPERAND=xla`)."""
-  if (_ROW_QUANT != "kernel" or _ROW_QUANT_OPERAND != "kernel" or not on_gpu()
+  if (_ROW_QUANT != "kernel" or _ROW_QUANT_OPERAND != "kernel" or not kernels_on()
       or not isinstance(w, PackedWeight) or not w.experts):
     return None
   from trace_jax.kernels import row_quant  # noqa: PLC0415 - Pallas imports stay lazy
@@ -942,7 +984,7 @@ def swiglu_quantize_rows(gu, f: int, fmt, w_down, tables=None):
   from the Pallas kernel of `swiglu_quant.py`; or None where the caller's XLA path applies: off
   the GPU, gu an array, formats, weights and shapes the kernel does not take, and with
   `TRACE_JAX_SWIGLU_QUANT=xla`."""
-  if (_SWIGLU_QUANT != "kernel" or not on_gpu() or not isinstance(gu, ChunkRows)
+  if (_SWIGLU_QUANT != "kernel" or not kernels_on() or not isinstance(gu, ChunkRows)
       or not isinstance(w_down, PackedWeight) or not w_down.experts):
     return None
   from trace_jax.kernels import swiglu_quant  # noqa: PLC0415 - Pallas imports stay lazy
@@ -963,7 +1005,7 @@ def kv_packing(kv_heads: int, head_dim: int, kv_format) -> str:
   NVFP4 decode attention kernel reads it (on the GPU, its head shapes; the Pallas kernels and
   the references read either), else "nibbles"."""
   from trace_jax.kernels import attention_mgpu  # noqa: PLC0415 - Pallas imports stay lazy
-  if (_KV_WORDS == "placed" and _ATTENTION_MOSAIC and on_gpu() and kv_format is not None
+  if (_KV_WORDS == "placed" and _ATTENTION_MOSAIC and kernels_on() and kv_format is not None
       and attention_mgpu.cache_supported(tq.get_format(kv_format).name, kv_heads,
                                          head_dim) is None):
     return "kv_words"
@@ -975,7 +1017,7 @@ def _decode_attention_path(q, k, v, use_kernel) -> str:
   "mosaic" or "pallas" (`decode_attention`)."""
   from trace_jax.kernels import attention_mgpu, attention_pallas
   if use_kernel is None:
-    use_kernel = (_ATTENTION_KERNEL and on_gpu()
+    use_kernel = (_ATTENTION_KERNEL and kernels_on()
                   and attention_pallas.kernel_supported(q, k, v) is None)
   if not use_kernel:
     return "reference"
@@ -1019,7 +1061,7 @@ def prefill_attention(q, k, v, key_mask, q_start, *, scale: float | None = None,
   over a KV cache that already holds them, see `attention_ref.prefill_attention_ref`."""
   from trace_jax.kernels import attention_pallas
   if use_kernel is None:
-    use_kernel = (_PREFILL_KERNEL and on_gpu() and q.ndim == 4
+    use_kernel = (_PREFILL_KERNEL and kernels_on() and q.ndim == 4
                   and attention_pallas.kernel_supported(q[:, 0], k, v) is None)
   if not use_kernel:
     return attention_ref.prefill_attention_ref(q, k, v, key_mask, q_start, scale, out_dtype)

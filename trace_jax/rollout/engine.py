@@ -1043,10 +1043,10 @@ class RolloutEngine:
     # mesh: weights sharded per `parallel.param_shardings` (sync reshards the master weights
     # onto it, e.g. from a disjoint train submesh), prompts over its batch axes.
     self.mesh = mesh
-    # FP4 weights in the Mosaic GPU kernels' layout (made once per sync): default on GPU, one
+    # FP4 weights in the Mosaic GPU kernels' layout (made once per sync): default on a Hopper GPU
     # device (the kernel-layout weights have no sharding rules).
     if use_kernels is None:
-      use_kernels = kernels.on_gpu() and mesh is None
+      use_kernels = kernels.kernels_on() and mesh is None
     self.use_kernels = use_kernels
     # command_buffers: compile the rollout programs with `GPU_COMMAND_BUFFERS` (default: on one
     # GPU, where it was measured; a mesh's programs, with their collectives, keep XLA's
