@@ -50,7 +50,8 @@ def digest(*trees) -> str:
 
 
 def result_header(benchmark: str, **extra) -> dict:
-  """The provenance every benchmark JSON starts with: name, UTC date, device, jax version, the
+  """The provenance every benchmark JSON starts with: name, UTC date, device, jax version,
+  whether the kernels ran there (`kernels_on`: on a Hopper GPU, unless TRACE_JAX_KERNELS), the
   commit and the source tree that ran (an A/B side's own), the command line, the TRACE_JAX_*
   and XLA_FLAGS settings it ran under (an A/B side is often only a setting) and the TRACE_JAX_*
   names among them that nothing reads (each also a warning on stderr); then `extra`."""
@@ -60,9 +61,11 @@ def result_header(benchmark: str, **extra) -> dict:
   import jax
 
   from trace_jax import provenance, settings
+  from trace_jax.kernels import dispatch
   return dict(benchmark=benchmark,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
               device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
+              kernels_on=dispatch.kernels_on(),
               git_commit=provenance.git_commit(), source_tree=provenance.source_tree(),
               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
               settings=provenance.settings(), unknown_settings=settings.warn_unknown(),

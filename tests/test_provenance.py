@@ -51,3 +51,15 @@ def test_settings_are_the_trace_jax_and_xla_flags_variables(monkeypatch):
   monkeypatch.setenv("NOT_TRACE_JAX_X", "1")
   assert provenance.settings() == {"TRACE_JAX_GROUPED_REF": "ragged_dot",
                                    "XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+
+
+def test_run_info_says_which_path_ran_and_which_settings_nothing_reads(monkeypatch):
+  """`run_info` records whether the kernels ran (none on a CPU) and the TRACE_JAX_* names that
+  no setting reads, beside the ones set."""
+  import jax
+  monkeypatch.setenv("TRACE_JAX_ATTN_STAGE", "3")  # misspelt: TRACE_JAX_ATTN_STAGES
+  info = provenance.run_info()
+  assert info["settings"]["TRACE_JAX_ATTN_STAGE"] == "3"
+  assert "TRACE_JAX_ATTN_STAGE (TRACE_JAX_ATTN_STAGES?)" in info["unknown_settings"]
+  if jax.default_backend() == "cpu":
+    assert info["kernels_on"] is False and info["compute_capability"] is None

@@ -75,9 +75,13 @@ def settings() -> dict:
 
 def run_info() -> dict:
   import jax
+
+  from trace_jax.kernels import dispatch  # noqa: PLC0415 - the package imports provenance
   dev = jax.devices()[0]
   return dict(date=datetime.date.today().isoformat(), device=str(dev),
               device_kind=dev.device_kind,
+              compute_capability=getattr(dev, "compute_capability", None),
+              kernels_on=dispatch.kernels_on(),
               platform=platform.platform(), jax_version=jax.__version__,
               git_commit=git_commit(), source_tree=source_tree(),
               command=" ".join([sys.executable] + sys.argv),
