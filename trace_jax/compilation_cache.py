@@ -27,7 +27,8 @@ from absl import flags
 from trace_jax.settings import declare
 
 ENV = declare("TRACE_JAX_COMPILATION_CACHE", "", "a directory",
-              "the persistent XLA compilation cache (what `--compilation_cache` defaults to)")
+              "the persistent XLA compilation cache (what `--compilation_cache` defaults to)",
+              shapes_programs=False)
 
 
 def define_flags() -> None:

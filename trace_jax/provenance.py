@@ -15,7 +15,8 @@ from trace_jax.settings import declare
 
 
 COMMIT_ENV = declare("TRACE_JAX_COMMIT", "", "a commit",
-                     "the commit result JSONs record outside a git checkout (device copies)")
+                     "the commit result JSONs record outside a git checkout (device copies)",
+                     shapes_programs=False)
 
 
 def git_commit() -> str:

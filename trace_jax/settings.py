@@ -25,6 +25,9 @@ class Setting:
   values: str  # the accepted values: "on, off", "integer >= 1", "a directory"
   module: str  # the module that reads it
   doc: str  # one line: what it switches
+  # whether its value changes the compiled programs (every process of a job must agree on it;
+  # `parallel.distributed.check_settings_agree`); not so for paths, keys, provenance
+  shapes_programs: bool = True
 
 
 REGISTRY: dict[str, Setting] = {}
@@ -69,11 +72,21 @@ def int_setting(name: str, default: int, minimum: int, doc: str = "") -> int:
   return value
 
 
-def declare(name: str, default: str, values: str, doc: str) -> str:
+def declare(name: str, default: str, values: str, doc: str,
+            shapes_programs: bool = True) -> str:
   """Registers a setting that its module reads itself (when called, or free-form text);
   returns `name`."""
-  _register(Setting(name, default, values, _caller_module(1), doc))
+  _register(Setting(name, default, values, _caller_module(1), doc, shapes_programs))
   return name
+
+
+def program_settings(environ=None) -> dict[str, str]:
+  """The value (set, else the default) of every registered setting of the package that shapes
+  the compiled programs: what the processes of one job must agree on. Imports the package."""
+  import_package()
+  environ = os.environ if environ is None else environ
+  return {s.name: environ.get(s.name, s.default) for s in package_settings()
+          if s.shapes_programs}
 
 
 def import_package() -> dict[str, str]:
@@ -137,6 +150,11 @@ def markdown_table() -> str:
       "slower, or opt-ins waiting for a measurement: the comment above each one's definition",
       "gives the figures. Result JSONs record the ones set (`provenance.settings()`), and",
       "launchers warn of `TRACE_JAX_*` names that are none of these.",
+      "",
+      "Every process of a multi-process job must read the same values of those that shape the",
+      "compiled programs, all but " + ", ".join(
+          f"`{s.name}`" for s in package_settings() if not s.shapes_programs) + ":",
+      "`parallel.initialize` checks that, and stops every process naming the ones that differ.",
       "",
       "| setting | default | values | module | what |",
       "|---|---|---|---|---|",

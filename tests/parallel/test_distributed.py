@@ -121,3 +121,49 @@ def test_two_process_rl_run_equals_single_process(tmp_path, decode_chunk):
   assert os.path.exists(tmp_path / "multi" / "metrics.jsonl")
   assert sorted(os.listdir(tmp_path / "multi" / "checkpoints"))[:3] == ["0", "1", "2"]
   print(f"2-process RL test: {elapsed:.1f} s")
+
+
+_CHECK = """
+import os
+os.environ["JAX_PLATFORMS"] = "cpu"
+from trace_jax.parallel import distributed
+try:
+  distributed.initialize(timeout_s=60)
+  print("AGREE")
+except ValueError as e:
+  print("ERROR", e)
+"""
+
+
+def _two_processes(env0: dict, env1: dict) -> list[str]:
+  """The last line each of two processes of one job prints after `initialize` (`_CHECK`)."""
+  port = _free_port()
+  procs = []
+  for i, extra in enumerate((env0, env1)):
+    env = dict(os.environ, TRACE_COORDINATOR_ADDRESS=f"localhost:{port}",
+               TRACE_NUM_PROCESSES="2", TRACE_PROCESS_ID=str(i), **extra)
+    for var in ("XLA_FLAGS", "JAX_PLATFORMS", "TRACE_JAX_SAMPLER"):
+      if var not in extra:
+        env.pop(var, None)
+    procs.append(subprocess.Popen([sys.executable, "-c", _CHECK], env=env, cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  try:
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return [o.strip().splitlines()[-1] if o.strip() else "" for o in outs]
+
+
+def test_processes_that_read_different_settings_stop_naming_the_setting():
+  """Two processes of one job (gloo, localhost): a program-shaping setting set differently
+  (TRACE_JAX_SAMPLER) stops both at `initialize`, each naming it and its own value; the same
+  settings, or a different compilation cache path (no program changes with it), pass."""
+  got = _two_processes({"TRACE_JAX_SAMPLER": "gumbel"}, {"TRACE_JAX_SAMPLER": "inverse_cdf"})
+  assert got[0].startswith("ERROR the processes of this job read different values of "
+                           "TRACE_JAX_SAMPLER (process 0 has TRACE_JAX_SAMPLER='gumbel')"), got
+  assert "TRACE_JAX_SAMPLER (process 1 has TRACE_JAX_SAMPLER='inverse_cdf')" in got[1], got
+  got = _two_processes({"TRACE_JAX_COMPILATION_CACHE": "/tmp/a"},
+                       {"TRACE_JAX_SAMPLER": "gumbel", "TRACE_JAX_COMPILATION_CACHE": "/tmp/b"})
+  assert got == ["AGREE", "AGREE"], got

@@ -13,9 +13,12 @@ On CPU, cross-process collectives use gloo (`jax_cpu_collectives_implementation`
 from __future__ import annotations
 
 import os
+import zlib
 
 import jax
 import numpy as np
+
+from trace_jax import settings
 
 _ENV = {"coordinator_address": ("TRACE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS"),
         "num_processes": ("TRACE_NUM_PROCESSES", "JAX_NUM_PROCESSES"),
@@ -88,7 +91,30 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(s["coordinator_address"], n, s["process_id"],
                              initialization_timeout=timeout_s)
+  check_settings_agree()
   return True
+
+
+def check_settings_agree() -> None:
+  """Raises, in every process, where the processes of this job read different values of a
+  TRACE_JAX_* setting that shapes the compiled programs (a kernel switch set on one host only
+  would give processes different programs, whose collectives then wait on each other or
+  mismatch). One all-gather of a checksum per setting; `initialize` calls it. A no-op for one
+  process."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process runs only
+  values = settings.program_settings()
+  names = sorted(values)
+  mine = np.array([zlib.crc32(values[k].encode()) & 0x7FFFFFFF for k in names], np.int32)
+  every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, settings]
+  differ = [k for i, k in enumerate(names) if len(set(every[:, i].tolist())) > 1]
+  if differ:
+    raise ValueError(
+        f"the processes of this job read different values of {', '.join(differ)} (process "
+        f"{jax.process_index()} has "
+        f"{', '.join(f'{k}={values[k]!r}' for k in differ)}): set the TRACE_JAX_* settings "
+        "alike on every host (docs/settings.md)")
 
 
 def is_primary() -> bool:

@@ -42,7 +42,8 @@ from trace_jax.serving.scheduler import GenerationRequest, QueueFullError, Sched
 from trace_jax.settings import declare
 
 API_KEY_ENV = declare("TRACE_JAX_API_KEY", "", "a key",
-                      "the API key `launch/serve.py` requires when `--api_key` is not given")
+                      "the API key `launch/serve.py` requires when `--api_key` is not given",
+                      shapes_programs=False)
 
 DEFAULT_MAX_TOKENS = 16
 
