@@ -107,13 +107,16 @@ def kind(line: str) -> str:
 
 
 def census(policy_name: str, layers: int, batch: int, prompt_len: int, new_tokens: int,
-           use_kernels: bool, preset: str = "qwen3_30b_a3b", fmt: str = "nvfp4") -> dict:
+           use_kernels: bool, preset: str = "qwen3_30b_a3b", fmt: str = "nvfp4",
+           record_guidance: bool | None = None) -> dict:
   config = M.preset(preset, num_layers=layers)
   policy = tq.make_policy(policy_name, fmt)
   dispatch.on_gpu = lambda: True  # the kernel choices of a GPU backend
+  dispatch.kernels_on = lambda: True  # and of a Hopper (the H200 target)
+  if record_guidance is None:
+    record_guidance = policy_name != "bf16"
   program, args = compile_time.generate_program(config, policy, batch, prompt_len, new_tokens,
-                                                use_kernels,
-                                                record_guidance=policy_name != "bf16")
+                                                use_kernels, record_guidance=record_guidance)
   compiled = compile_for_h200(program, args)
   listing = bench_util.decode_loop_listing(compiled.as_text())
   lines = [ln for ln in listing.splitlines() if ln.strip()]
@@ -126,6 +129,7 @@ def census(policy_name: str, layers: int, batch: int, prompt_len: int, new_token
     # tokamax chooses its implementation by the local device: here its XLA fallback
     backend = "tokamax, compiled as its XLA fallback (no local GPU); the H200 runs its kernel"
   return dict(policy=policy_name, policy_full=policy.name, layers=layers, batch=batch,
+              record_guidance=record_guidance,
               prompt_len=prompt_len, new_tokens=new_tokens, use_kernels=use_kernels,
               grouped_backend=backend,
               kernels_per_step=len(lines), by_kind=dict(kinds),
@@ -142,10 +146,12 @@ def main():
   ap.add_argument("--prompt_len", type=int, default=256)
   ap.add_argument("--new_tokens", type=int, default=128)
   ap.add_argument("--path", default="kernels", choices=["kernels", "xla"])
+  ap.add_argument("--guidance", default="auto", choices=["auto", "on", "off"],
+                  help="record guidance (auto: for every policy but bf16, as the rollout does)")
   ap.add_argument("--out", default="")
   a = ap.parse_args()
   res = census(a.policy, a.layers, a.batch, a.prompt_len, a.new_tokens, a.path == "kernels",
-               a.preset)
+               a.preset, record_guidance={"auto": None, "on": True, "off": False}[a.guidance])
   info = run_info()
   info.update(device="compile-only NVIDIA H200 (deviceless AOT)", device_kind="NVIDIA H200")
   res = dict(benchmark="gpu_census", **info, **res)

@@ -234,6 +234,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--guidance_cost", action="store_true",
                   help="also time the same engine with guidance recording off (one more compile)")
+  ap.add_argument("--guidance_first", default="on", choices=["on", "off"],
+                  help="with --guidance_cost: which engine runs first (each in turn)")
   ap.add_argument("--out", default="profile_decode.json")
   ap.add_argument("--hlo_out", default="",
                   help="also write the decode loop's kernels (from the optimized HLO) here, one "
@@ -250,6 +252,8 @@ def main():
   prompts = [list(rng.integers(3, cfg.vocab_size, a.prompt_len)) for _ in range(a.batch)]
   out = {**run_info(), "benchmark": "profile_decode", **vars(a), "policy_full": policy.name}
   guidance = [True, False] if a.guidance_cost else [True]
+  if a.guidance_cost and a.guidance_first == "off":
+    guidance = [False, True]  # the other order (session 53: off ran 36% slower, second)
   for rec in guidance:
     eng = RolloutEngine(cfg, policy, max_new_tokens=cache_new, prompt_bucket=a.prompt_len,
                         record_guidance=rec, use_kernels=a.path == "kernels",
