@@ -73,7 +73,9 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, timeout_s: int = 300) -> bool:
   """Join the multi-process job; returns whether `jax.distributed` was initialized (False:
-  single process, nothing done). Must run before anything touches a JAX backend."""
+  single process, nothing done). Must run before anything touches a JAX backend; with several
+  processes it starts the backend itself, for `check_settings_agree`'s all-gather (so set
+  backend options such as XLA_PYTHON_CLIENT_MEM_FRACTION before calling it)."""
   s = resolve(coordinator_address, num_processes, process_id)
   n = s["num_processes"]
   if s["coordinator_address"] is None and (n is None or n == 1):
