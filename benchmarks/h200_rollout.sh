@@ -94,6 +94,24 @@ step_4l() {
     --out $OUT/profile_cap_4l_b${b}_nocb_$1.json \
     | grep "guidance_on\|decode loop\|$2\|Error\|^\[clocks" | cut -c1-${4:-160} | sed "s/^/$tag/"
 }
+# cap_shape_profile's 4-layer step at B 256, command buffers on as in the rollout, one engine
+# recording guidance and one not in one process (JSON profile_cap_4l_b256_NAME.json), then the
+# sides' figures: NAME TIMEOUT [more profile_decode.py flags]
+guidance_ab() {
+  local json=$OUT/profile_cap_4l_b256_$1.json limit=$2; shift 2
+  cap_shape_profile 4 256 paper $limit --guidance_cost --out $json "$@" \
+    | grep "^guidance\|decode loop\|Error" | cut -c1-200
+  python3 -c "import json; d = json.load(open('$json'));
+print('guidance cost, share of the decode step:', d.get('guidance_cost_frac_of_step'),
+      d['guidance_on']['decode_step_ms'], d.get('guidance_off', {}).get('decode_step_ms'))"
+}
+# the 4-layer 30B-A3B train step at the grouped-tile defaults, one chain, 3 steps timed (JSON
+# train_determinism_a3b_l4_defaults.json)
+a3b_l4_step() {
+  timeout -k 5 ${A3B_TIMEOUT:-150} python3 benchmarks/train_determinism.py --preset a3b_l4 \
+    --prompts 4 --variants off --chain 1 --repeats 1 --reps 3 \
+    --out $OUT/train_determinism_a3b_l4_defaults.json 2>&1 | grep "^off {\|rror" | cut -c1-400
+}
 # the decode attention with V's words and scales loaded with K's (TRACE_JAX_ATTN_PREFETCH_V)
 # each way in the order given, each side its own process: decode rows at B 16 / 64 x 8k / 32k
 # and two rollout-shaped live rows (JSON bench_attention_prefetch_v_SIDE.json): SIDE...
@@ -907,12 +925,7 @@ elif [ "$stage" = s53b ]; then
   # off ran second and 36% slower a step, 1.742 against 1.278 ms, though the decode loops'
   # kernels differ by 2 of 93 in the deviceless census), then the mid train step at tiles of
   # 256 (s53a's side of 256 and the 30B-A3B step printed nothing within their limits)
-  cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-200} --guidance_cost --guidance_first off \
-    --out $OUT/profile_cap_4l_b256_guidance_cost_off_first.json \
-    | grep "^guidance\|Error" | cut -c1-200
-  python3 -c "import json; d = json.load(open('$OUT/profile_cap_4l_b256_guidance_cost_off_first.json'));
-print('guidance cost, share of the decode step:', d.get('guidance_cost_frac_of_step'),
-      d['guidance_on']['decode_step_ms'], d.get('guidance_off', {}).get('decode_step_ms'))"
+  guidance_ab guidance_cost_off_first ${PROF_TIMEOUT:-200} --guidance_first off
   setting_sides TRACE_JAX_GROUPED_TILE "256" mid_tile ${TD_TIMEOUT:-190} --variants off \
     --chain 2 --repeats 2 --reps 5
 elif [ "$stage" = s53a ]; then
@@ -924,17 +937,10 @@ elif [ "$stage" = s53a ]; then
   # 4-layer 30B-A3B step at the defaults (~7 min in all). First: the device reads as Hopper
   # (`kernels_on`, new in session 53: the kernels only on compute capability 9.0)
   gpu_tests tests/kernels/test_dispatch.py "" dispatch ${DTEST_TIMEOUT:-60}
-  cap_shape_profile 4 256 paper ${PROF_TIMEOUT:-240} --guidance_cost \
-    --out $OUT/profile_cap_4l_b256_guidance_cost.json \
-    | grep "guidance\|decode loop\|Error" | cut -c1-200
-  python3 -c "import json; d = json.load(open('$OUT/profile_cap_4l_b256_guidance_cost.json'));
-print('guidance cost, share of the decode step:', d.get('guidance_cost_frac_of_step'),
-      d['guidance_on']['decode_step_ms'], d.get('guidance_off', {}).get('decode_step_ms'))"
+  guidance_ab guidance_cost ${PROF_TIMEOUT:-240}
   setting_sides TRACE_JAX_GROUPED_TILE "128 256" mid_tile ${TD_TIMEOUT:-110} --variants off \
     --chain 2 --repeats 2 --reps 5
-  timeout -k 5 ${A3B_TIMEOUT:-150} python3 benchmarks/train_determinism.py --preset a3b_l4 \
-    --prompts 4 --variants off --chain 1 --repeats 1 --reps 3 \
-    --out $OUT/train_determinism_a3b_l4_defaults.json 2>&1 | grep "^off {\|rror" | cut -c1-400
+  a3b_l4_step
 elif [ "$stage" = s52a ]; then
   # (session 52, prepared, not run) the grouped products' new defaults in the train step: the
   # mid step with tiles of up to 128 / 256 rows (TRACE_JAX_GROUPED_TILE) at 32 tiles a loop
@@ -945,9 +951,7 @@ elif [ "$stage" = s52a ]; then
     --chain 2 --repeats 2 --reps 5
   setting_sides TRACE_JAX_GROUPED_TILES_PER_STEP "16 32 64" mid_per_step ${TD_TIMEOUT:-110} \
     --variants off --chain 2 --repeats 2 --reps 5
-  timeout -k 5 ${A3B_TIMEOUT:-150} python3 benchmarks/train_determinism.py --preset a3b_l4 \
-    --prompts 4 --variants off --chain 1 --repeats 1 --reps 3 \
-    --out $OUT/train_determinism_a3b_l4_defaults.json 2>&1 | grep "^off {\|rror" | cut -c1-400
+  a3b_l4_step
 elif [ "$stage" = s51e ]; then
   # (session 52) s51d's train steps (split from it: one call each). Ran in session 52 by hand
   # on an H100 with a third side, 16 tiles a step: mid 0.729 / 0.241 / 0.090 s

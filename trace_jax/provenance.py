@@ -71,7 +71,7 @@ def settings() -> dict:
   """The TRACE_JAX_* and XLA_FLAGS settings of this process: an A/B side is often only one.
   (`run_info`'s `unknown_settings` lists the TRACE_JAX_* names among them that nothing reads.)"""
   return {k: v for k, v in sorted(os.environ.items())
-          if k.startswith("TRACE_JAX_") or k == "XLA_FLAGS"}
+          if k.startswith(_settings.PREFIX) or k == "XLA_FLAGS"}
 
 
 def run_info() -> dict:

@@ -33,8 +33,9 @@ class Setting:
 REGISTRY: dict[str, Setting] = {}
 
 
-def _caller_module(depth: int) -> str:
-  return sys._getframe(depth + 1).f_globals.get("__name__", "?")
+def _caller_module() -> str:
+  """The module that called the setting function that calls this."""
+  return sys._getframe(2).f_globals.get("__name__", "?")
 
 
 def _register(setting: Setting) -> None:
@@ -49,7 +50,7 @@ def _register(setting: Setting) -> None:
 
 def choice_setting(name: str, default: str, choices: tuple[str, ...], doc: str = "") -> str:
   """The value of environment variable `name` (`default` if unset), one of `choices`."""
-  _register(Setting(name, default, ", ".join(choices), _caller_module(1), doc))
+  _register(Setting(name, default, ", ".join(choices), _caller_module(), doc))
   value = os.environ.get(name, default)
   if value not in choices:
     raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, "
@@ -59,7 +60,7 @@ def choice_setting(name: str, default: str, choices: tuple[str, ...], doc: str =
 
 def int_setting(name: str, default: int, minimum: int, doc: str = "") -> int:
   """The integer value of environment variable `name` (`default` if unset), >= `minimum`."""
-  _register(Setting(name, str(default), f"integer >= {minimum}", _caller_module(1), doc))
+  _register(Setting(name, str(default), f"integer >= {minimum}", _caller_module(), doc))
   raw = os.environ.get(name)
   if raw is None:
     return default
@@ -76,7 +77,7 @@ def declare(name: str, default: str, values: str, doc: str,
             shapes_programs: bool = True) -> str:
   """Registers a setting that its module reads itself (when called, or free-form text);
   returns `name`."""
-  _register(Setting(name, default, values, _caller_module(1), doc, shapes_programs))
+  _register(Setting(name, default, values, _caller_module(), doc, shapes_programs))
   return name
 
 

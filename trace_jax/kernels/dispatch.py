@@ -267,12 +267,9 @@ def kernels_allowed(setting: str, backend: str, platform_version: str,
 def kernels_on() -> bool:
   """Whether this process's calls take the kernels: the default device is an NVIDIA Hopper
   GPU (or TRACE_JAX_KERNELS says otherwise). Read once, from the first device."""
-  backend = jax.default_backend()
-  if backend != "gpu":
-    return kernels_allowed(_KERNELS, backend, "", None)
   device = jax.devices()[0]
   version = getattr(getattr(device, "client", None), "platform_version", "") or ""
-  return kernels_allowed(_KERNELS, backend, version,
+  return kernels_allowed(_KERNELS, jax.default_backend(), version,
                          getattr(device, "compute_capability", None))
 
 
