@@ -284,7 +284,7 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
                           decode_chunk=4)
   chunked.sync(_params())
   s = SamplingParams(temperature=1.0)
-  assert chunked.guidance_copy == "async"  # (the default)
+  assert (chunked.guidance_copy, chunked.guidance_landing) == ("async", "inline")  # defaults
   monkeypatch.setattr(engine_module, "_PINNED", engine_module._PinnedPool())
   pinned_before = False
   for kw, windows, landing, copy in (
@@ -293,8 +293,7 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
       (dict(n=2, max_new_tokens=[3, 2]), 1, "thread", "async"),
       (dict(n=2), 2, "thread", "pinned"), (dict(n=2), 2, "inline", "pinned")):
     a = one.generate(PROMPTS, sampling=s, seed=3, **kw)
-    monkeypatch.setattr(engine_module, "GUIDANCE_LANDING", landing)
-    chunked.guidance_copy = copy
+    chunked.guidance_landing, chunked.guidance_copy = landing, copy
     t0 = time.perf_counter()
     b = chunked.generate(PROMPTS, sampling=s, seed=3, **kw)
     wall = time.perf_counter() - t0
@@ -344,7 +343,7 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
     raise RuntimeError("landing failed")
   monkeypatch.setattr(engine_module, "_place_window", broken)
   for landing in ("inline", "thread"):
-    monkeypatch.setattr(engine_module, "GUIDANCE_LANDING", landing)
+    chunked.guidance_landing = landing
     with pytest.raises(RuntimeError, match="landing failed"):
       chunked.generate(PROMPTS, sampling=s, seed=3, n=2)
   # Device memory: the prompt's and one window's guidance instead of the whole sequence's.

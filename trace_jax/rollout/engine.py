@@ -1031,6 +1031,7 @@ class RolloutEngine:
     self.decode_chunk = int(decode_chunk)
     self.last_timeline: ChunkTimeline | None = None  # the chunked engine's last generate
     self.guidance_copy = GUIDANCE_COPY  # how its records reach host memory (`GUIDANCE_COPY`)
+    self.guidance_landing = GUIDANCE_LANDING  # which thread lands them (`GUIDANCE_LANDING`)
     # prefill_tokens: prompt tokens per prefill pass; a larger batch is prefilled in passes of
     # that many tokens' prompts (`_prefill_passes`), which bounds the forward's transients where
     # the capacity planner counts the decode's memory. 64k prompt tokens: the prompt-2048 B=64
@@ -1215,7 +1216,7 @@ class RolloutEngine:
     to_run = -(-min(steps, most or steps) // chunk)
     # (several processes land inline: a landing thread's gathers of records spread over
     # processes are collectives, which must keep their order against the windows' launches)
-    thread = GUIDANCE_LANDING == "thread" and jax.process_count() == 1
+    thread = self.guidance_landing == "thread" and jax.process_count() == 1
 
     copy = self.guidance_copy
 

@@ -1,0 +1,55 @@
+"""benchmarks/bench_guidance.py: its shares from made-up calls, and a whole run on the tiny model
+(CPU): every side draws the same numbers, the guided sides hold guidance and the unguided none,
+each chunked call lands its windows."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+
+def test_summarize_shares_against_each_engines_unguided_side():
+  import bench_guidance  # noqa: PLC0415
+  def rows(*s):
+    return [{"s": x, "guidance_bytes": 0} for x in s]
+  calls = {"one_program off": rows(9.0, 1.0, 1.2, 0.8),
+           "one_program on": rows(9.0, 1.1, 1.05, 1.3),
+           "chunked off": rows(9.0, 2.0, 2.0, 2.0),
+           "chunked on pinned thread": rows(9.0, 2.5, 2.4, 2.6)}
+  out = bench_guidance.summarize(calls)
+  assert out["one_program off"]["median_s"] == 1.0  # the first call left out
+  assert out["one_program on"]["share"] == pytest.approx((1.1 - 1.0) / 1.1, abs=1e-4)
+  assert out["chunked on pinned thread"]["share"] == pytest.approx(0.5 / 2.5, abs=1e-4)
+  assert not out["chunked on pinned thread"]["meets_bar"]
+  assert "share" not in out["chunked off"]
+  assert bench_guidance.baseline("chunked on async inline") == "chunked off"
+
+
+def test_tiny_run(tmp_path, monkeypatch):
+  import bench_guidance  # noqa: PLC0415
+  out = tmp_path / "guidance.json"
+  monkeypatch.delenv("TRACE_JAX_COMPILATION_CACHE", raising=False)
+  monkeypatch.setattr(sys, "argv", [
+      "bench_guidance.py", "--preset", "tiny", "--layers", "2", "--batch", "3",
+      "--prompt_len", "8", "--new_tokens", "5,12", "--decode_chunk", "4", "--rounds", "1",
+      "--out", str(out)])
+  bench_guidance.main()
+  res = json.loads(out.read_text())
+  assert res["sides"] == bench_guidance.side_names() and len(res["sides"]) == 7
+  assert res["args"]["cache_new_tokens"] == 12
+  for n, windows in (("5", 2), ("12", 3)):
+    got = res["lengths"][n]
+    assert got["same_numbers_every_round"] == [True, True]  # (round 0 and 1)
+    for side, row in got["sides"].items():
+      assert (row["guidance_bytes"] > 0) == (" on" in side), side
+      assert len(row["timed_s"]) == 1 and row["median_s"] == row["timed_s"][0]
+      if " on" in side:
+        off = got["sides"][bench_guidance.baseline(side)]["median_s"]
+        assert row["share"] == pytest.approx((row["median_s"] - off) / row["median_s"],
+                                             abs=1e-3)
+      if side.startswith("chunked"):
+        assert row["median_call_timeline"]["windows"] == windows
+  assert (tmp_path / "guidance.png").stat().st_size > 0
