@@ -11,6 +11,7 @@ that its peak device memory is its own and one row's failure (out of memory) spa
       --prompt_len=256 --new_tokens=512 --hf_peer=false --out=$OUT/bench_rollout.json   # H200
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -471,11 +472,11 @@ def main(argv):
                                      "rollout_floor_over_measured", "error")}),
             flush=True)
     if FLAGS.hf_peer and b != "capacity":
-      try:
-        import torch  # noqa: F401
+      if importlib.util.find_spec("torch") is None:  # (said, not skipped in silence)
+        print("--hf_peer: no HF rows, torch is not installed here "
+              "(pip install torch==2.13.0 transformers)", flush=True)
+      else:
         rows += bench_hf(config, b)
-      except ImportError:
-        pass
   out = save()
   # (windows: the chunked engine's pace from its windows, `window_step_ms`, against its floor)
   print(f"{'policy':10s} {'path':9s} {'B':>4s} {'tok/s':>10s} {'step ms':>9s} "

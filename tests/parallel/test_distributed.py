@@ -126,7 +126,10 @@ def test_two_process_rl_run_equals_single_process(tmp_path, decode_chunk):
 _CHECK = """
 import os
 os.environ["JAX_PLATFORMS"] = "cpu"
+from trace_jax.kernels import dispatch
 from trace_jax.parallel import distributed
+if os.environ.get("STAND_IN_HOPPER"):  # this host's GPU taken for a Hopper: the kernels on
+  dispatch.kernels_on = lambda: True
 try:
   distributed.initialize(timeout_s=60)
   print("AGREE")
@@ -142,7 +145,7 @@ def _two_processes(env0: dict, env1: dict) -> list[str]:
   for i, extra in enumerate((env0, env1)):
     env = dict(os.environ, TRACE_COORDINATOR_ADDRESS=f"localhost:{port}",
                TRACE_NUM_PROCESSES="2", TRACE_PROCESS_ID=str(i), **extra)
-    for var in ("XLA_FLAGS", "JAX_PLATFORMS", "TRACE_JAX_SAMPLER"):
+    for var in ("XLA_FLAGS", "JAX_PLATFORMS", "TRACE_JAX_SAMPLER", "STAND_IN_HOPPER"):
       if var not in extra:
         env.pop(var, None)
     procs.append(subprocess.Popen([sys.executable, "-c", _CHECK], env=env, cwd=ROOT,
@@ -159,7 +162,8 @@ def _two_processes(env0: dict, env1: dict) -> list[str]:
 def test_processes_that_read_different_settings_stop_naming_the_setting():
   """Two processes of one job (gloo, localhost): a program-shaping setting set differently
   (TRACE_JAX_SAMPLER) stops both at `initialize`, each naming it and its own value; the same
-  settings, or a different compilation cache path (no program changes with it), pass."""
+  settings, or a different compilation cache path (no program changes with it), pass; hosts whose
+  GPU kinds gate the kernels differently (`kernels_on`) stop too."""
   got = _two_processes({"TRACE_JAX_SAMPLER": "gumbel"}, {"TRACE_JAX_SAMPLER": "inverse_cdf"})
   assert got[0].startswith("ERROR the processes of this job read different values of "
                            "TRACE_JAX_SAMPLER (process 0 has TRACE_JAX_SAMPLER='gumbel')"), got
@@ -167,3 +171,9 @@ def test_processes_that_read_different_settings_stop_naming_the_setting():
   got = _two_processes({"TRACE_JAX_COMPILATION_CACHE": "/tmp/a"},
                        {"TRACE_JAX_SAMPLER": "gumbel", "TRACE_JAX_COMPILATION_CACHE": "/tmp/b"})
   assert got == ["AGREE", "AGREE"], got
+  # Hosts of different GPU kinds (one a Hopper: the kernels on there only) stop alike, told
+  # how to run such a job.
+  got = _two_processes({"STAND_IN_HOPPER": "1"}, {})
+  assert "different values of kernels_on (process 0 has kernels_on='True')" in got[0], got
+  assert "(process 1 has kernels_on='False')" in got[1], got
+  assert all("TRACE_JAX_KERNELS=off on every host" in g for g in got), got

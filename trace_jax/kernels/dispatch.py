@@ -265,9 +265,10 @@ def kernels_allowed(setting: str, backend: str, platform_version: str,
 
 @functools.cache
 def kernels_on() -> bool:
-  """Whether this process's calls take the kernels: the default device is an NVIDIA Hopper
-  GPU (or TRACE_JAX_KERNELS says otherwise). Read once, from the first device."""
-  device = jax.devices()[0]
+  """Whether this process's calls take the kernels: its first device is an NVIDIA Hopper GPU
+  (or TRACE_JAX_KERNELS says otherwise). Read once. (A multi-process job whose hosts answer
+  differently stops at `parallel.initialize`: its processes would compile different programs.)"""
+  device = jax.local_devices()[0]
   version = getattr(getattr(device, "client", None), "platform_version", "") or ""
   return kernels_allowed(_KERNELS, jax.default_backend(), version,
                          getattr(device, "compute_capability", None))

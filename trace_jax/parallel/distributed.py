@@ -97,16 +97,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   return True
 
 
+KERNELS_ON = "kernels_on"  # (beside the settings in the agreement check: the kernel gate's answer)
+
+
 def check_settings_agree() -> None:
   """Raises, in every process, where the processes of this job read different values of a
   TRACE_JAX_* setting that shapes the compiled programs (a kernel switch set on one host only
   would give processes different programs, whose collectives then wait on each other or
   mismatch). One all-gather of a checksum per setting; `initialize` calls it. A no-op for one
-  process."""
+  process. Whether the GPU kernels run (`kernels_on`: the setting and the host's GPU kind) is
+  checked alike: hosts of different GPU kinds would compile different programs."""
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process runs only
-  values = settings.program_settings()
+
+  from trace_jax.kernels import dispatch  # noqa: PLC0415 - loaded for a multi-process job only
+  values = dict(settings.program_settings())
+  values[KERNELS_ON] = str(dispatch.kernels_on())
   names = sorted(values)
   mine = np.array([zlib.crc32(values[k].encode()) & 0x7FFFFFFF for k in names], np.int32)
   every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, settings]
@@ -116,7 +123,10 @@ def check_settings_agree() -> None:
         f"the processes of this job read different values of {', '.join(differ)} (process "
         f"{jax.process_index()} has "
         f"{', '.join(f'{k}={values[k]!r}' for k in differ)}): set the TRACE_JAX_* settings "
-        "alike on every host (docs/settings.md)")
+        "alike on every host (docs/settings.md)"
+        + (f"; {KERNELS_ON} differs where the hosts' GPUs differ (the kernels run only on "
+           "Hopper, compute capability 9.0): TRACE_JAX_KERNELS=off on every host takes the "
+           "XLA path everywhere" if KERNELS_ON in differ else ""))
 
 
 def is_primary() -> bool:
