@@ -52,4 +52,5 @@ def test_tiny_run(tmp_path, monkeypatch):
                                              abs=1e-3)
       if side.startswith("chunked"):
         assert row["median_call_timeline"]["windows"] == windows
+  assert res["pinned_peak_bytes"] > 0  # (the CPU backend has pinned host memory)
   assert (tmp_path / "guidance.png").stat().st_size > 0
