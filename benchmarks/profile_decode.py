@@ -320,8 +320,14 @@ def main():
               f"  {row['name'][:90]}")
     del eng
   if a.guidance_cost:
-    on, off = out["guidance_on"]["decode_step_ms"], out["guidance_off"]["decode_step_ms"]
-    out["guidance_cost_frac_of_step"] = (on - off) / on
+    # With decode windows, the step by the windows' pace: (whole - one token) / steps credits
+    # the prompt's guidance landing to the steps (session 53 read -36% and -75% from it).
+    # Whole rollouts, on against off, are benchmarks/bench_guidance.py's.
+    by = "window_step_ms_median" if a.decode_chunk else "decode_step_ms"
+    on, off = out["guidance_on"][by], out["guidance_off"][by]
+    if on and off:
+      out["guidance_cost_frac_of_step"] = (on - off) / on
+      out["guidance_cost_step_from"] = by
   with open(a.out, "w") as f:
     json.dump(out, f, indent=2)
 
