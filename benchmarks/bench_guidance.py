@@ -11,6 +11,9 @@ Sides, one engine each (compiled once, all kept):
   thread). The last window's records land after the device has finished, so a short rollout
   pays that tail in a larger share than a long one: --new_tokens takes several lengths.
 
+All engines share one copy of the rollout weights; `--sides` runs some of the sides (each
+guided one with its unguided side), so a deep model fits beside its cache.
+
 Per length and side: the first call (compiles; a pinned side's first copies pin their pages)
 and the median of --rounds timed calls; for each guided side its share, (on - off) / on,
 against its engine's unguided side; for the chunked sides the host's parts of the median call
@@ -55,21 +58,39 @@ def baseline(side: str) -> str:
   return side.split(" ")[0] + " off"
 
 
+def chosen_sides(arg: str) -> list[str]:
+  """The sides `--sides` names (comma-separated; empty: all), each guided one's unguided side
+  added, in `side_names` order."""
+  sides = side_names()
+  if not arg:
+    return sides
+  asked = [x.strip() for x in arg.split(",")]
+  unknown = sorted(set(asked) - set(sides))
+  if unknown:
+    raise ValueError(f"unknown sides {unknown}: choose among {sides}")
+  wanted = set(asked) | {baseline(x) for x in asked if " on" in x}
+  return [x for x in sides if x in wanted]
+
+
 def _median(xs):
   return sorted(xs)[len(xs) // 2]
 
 
-def _engines(cfg, policy, a) -> dict:
-  """{(mode, guided): synced engine}."""
+def _engines(cfg, policy, a, sides) -> dict:
+  """{(mode, guided): engine} for the sides asked, all on one copy of the rollout weights
+  (recording guidance and decode windows do not change them; nothing here syncs again), so
+  a deep model's sides fit beside its cache."""
   params = M.random_params(cfg, jax.random.key(0), "bfloat16")
-  out = {}
-  for mode, chunk in (("one_program", 0), ("chunked", a.decode_chunk)):
-    for guided in (False, True):
-      eng = RolloutEngine(cfg, policy, max_new_tokens=a.cache_new_tokens,
-                          prompt_bucket=a.prompt_len, record_guidance=guided,
-                          decode_chunk=chunk)
+  out, weights = {}, None
+  for mode, guided in dict.fromkeys((s.split(" ")[0], s.split(" ")[1] == "on") for s in sides):
+    eng = RolloutEngine(cfg, policy, max_new_tokens=a.cache_new_tokens,
+                        prompt_bucket=a.prompt_len, record_guidance=guided,
+                        decode_chunk=a.decode_chunk if mode == "chunked" else 0)
+    if weights is None:
       eng.sync(params)
-      out[mode, guided] = eng
+      weights, params = eng.params, None  # (the master freed: a cache-sized batch needs it)
+    eng.params = weights
+    out[mode, guided] = eng
   return out
 
 
@@ -151,6 +172,9 @@ def main():
                   help="the engines' max_new_tokens (0: the largest length)")
   ap.add_argument("--decode_chunk", type=int, default=128)
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--sides", default="",
+                  help="comma-separated side names (default all: " + ", ".join(side_names())
+                  + "); each guided side's unguided one is added")
   ap.add_argument("--out", default="bench_guidance.json")
   ap.add_argument("--no_plot", action="store_true", help="(a machine without matplotlib)")
   ap.add_argument("--plot", default="", help="only plot this result JSON")
@@ -162,14 +186,14 @@ def main():
   a.cache_new_tokens = a.cache_new_tokens or max(lengths)
   if a.rounds < 1 or max(lengths) > a.cache_new_tokens:
     raise ValueError("--rounds must be >= 1 and every length <= --cache_new_tokens")
+  sides = chosen_sides(a.sides)
   compilation_cache.enable()
   cfg = M.preset(a.preset).replace(num_layers=a.layers,
                                    max_seq_len=a.prompt_len + a.cache_new_tokens)
   t0 = time.perf_counter()
-  engines = _engines(cfg, tq.make_policy(a.policy), a)
+  engines = _engines(cfg, tq.make_policy(a.policy), a, sides)
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, cfg.vocab_size, a.prompt_len)) for _ in range(a.batch)]
-  sides = side_names()
   res = bench_util.result_header("bench_guidance", args=vars(a), sides=sides, bar=BAR,
                                  lengths={})
   total, done = len(lengths) * (a.rounds + 1) * len(sides), 0

@@ -28,6 +28,15 @@ def test_summarize_shares_against_each_engines_unguided_side():
   assert bench_guidance.baseline("chunked on async inline") == "chunked off"
 
 
+def test_chosen_sides():
+  import bench_guidance  # noqa: PLC0415
+  assert bench_guidance.chosen_sides("") == bench_guidance.side_names()
+  assert bench_guidance.chosen_sides("chunked on pinned thread, one_program off") == [
+      "one_program off", "chunked off", "chunked on pinned thread"]
+  with pytest.raises(ValueError, match="unknown sides.*chunked on pinned"):
+    bench_guidance.chosen_sides("chunked on pinned")
+
+
 def test_tiny_run(tmp_path, monkeypatch):
   import bench_guidance  # noqa: PLC0415
   out = tmp_path / "guidance.json"
