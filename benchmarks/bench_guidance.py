@@ -219,11 +219,11 @@ def main():
         print(f"{n} tokens, {side}: {row['median_s']:.4f} s against "
               f"{res['lengths'][str(n)]['sides'][baseline(side)]['median_s']:.4f}, "
               f"share {row['share']:.2%}", flush=True)
-  # pinned host memory the pinned sides' copies took at once, which the runtime keeps
-  res["pinned_peak_bytes"] = engine_module._PINNED.peak
-  with open(a.out, "w") as f:
-    json.dump(res, f, indent=1)
-  print("wrote", a.out)
+    # pinned host memory the pinned sides' copies took at once, which the runtime keeps
+    res["pinned_peak_bytes"] = engine_module._PINNED.peak
+    with open(a.out, "w") as f:  # after each length: a run cut short keeps the lengths done
+      json.dump(res, f, indent=1)
+    print("wrote", a.out, flush=True)
   if not a.no_plot:
     plot(a.out)
 
