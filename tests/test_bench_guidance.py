@@ -35,6 +35,9 @@ def test_chosen_sides():
       "one_program off", "chunked off", "chunked on pinned thread"]
   with pytest.raises(ValueError, match="unknown sides.*chunked on pinned"):
     bench_guidance.chosen_sides("chunked on pinned")
+  from trace_jax.rollout import engine  # noqa: PLC0415
+  assert bench_guidance.DEFAULT_WAY == (  # (the plot marks the way a rollout takes unset)
+      f"chunked on {engine.GUIDANCE_COPY} {engine.GUIDANCE_LANDING}")
 
 
 def test_tiny_run(tmp_path, monkeypatch):

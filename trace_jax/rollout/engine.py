@@ -856,7 +856,9 @@ def _host_guidance(guidance, pre_records, n: int) -> None:
 # calling thread (each window's copies started at its launch), or "thread", on a landing thread
 # of its own (copies started there; the window dropped after the last one is never copied).
 # On the H200, 48 layers at 8k capacity, thread 35.95 s against inline 36.21, within the
-# spread (session 36). With several processes the landing is inline whatever this says.
+# spread (session 36); on the H100, 4 layers, guidance's share 5.2% / 2.4% against inline's
+# 4.1% / 2.8% at 256 / 1,024 new tokens (session 54). With several processes the landing is
+# inline whatever this says.
 GUIDANCE_LANDING = choice_setting(
     "TRACE_JAX_GUIDANCE_LANDING", "inline", ("inline", "thread"),
     doc="guidance windows landed in host arrays inline, or on a thread of their own")
@@ -894,7 +896,11 @@ def _to_host(tree):
 # arrays by host threads. Where a device has no pinned host memory, "async". On the H200 (48
 # layers, 8k capacity, 255 x 2,048 tokens, one process, async / pinned / async): whole
 # rollouts 35.41 / 35.51 / 35.43 s, the device the bound; prefill plus one step 5.8 -> 5.0 s.
-# Pinned stays opt-in: the runtime keeps the pinned memory (~8 GB there) for the process's life.
+# On the H100 (4 layers, B 256, prompt 512, rounds in rotated order, bench_guidance.py) pinned
+# made whole rollouts slower: guidance's share 5.2% against async's 4.1% at 256 new tokens,
+# 5.2% against 2.8% at 1,024 (the prompt's 471 MB reached host memory in 0.41 s against 0.20;
+# session 54). Pinned stays opt-in; the runtime also keeps its pinned memory for the process's
+# life (~8 GB on the H200).
 GUIDANCE_COPY = choice_setting(
     "TRACE_JAX_GUIDANCE_COPY", "async", ("async", "pinned"),
     doc="guidance windows copied to the host asynchronously, or through pinned memory")
