@@ -1267,8 +1267,9 @@ class RolloutEngine:
 
     # Window i + 1 is launched before the host learns whether window i finished every row, so
     # the device does not wait on the host between windows (where every row stopped before its
-    # limit, the window launched after the last one runs no step and is dropped). The device holds two windows' records at once: the
-    # next one's launch comes after the previous one has landed. On the H200 (48 layers, 8k
+    # limit, the window launched after the last one runs no step and is dropped). The device
+    # holds two windows' records at once: the next one's launch comes after the previous one
+    # has landed. On the H200 (48 layers, 8k
     # capacity, 255 x 2,048 tokens) the rollout took 35.5 s, 39.3 s launching each window
     # after the host had read that the last one had not ended (session 35). Starting a copy to
     # host memory there blocked the caller for about as long as the copy (5.6 GB of prompt
@@ -1414,6 +1415,7 @@ class RolloutEngine:
       args = jax.device_put(args, parallel.batch_shardings(args, self.mesh))
     except ValueError:  # prompts do not divide over the batch axes: replicate them
       args = jax.device_put(args, parallel.replicated(self.mesh))
-    args = args[:2] + (jax.random.wrap_key_data(args[2], impl=jax.random.key_impl(seq_keys)),) + args[3:]
+    keys = jax.random.wrap_key_data(args[2], impl=jax.random.key_impl(seq_keys))
+    args = args[:2] + (keys,) + args[3:]
     with jax.set_mesh(self.mesh):
       return run(*args, jax.device_put(stop, parallel.replicated(self.mesh)))
