@@ -23,7 +23,8 @@ seed a round): recording guidance, and where it goes, must not change them.
   PYTHONPATH=. python benchmarks/bench_guidance.py --layers 4 --batch 256 --prompt_len 512 \
       --new_tokens 256,1024 --decode_chunk 128 --rounds 3 --out $OUT/bench_guidance.json
 
-The PNG beside the JSON (`--plot JSON` draws it alone): each guided side's share by length,
+The PNG beside the JSON (`--plot JSON` draws it alone): each guided side's share by length, its
+reach over the calls (fastest guided call against the slowest unguided, and back) as error bars,
 the bar at 5%.
 """
 
@@ -127,10 +128,19 @@ def summarize(calls: dict) -> dict:
       out[side]["median_call_timeline"] = mid["timeline"]
   for side, row in out.items():
     if " on" in side:
-      off = out[baseline(side)]["median_s"]
+      base = out[baseline(side)]
+      off = base["median_s"]
       row["share"] = round((row["median_s"] - off) / row["median_s"], 4)
       row["meets_bar"] = row["share"] <= BAR
+      row["share_range"] = share_range(row["timed_s"], base["timed_s"])
   return out
+
+
+def share_range(guided_s, unguided_s) -> list[float]:
+  """The share's reach over the calls: the fastest guided call against the slowest unguided,
+  and the slowest against the fastest."""
+  lo, hi = min(guided_s), max(guided_s)
+  return [round((lo - max(unguided_s)) / lo, 4), round((hi - min(unguided_s)) / hi, 4)]
 
 
 def plot(json_path: str) -> str:
@@ -145,8 +155,13 @@ def plot(json_path: str) -> str:
   fig, ax = plt.subplots(figsize=(2 + 1.6 * len(guided), 4))
   width = 0.8 / len(lengths)
   for i, n in enumerate(lengths):
-    shares = [100 * res["lengths"][n]["sides"][s]["share"] for s in guided]
-    ax.bar(np.arange(len(guided)) + i * width, shares, width, label=f"{n} new tokens")
+    got = res["lengths"][n]["sides"]
+    shares = np.array([100 * got[s]["share"] for s in guided])
+    ranges = 100 * np.array([share_range(got[s]["timed_s"], got[baseline(s)]["timed_s"])
+                             for s in guided])
+    reach = np.stack([shares - ranges[:, 0], ranges[:, 1] - shares])
+    ax.bar(np.arange(len(guided)) + i * width, shares, width, yerr=reach, capsize=3,
+           label=f"{n} new tokens")
   ax.axhline(100 * BAR, color="k", ls="--", lw=1, label="bar (5%)")
   ax.set_xticks(np.arange(len(guided)) + width * (len(lengths) - 1) / 2)
   ax.set_xticklabels([s.replace("chunked on ", "chunked\n").replace(" on", "")

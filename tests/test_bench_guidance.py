@@ -23,6 +23,8 @@ def test_summarize_shares_against_each_engines_unguided_side():
   assert out["one_program off"]["median_s"] == 1.0  # the first call left out
   assert out["one_program on"]["share"] == pytest.approx((1.1 - 1.0) / 1.1, abs=1e-4)
   assert out["chunked on pinned thread"]["share"] == pytest.approx(0.5 / 2.5, abs=1e-4)
+  assert out["one_program on"]["share_range"] == pytest.approx(
+      [(1.05 - 1.2) / 1.05, (1.3 - 0.8) / 1.3], abs=1e-4)
   assert not out["chunked on pinned thread"]["meets_bar"]
   assert "share" not in out["chunked off"]
   assert bench_guidance.baseline("chunked on async inline") == "chunked off"
