@@ -472,8 +472,9 @@ def main(argv):
                                      "rollout_floor_over_measured", "error")}),
             flush=True)
     if FLAGS.hf_peer and b != "capacity":
-      if importlib.util.find_spec("torch") is None:  # (said, not skipped in silence)
-        print("--hf_peer: no HF rows, torch is not installed here "
+      missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+      if missing:  # (said, not skipped in silence)
+        print(f"--hf_peer: no HF rows, {' and '.join(missing)} not installed here "
               "(pip install torch==2.13.0 transformers)", flush=True)
       else:
         rows += bench_hf(config, b)
