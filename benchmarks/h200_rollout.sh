@@ -922,11 +922,13 @@ elif [ "$stage" = s51d ]; then
     --out $OUT/bench_tiled_grouped.json 2>&1 | grep -v "^I1\|^W1" | grep "^\[\|/ ragged\|rror"
 elif [ "$stage" = s54b ]; then
   # (session 54, prepared) the guidance share at 48 layers (an H200: the weights and a cache
-  # for B 128 x 8k beside them), the chunked engine's default way against pinned copies landed
-  # on a thread, 1,024 new tokens in windows of 256, one timed round after the first calls
+  # for B 128 x 8k beside them), the chunked engine's default way and the landing thread (at 4
+  # layers on the H100, s54a: 2.77% / 2.44% of a 1,024-token rollout; pinned copies 5.2-7.9%,
+  # left out; the one-program engine's guidance, ~45 GB here, too), 1,024 new tokens in windows
+  # of 256, one timed round after the first calls
   timeout -k 5 ${BG_TIMEOUT:-560} python3 benchmarks/bench_guidance.py --layers 48 --batch 128 \
     --prompt_len 512 --new_tokens 1024 --cache_new_tokens 7680 --decode_chunk 256 --rounds 1 \
-    --sides "chunked on async inline,chunked on pinned thread" --no_plot \
+    --sides "chunked on async inline,chunked on async thread" --no_plot \
     --out $OUT/bench_guidance_48l.json 2>&1 | grep -v "^I1\|^W1" | cut -c1-330 | tail -12
 elif [ "$stage" = s54a ]; then
   # (session 54) issue 8's guidance bar by whole rollouts (s53a/b timed one call a side and
