@@ -224,6 +224,9 @@ def main():
         rows[side] = _call(engines, side, prompts, n, seed=100 + rnd)
         calls[side].append(rows[side])
         done += 1
+        if rnd == 0:  # (first calls compile: a deep model's take minutes each)
+          print(f"  {n} tokens, first call of {side}: {rows[side]['s']:.1f} s "
+                f"({time.perf_counter() - t0:.0f} s in)", flush=True)
       spent = time.perf_counter() - t0
       print(f"[{done}/{total}] {n} tokens round {rnd}: "
             + " ".join(f"{s.replace(' ', '_')}={r['s']:.3f}" for s, r in rows.items())

@@ -929,7 +929,8 @@ elif [ "$stage" = s54b ]; then
   timeout -k 5 ${BG_TIMEOUT:-560} python3 benchmarks/bench_guidance.py --layers 48 --batch 128 \
     --prompt_len 512 --new_tokens 1024 --cache_new_tokens 7680 --decode_chunk 256 --rounds 1 \
     --sides "chunked on async inline,chunked on async thread" --no_plot \
-    --out $OUT/bench_guidance_48l.json 2>&1 | grep -v "^I1\|^W1" | cut -c1-330 | tail -12
+    --out $OUT/bench_guidance_48l.json 2>&1 | tee $OUT/bench_guidance_48l.log \
+    | grep -v "^I1\|^W1" | cut -c1-330 | tail -12
 elif [ "$stage" = s54a ]; then
   # (session 54) issue 8's guidance bar by whole rollouts (s53a/b timed one call a side and
   # read 10-11% at 256 new tokens, all of it before the windows): bench_guidance's seven sides
@@ -937,7 +938,8 @@ elif [ "$stage" = s54a ]; then
   # copy x landing way), 3 rounds in rotated order, 256 and 1,024 new tokens, B 256, 4 layers
   timeout -k 5 ${BG_TIMEOUT:-380} python3 benchmarks/bench_guidance.py --layers 4 --batch 256 \
     --prompt_len 512 --new_tokens 256,1024 --decode_chunk 128 --rounds 3 \
-    --no_plot --out $OUT/bench_guidance.json 2>&1 | grep -v "^I1\|^W1" | cut -c1-330 | tail -24
+    --no_plot --out $OUT/bench_guidance.json 2>&1 | tee $OUT/bench_guidance.log \
+    | grep -v "^I1\|^W1" | cut -c1-330 | tail -24
 elif [ "$stage" = s53b ]; then
   # (session 53) s53a's guidance A/B in the other order (off first: in s53a, on H100, guidance
   # off ran second and 36% slower a step, 1.742 against 1.278 ms, though the decode loops'
