@@ -101,9 +101,9 @@ guidance_ab() {
   local json=$OUT/profile_cap_4l_b256_$1.json limit=$2; shift 2
   cap_shape_profile 4 256 paper $limit --guidance_cost --out $json "$@" \
     | grep "^guidance\|decode loop\|Error" | cut -c1-200
-  python3 -c "import json; d = json.load(open('$json'));
-print('guidance cost, share of the decode step:', d.get('guidance_cost_frac_of_step'),
-      d['guidance_on']['decode_step_ms'], d.get('guidance_off', {}).get('decode_step_ms'))"
+  python3 -c "import json; d = json.load(open('$json')); by = d.get('guidance_cost_step_from');
+print('guidance cost, share of the decode step:', d.get('guidance_cost_frac_of_step'), 'by', by,
+      by and d['guidance_on'][by], by and d.get('guidance_off', {}).get(by))"
 }
 # the 4-layer 30B-A3B train step at the grouped-tile defaults, one chain, 3 steps timed (JSON
 # train_determinism_a3b_l4_defaults.json)

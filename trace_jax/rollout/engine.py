@@ -1265,19 +1265,18 @@ class RolloutEngine:
       _PINNED.add(-pinned)
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
-    # Window i + 1 is launched before the host learns whether window i finished every row, so
-    # the device does not wait on the host between windows (where every row stopped before its
-    # limit, the window launched after the last one runs no step and is dropped). The device
-    # holds two windows' records at once: the next one's launch comes after the previous one
-    # has landed. On the H200 (48 layers, 8k
-    # capacity, 255 x 2,048 tokens) the rollout took 35.5 s, 39.3 s launching each window
-    # after the host had read that the last one had not ended (session 35). Starting a copy to
-    # host memory there blocked the caller for about as long as the copy (5.6 GB of prompt
-    # records: 2.9-5.5 s), so each window's copies start right after its launch: started
-    # before the next window's launch instead, the rollout took 36.4 s (the copies of the
-    # dropped window after the last one, 2.8 GB of zeros, are the price). With
-    # GUIDANCE_LANDING "thread" the landing (copies started and awaited, records placed) runs
-    # on a thread of its own, in order, and the dropped window is never copied.
+    # Window i + 1 is launched before the host learns whether window i finished every row, so the
+    # device does not wait on the host between windows (where every row stopped before its limit,
+    # the window launched after the last one runs no step and is dropped). The device holds two
+    # windows' records at once: the next one's launch comes after the previous one has landed. On
+    # the H200 (48 layers, 8k capacity, 255 x 2,048 tokens) the rollout took 35.5 s, 39.3 s
+    # launching each window after the host had read that the last one had not ended (session 35).
+    # Starting a copy to host memory there blocked the caller for about as long as the copy (5.6 GB
+    # of prompt records: 2.9-5.5 s), so each window's copies start right after its launch: started
+    # before the next window's launch instead, the rollout took 36.4 s (the copies of the dropped
+    # window after the last one, 2.8 GB of zeros, are the price). With GUIDANCE_LANDING "thread" the
+    # landing (copies started and awaited, records placed) runs on a thread of its own, in order,
+    # and the dropped window is never copied.
     lander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guidance_landing")
     submit = lander.submit if thread else _run_now
     try:
