@@ -39,7 +39,6 @@ import numpy as np
 
 import bench_util  # (a sibling module: see its docstring)
 from trace_jax import compilation_cache
-from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.rollout import RolloutEngine, SamplingParams
 from trace_jax.rollout import engine as engine_module
@@ -78,11 +77,12 @@ def _median(xs):
   return sorted(xs)[len(xs) // 2]
 
 
-def _engines(cfg, policy, a, sides) -> dict:
+def _engines(cfg, policy, a, sides, master: list) -> dict:
   """{(mode, guided): engine} for the sides asked, all on one copy of the rollout weights
   (recording guidance and decode windows do not change them; nothing here syncs again), so
-  a deep model's sides fit beside its cache."""
-  params = M.random_params(cfg, jax.random.key(0), "bfloat16")
+  a deep model's sides fit beside its cache. `master`: a list holding the bf16 master, emptied
+  once the first engine has synced (the master freed: a cache-sized batch needs its memory)."""
+  params = master.pop()
   out, weights = {}, None
   for mode, guided in dict.fromkeys((s.split(" ")[0], s.split(" ")[1] == "on") for s in sides):
     eng = RolloutEngine(cfg, policy, max_new_tokens=a.cache_new_tokens,
@@ -205,12 +205,12 @@ def main():
     raise ValueError("--rounds must be >= 1 and every length <= --cache_new_tokens")
   sides = chosen_sides(a.sides)
   compilation_cache.enable()
-  cfg = M.preset(a.preset).replace(num_layers=a.layers,
-                                   max_seq_len=a.prompt_len + a.cache_new_tokens)
   t0 = time.perf_counter()
-  engines = _engines(cfg, tq.make_policy(a.policy), a, sides)
-  rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(3, cfg.vocab_size, a.prompt_len)) for _ in range(a.batch)]
+  cfg, params, prompts = bench_util.random_rollout_model(
+      a.preset, a.layers, a.prompt_len, a.cache_new_tokens, a.batch)
+  master = [params]
+  del params
+  engines = _engines(cfg, tq.make_policy(a.policy), a, sides, master)
   res = bench_util.result_header("bench_guidance", args=vars(a), sides=sides, bar=BAR,
                                  lengths={})
   total, done = len(lengths) * (a.rounds + 1) * len(sides), 0

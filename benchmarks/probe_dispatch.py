@@ -28,7 +28,6 @@ import jax
 import numpy as np
 
 import bench_util
-from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.rollout import RolloutEngine, SamplingParams
 
@@ -43,14 +42,12 @@ def _same(a, b) -> bool:
 
 def run(preset: str, layers: int, batch: int, prompt_len: int, new_tokens: int, chunk: int,
         repeats: int, generate_tokens: int = 0) -> dict:
-  cfg = M.preset(preset).replace(num_layers=layers, max_seq_len=prompt_len + new_tokens)
-  params = M.random_params(cfg, jax.random.key(0), "bfloat16")
+  cfg, params, prompts = bench_util.random_rollout_model(preset, layers, prompt_len, new_tokens,
+                                                         batch)
   engine = RolloutEngine(cfg, tq.make_policy("paper"), max_new_tokens=new_tokens,
                          prompt_bucket=prompt_len, decode_chunk=chunk)
   engine.sync(params)
   del params
-  rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(batch)]
   sampling = SamplingParams(temperature=1.0)
 
   def generate():

@@ -34,12 +34,10 @@ if "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
                              "|_decode)").strip()
 
 import jax
-import numpy as np
 
 import bench_util
 
 from trace_jax import compilation_cache
-from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.provenance import run_info
 from trace_jax.rollout import RolloutEngine, SamplingParams
@@ -245,11 +243,9 @@ def main():
   # autotuned) runs that process's kernels
   compilation_cache.enable()
   cache_new = a.cache_new_tokens or a.new_tokens
-  cfg = M.preset(a.preset).replace(num_layers=a.layers, max_seq_len=a.prompt_len + cache_new)
+  cfg, params, prompts = bench_util.random_rollout_model(
+      a.preset, a.layers, a.prompt_len, cache_new, a.batch)
   policy = tq.make_policy(a.policy)
-  params = M.random_params(cfg, jax.random.key(0), "bfloat16")
-  rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(3, cfg.vocab_size, a.prompt_len)) for _ in range(a.batch)]
   out = {**run_info(), "benchmark": "profile_decode", **vars(a), "policy_full": policy.name}
   guidance = [True, False] if a.guidance_cost else [True]
   if a.guidance_cost and a.guidance_first == "off":

@@ -22,7 +22,6 @@ import numpy as np
 
 import bench_util  # (a sibling module: see its docstring)
 from trace_jax import compilation_cache
-from trace_jax import models as M
 from trace_jax import quant as tq
 from trace_jax.provenance import run_info
 from trace_jax.rollout import RolloutEngine, SamplingParams
@@ -43,11 +42,8 @@ def main():
   ap.add_argument("--out", default="rollout_repeats.json")
   a = ap.parse_args()
   cache_dir = compilation_cache.enable()
-  cfg = M.preset(a.preset).replace(num_layers=a.layers,
-                                   max_seq_len=a.prompt_len + a.cache_new_tokens)
-  params = M.random_params(cfg, jax.random.key(0), "bfloat16")
-  rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(3, cfg.vocab_size, a.prompt_len)) for _ in range(a.batch)]
+  cfg, params, prompts = bench_util.random_rollout_model(
+      a.preset, a.layers, a.prompt_len, a.cache_new_tokens, a.batch)
   eng = RolloutEngine(cfg, tq.make_policy(a.policy), max_new_tokens=a.cache_new_tokens,
                       prompt_bucket=a.prompt_len, decode_chunk=a.decode_chunk)
   eng.sync(params)

@@ -95,3 +95,19 @@ def test_digest_hashes_every_leaf_in_order():
   flipped = b.copy()
   flipped[1, 1] = np.nextafter(np.float32(1), np.float32(2))  # one last bit
   assert bench_util.digest(a, flipped) != want and bench_util.digest(b, a) != want
+
+
+def test_random_rollout_model_is_the_shape_and_draws_asked():
+  import jax
+
+  from trace_jax import models as M
+  cfg, params, prompts = bench_util.random_rollout_model("tiny", 1, 5, 7, 3)
+  assert (cfg.num_layers, cfg.max_seq_len) == (1, 12)
+  assert M.preset("tiny").replace(num_layers=1, max_seq_len=12) == cfg
+  # the draws every rollout benchmark shares: master from key 0, prompts from numpy seed 0
+  rng = np.random.default_rng(0)
+  assert prompts == [list(rng.integers(3, cfg.vocab_size, 5)) for _ in range(3)]
+  want = M.random_params(cfg, jax.random.key(0), "bfloat16")
+  assert bench_util.digest(params) == bench_util.digest(want)
+  again = bench_util.random_rollout_model("tiny", 1, 5, 7, 3)
+  assert again[2] == prompts and bench_util.digest(again[1]) == bench_util.digest(params)
