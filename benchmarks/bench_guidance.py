@@ -206,13 +206,21 @@ def main():
   sides = chosen_sides(a.sides)
   compilation_cache.enable()
   t0 = time.perf_counter()
+  # (the master in host memory: the sync makes the rollout weights layer by layer, so 48
+  # layers' 61 GB bf16 master never sits on an 80 GB device beside them)
   cfg, params, prompts = bench_util.random_rollout_model(
-      a.preset, a.layers, a.prompt_len, a.cache_new_tokens, a.batch)
+      a.preset, a.layers, a.prompt_len, a.cache_new_tokens, a.batch, on_host=True)
   master = [params]
   del params
   engines = _engines(cfg, tq.make_policy(a.policy), a, sides, master)
+  stats = jax.devices()[0].memory_stats() or {}
+  synced = {"s": round(time.perf_counter() - t0, 1),
+            "weight_bytes": engines[next(iter(engines))].weight_bytes,
+            "device_peak_bytes": stats.get("peak_bytes_in_use")}  # (None on CPU)
+  print(f"weights drawn and synced in {synced['s']} s: {synced['weight_bytes'] / 2**30:.2f} "
+        f"GiB, device peak {synced['device_peak_bytes']}", flush=True)
   res = bench_util.result_header("bench_guidance", args=vars(a), sides=sides, bar=BAR,
-                                 lengths={})
+                                 synced=synced, lengths={})
   total, done = len(lengths) * (a.rounds + 1) * len(sides), 0
   for n in lengths:
     calls = {s: [] for s in sides}

@@ -39,17 +39,18 @@ def trainer_config(preset: str, **fields):
 
 
 def random_rollout_model(preset: str, layers: int, prompt_len: int, cache_new_tokens: int,
-                         batch: int):
+                         batch: int, on_host: bool = False):
   """The rollout benchmarks' model and load: `models.preset(preset)` with `layers` layers and
-  room for `prompt_len + cache_new_tokens` tokens, its random bf16 master (key 0) and `batch`
-  random prompts of `prompt_len` tokens (numpy seed 0), so that every script that times a
-  rollout of one shape times the same numbers. Returns (config, params, prompts)."""
+  room for `prompt_len + cache_new_tokens` tokens, its random bf16 master (key 0; on_host: in
+  host memory, `random_params`) and `batch` random prompts of `prompt_len` tokens (numpy seed
+  0), so that every script that times a rollout of one shape times the same numbers. Returns
+  (config, params, prompts)."""
   import jax  # noqa: PLC0415 - plot scripts import this module without jax
   import numpy as np  # noqa: PLC0415
 
   from trace_jax import models as M  # noqa: PLC0415
   cfg = M.preset(preset).replace(num_layers=layers, max_seq_len=prompt_len + cache_new_tokens)
-  params = M.random_params(cfg, jax.random.key(0), "bfloat16")
+  params = M.random_params(cfg, jax.random.key(0), "bfloat16", on_host=on_host)
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, cfg.vocab_size, prompt_len)) for _ in range(batch)]
   return cfg, params, prompts

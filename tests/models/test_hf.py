@@ -70,6 +70,30 @@ def _copy_checkpoint(src, dst, mutate):
   return dst
 
 
+def test_on_host_load_is_numpy_and_syncs_like_the_device_load(saved):
+  """on_host: every leaf a numpy array (nothing on the device) equal to the device load's; the
+  engine's sync of it gives the device load's FP4 rollout weights bit for bit."""
+  import jax
+
+  from trace_jax import quant as tq
+  from trace_jax.rollout import RolloutEngine
+  path, _ = saved["qwen3_moe"]
+  cfg, dev = M.load_hf_checkpoint(path, dtype=jnp.bfloat16)
+  cfg2, host = M.load_hf_checkpoint(path, dtype=jnp.bfloat16, on_host=True)
+  assert cfg2 == cfg
+  assert jax.tree_util.tree_structure(host) == jax.tree_util.tree_structure(dev)
+  for h, d in zip(jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(dev)):
+    assert isinstance(h, np.ndarray) and not isinstance(h, jax.Array)
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(d))
+  made = []
+  for master in (dev, host):
+    eng = RolloutEngine(cfg, tq.make_policy("paper", "nvfp4"), max_new_tokens=2)
+    eng.sync(master)
+    made.append(jax.tree_util.tree_leaves(eng.params))
+  for a, b in zip(*made):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda t: t.pop("model.layers.2.mlp.experts.3.up_proj.weight"),
      r"missing tensors: model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"),

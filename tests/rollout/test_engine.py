@@ -272,6 +272,55 @@ def test_sync_shares_unchanged_master_arrays():
     eng.generate(PROMPTS, sampling=s)
 
 
+def _same_leaves(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and la
+  for x, y in zip(la, lb):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+def test_sync_from_host_master_equals_device_sync():
+  """A master of numpy leaves (`load_hf_checkpoint(on_host=True)`, `random_params(on_host=True)`)
+  is synced part by part; the rollout weights are bit for bit those of a device master's sync
+  (quantized and cast leaves alike), nothing of the master is shared, and the rollout matches."""
+  master = _params()
+  host = jax.tree_util.tree_map(np.array, master)
+  dev = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6)
+  dev.sync(master)
+  eng = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6)
+  eng.sync(host)
+  _same_leaves(eng.params, dev.params)
+  flat = jax.tree_util.tree_leaves(eng.params)
+  assert all(isinstance(x, jax.Array) for x in flat)
+  assert not any(p is m for p, m in zip(flat, jax.tree_util.tree_leaves(master)))
+  s = SamplingParams(temperature=1.0)
+  a, b = eng.generate(PROMPTS, sampling=s, seed=3), dev.generate(PROMPTS, sampling=s, seed=3)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+  # a re-sync from a changed host master replaces the weights, as a device re-sync does
+  eng.sync(jax.tree_util.tree_map(lambda x: x * np.float32(0.9), host))
+  dev.sync(jax.tree_util.tree_map(lambda x: x * 0.9, master))
+  _same_leaves(eng.params, dev.params)
+
+
+def test_sync_from_host_master_in_kernel_layout():
+  """The kernel layout (FP4 weights pre-shuffled, q/k/v side by side) made per layer from a
+  host master equals the one made from the whole device master, bit for bit."""
+  cfg = M.tiny(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4, head_dim=64,
+               dtype="bfloat16")
+  master = jax.tree.map(lambda a: a.astype(jnp.bfloat16), M.init_params(cfg, jax.random.key(0)))
+  engines = []
+  for m in (master, jax.tree_util.tree_map(np.array, master)):
+    eng = RolloutEngine(cfg, tq.make_policy("w4a16", "nvfp4"), max_new_tokens=6,
+                        use_kernels=True)
+    eng.sync(m)
+    engines.append(eng)
+  assert engines[1].params["layers_0"]["attn"]["k_proj"]["kernel"] is None  # fused
+  _same_leaves(engines[1].params, engines[0].params)
+
+
 def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypatch):
   """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
   host memory per window (copied async, or through pinned host memory: `GUIDANCE_COPY`),

@@ -3,6 +3,11 @@
   JAX_PLATFORMS=cuda PYTHONPATH=. python -m pytest -q -m gpu -p no:xdist tests/rollout
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -49,6 +54,18 @@ def test_command_buffers_give_the_same_rollout():
                            b.guidance, a.guidance)
 
 
+def _fresh_process(code: str, tag: str, timeout: int) -> str:
+  """Run `code` in a new Python process from the repository root; its last stdout line that
+  starts with `tag`."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
+      "PYTHONPATH")])))
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                     timeout=timeout, env=env, cwd=root)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return [x for x in r.stdout.splitlines() if x.startswith(tag)][-1]
+
+
 _SECOND_CALL = """
 import sys
 import jax
@@ -70,15 +87,51 @@ def test_bf16_engine_compiles_its_program_once():
   tokamax compiles its program once over three rollouts: importing tokamax creates JAX user
   contexts, which change every jit's cache key; imported inside the first rollout's trace it
   made the second rollout compile again (`kernels.import_gpu_libraries`)."""
-  import os  # noqa: PLC0415
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
   pytest.importorskip("tokamax")  # without it nothing is imported late: the test would be moot
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
-      "PYTHONPATH")])))
-  r = subprocess.run([sys.executable, "-c", _SECOND_CALL], capture_output=True, text=True,
-                     timeout=240, env=env, cwd=root)
-  assert r.returncode == 0, r.stderr[-3000:]
-  line = [x for x in r.stdout.splitlines() if x.startswith("SIZES")][-1]
+  line = _fresh_process(_SECOND_CALL, "SIZES", 240)
   assert line == "SIZES [1] True", line  # one program, compiled once; tokamax was in use
+
+
+_HOST_SYNC = """
+import json
+import jax
+import numpy as np
+from trace_jax import models as M
+from trace_jax import quant as tq
+from trace_jax.rollout import RolloutEngine
+cfg = M.preset("qwen3_30b_a3b").replace(num_layers=8, max_seq_len=64)
+host = M.random_params(cfg, jax.random.key(0), "bfloat16", on_host=True)
+out = {"numpy": all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(host)),
+       "master": sum(x.nbytes for x in jax.tree_util.tree_leaves(host)),
+       "largest_part": max(sum(x.nbytes for x in jax.tree_util.tree_leaves(p))
+                           for p in host.values())}
+leaves = []
+for m in (host, None):
+  if m is None:
+    m = jax.device_put(host)
+  eng = RolloutEngine(cfg, tq.make_policy("paper"), max_new_tokens=8, prompt_bucket=56)
+  out["kernels"] = eng.use_kernels
+  eng.sync(m)
+  jax.block_until_ready(eng.params)
+  out.setdefault("peaks", []).append(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+  out["weights"] = eng.weight_bytes
+  leaves.append([np.asarray(x).view(np.uint8) for x in jax.tree_util.tree_leaves(eng.params)])
+  del eng, m
+out["equal"] = len(leaves[0]) == len(leaves[1]) and all(
+    np.array_equal(a, b) for a, b in zip(*leaves))
+print("HOST_SYNC", json.dumps(out))
+"""
+
+
+def test_sync_from_host_master_on_gpu():
+  """In a fresh process: a host master (numpy leaves) synced part by part gives the device
+  master's rollout weights bit for bit as the GPU computes them (FP4 quantization, the kernel
+  layout, q/k/v fused), and its sync's device peak is the rollout weights and a few of the
+  largest part's bytes (one layer's master and its quantization's transients), well below the
+  weights plus the whole master that a device master's sync needs."""
+  out = json.loads(_fresh_process(_HOST_SYNC, "HOST_SYNC", 400)[len("HOST_SYNC "):])
+  print(out)
+  assert out["numpy"] and out["kernels"] and out["equal"]
+  host_peak, dev_peak = out["peaks"]
+  assert host_peak <= out["weights"] + 3 * out["largest_part"]
+  assert host_peak < out["weights"] + out["master"] / 2 <= dev_peak

@@ -8,7 +8,7 @@ with Hugging Face `transformers` (Qwen3-MoE, Mixtral, OLMoE layouts).
 from trace_jax.models.config import ModelConfig, from_hf_config, preset, qwen3_30b_a3b, tiny, to_hf_config
 from trace_jax.models.kv_cache import KVCache, LayerKV, cache_bytes_per_token, init_cache
 from trace_jax.models.sites import (QuantContext, check_params_finite, codes_key, concat_records,
-                                    quantize_params)
+                                    param_name, quantize_params, quantize_weight)
 from trace_jax.models.transformer import (ModelOutput, Transformer, apply, default_positions,
                                           forward, init_params, random_params)
 
@@ -17,8 +17,9 @@ __all__ = [
     "cache_bytes_per_token", "check_params_finite", "codes_key", "concat_records",
     "default_positions",
     "forward",
-    "from_hf_config", "init_cache", "init_params", "load_hf_checkpoint", "preset",
-    "quantize_params", "qwen3_30b_a3b", "random_params", "save_hf_checkpoint", "tiny", "to_hf_config",
+    "from_hf_config", "init_cache", "init_params", "load_hf_checkpoint", "param_name", "preset",
+    "quantize_params", "quantize_weight", "qwen3_30b_a3b", "random_params", "save_hf_checkpoint",
+    "tiny", "to_hf_config",
 ]
 
 

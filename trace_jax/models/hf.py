@@ -212,12 +212,16 @@ def _finite(name: str, a: np.ndarray) -> np.ndarray:
 
 
 def load_hf_checkpoint(path: str, dtype=jnp.float32, check_finite: bool = True,
-                       progress: bool = False) -> tuple[ModelConfig, dict]:
+                       progress: bool = False, on_host: bool = False
+                       ) -> tuple[ModelConfig, dict]:
   """Read an HF checkpoint directory into `(ModelConfig, params)`.
 
   dtype: the parameters' dtype (float32 master weights by default; bfloat16 halves memory).
   Tensors are copied one at a time from the memory-mapped files into their destination arrays
   (experts are stacked into `[E, D, 2F]` / `[E, F, D]` without an intermediate copy).
+  on_host: numpy leaves in host memory (views of the mapped files where no conversion is
+  needed), nothing on the device: `RolloutEngine.sync` makes FP4 rollout weights from them
+  layer by layer, so a model whose master does not fit on the device beside them can serve.
   """
   path = os.path.abspath(os.path.expanduser(path))
   cfg_path = os.path.join(path, "config.json")
@@ -235,8 +239,9 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32, check_finite: bool = True,
     a = where[name].get(name)
     return _finite(name, a) if check_finite else a
 
-  def put(a: np.ndarray) -> jax.Array:
-    return jnp.asarray(a.astype(np_dtype, copy=False))
+  def put(a: np.ndarray) -> jax.Array | np.ndarray:
+    a = a.astype(np_dtype, copy=False)
+    return a if on_host else jnp.asarray(a)
 
   layers = range(cfg.num_layers)
   if progress:
@@ -269,8 +274,7 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32, check_finite: bool = True,
         gate_up[j, :, f:] = get(u).T
         down[j] = get(dn).T
       layer["moe"] = {"router": {"kernel": put(get(_router_name(cfg, i)).T)},
-                      "experts": {"gate_up_proj": jnp.asarray(gate_up),
-                                  "down_proj": jnp.asarray(down)}}
+                      "experts": {"gate_up_proj": put(gate_up), "down_proj": put(down)}}
       del gate_up, down
     else:
       layer["mlp"] = {n: {"kernel": put(get(f"{p}.mlp.{n}.weight").T)}

@@ -136,16 +136,25 @@ def record_quantized(q: tq.QArray, site: str, guided_layer: bool, ctx: QuantCont
     records[codes_key(site)] = q
 
 
+def param_name(path) -> str:
+  """A parameter's name from its tree path ("layers_3/attn/q_proj/kernel"): what the policy's
+  weight rules match."""
+  return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def quantize_weight(w, fmt: tq.Format):
+  """A master weight in the format the policy gives its name (`weight_format`): the one
+  quantization rule of weight sync, however the sync walks the weights."""
+  axis, scope = weight_quant_layout(w.ndim)
+  return tq.quantize(w, fmt, axis=axis, second_level=scope, validate=False)
+
+
 def quantize_params(params, policy: tq.QuantPolicy):
   """Rollout weights: every weight the policy names becomes a `QArray`, quantized once (at weight
   sync) from the very master values the trainer holds; every other leaf is kept as given."""
   def convert(path, w):
-    name = "/".join(str(getattr(k, "key", k)) for k in path)
-    fmt = policy.weight_format(name)
-    if fmt is None or isinstance(w, tq.QArray):
-      return w
-    axis, scope = weight_quant_layout(w.ndim)
-    return tq.quantize(w, fmt, axis=axis, second_level=scope, validate=False)
+    fmt = policy.weight_format(param_name(path))
+    return w if fmt is None or isinstance(w, tq.QArray) else quantize_weight(w, fmt)
   return jax.tree_util.tree_map_with_path(
       convert, params, is_leaf=lambda x: isinstance(x, tq.QArray))
 
@@ -155,7 +164,7 @@ def check_params_finite(params) -> None:
   for path, w in jax.tree_util.tree_leaves_with_path(params):
     if hasattr(w, "dtype") and jnp.issubdtype(w.dtype, jnp.floating):
       if not bool(jnp.all(jnp.isfinite(w))):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        name = param_name(path)
         raise ValueError(f"weight {name!r} (shape {tuple(w.shape)}) holds NaN or Inf")
 
 

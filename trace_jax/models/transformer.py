@@ -22,6 +22,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax import kernels
 from trace_jax import quant as tq
@@ -702,12 +703,14 @@ def _init_params(config: ModelConfig, key: jax.Array, dtype: str | None) -> dict
   return jax.tree_util.tree_map(lambda a: a.astype(dtype), variables["params"])
 
 
-def random_params(config: ModelConfig, key: jax.Array, dtype=None) -> dict:
+def random_params(config: ModelConfig, key: jax.Array, dtype=None, on_host: bool = False) -> dict:
   """Parameters with `init_params`' shapes and distributions (normal with std 0.02; norm scales
   1, biases 0) but other values, made leaf by leaf without compiling the model: for benchmarks of
   large shapes, where only shapes and magnitudes matter. `init_params` runs flax's `init`, which
   compiles the whole forward once more (the 48-layer 30B-A3B shape took 149 s on the H200,
-  session 12). One small program per distinct leaf shape; leaf i draws from `fold_in(key, i)`."""
+  session 12). One small program per distinct leaf shape; leaf i draws from `fold_in(key, i)`.
+  on_host: numpy leaves, each moved to host memory once drawn (the device holds one at a time;
+  `RolloutEngine.sync` takes such a master layer by layer)."""
   dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
   shapes = jax.eval_shape(lambda k: _init_params(config, k, None), key)
   paths, tree = jax.tree_util.tree_flatten_with_path(shapes)
@@ -715,7 +718,8 @@ def random_params(config: ModelConfig, key: jax.Array, dtype=None) -> dict:
   for i, (path, leaf) in enumerate(paths):
     name = getattr(path[-1], "key", str(path[-1]))
     kind = "ones" if name == "scale" else "zeros" if name == "bias" else "normal"
-    leaves.append(_random_leaf(jax.random.fold_in(key, i), leaf.shape, dtype.name, kind))
+    x = _random_leaf(jax.random.fold_in(key, i), leaf.shape, dtype.name, kind)
+    leaves.append(np.array(x) if on_host else x)  # (a copy: not a view of a device buffer)
   return jax.tree_util.tree_unflatten(tree, leaves)
 
 

@@ -582,6 +582,39 @@ def _rollout_weights(master, policy, dtype):
       is_leaf=lambda a: isinstance(a, tq.QArray))
 
 
+@functools.lru_cache(maxsize=None)
+def _rollout_leaf(fmt, dtype):
+  """One master leaf's rollout weight, jitted per format (`_rollout_weights`' rule for a leaf:
+  quantized where the policy names it, else cast); a 48-layer model's leaves take a few
+  distinct shapes, so a few compiles."""
+  return jax.jit(lambda w: w.astype(dtype) if fmt is None else M.quantize_weight(w, fmt))
+
+
+def _on_host(master) -> bool:
+  """Whether a master is held in host memory: a dict whose array leaves are all numpy arrays."""
+  leaves = jax.tree_util.tree_leaves(master)
+  return isinstance(master, dict) and bool(leaves) and all(
+      isinstance(x, np.ndarray) for x in leaves)
+
+
+def _sync_from_host(master, policy, dtype, kernel_layout: bool):
+  """Rollout weights from a master held in host memory (numpy leaves, as `load_hf_checkpoint(...,
+  on_host=True)` gives), made part by part (the embedding, each layer, ...): each part's leaves
+  go to the device, become rollout weights (and the kernel layout), and their device copies are
+  dropped before the next part's arrive. The device then holds the rollout weights and one
+  layer's master at most, where a device master holds all of it: the 30B-A3B shape's bf16
+  master is 61 GB, beyond what an 80 GB GPU gives a process beside the 17 GB of FP4 weights.
+  The numbers equal `_sync_weights`' (each leaf's quantization is the same function of it)."""
+  out = {}
+  for key, part in master.items():
+    flat, treedef = jax.tree_util.tree_flatten_with_path({key: part})
+    made = [_rollout_leaf(policy.weight_format(M.param_name(path)), dtype)(jnp.asarray(w))
+            for path, w in flat]
+    tree = treedef.unflatten(made)
+    out[key] = (_kernel_layout(tree) if kernel_layout else tree)[key]
+  return out
+
+
 def _shared_leaves(master, policy, dtype) -> tuple[bool, ...]:
   """Per leaf of `master` (flattened): True where the rollout weight is that array unchanged
   (not quantized by the policy, already in the compute dtype). Those leaves are shared with the
@@ -1073,8 +1106,15 @@ class RolloutEngine:
     """Requantize the rollout weights from `master_params` on device, replacing the old copy
     (whose buffers are donated to the new one). Master arrays the rollout uses unchanged (not
     quantized, already in the compute dtype) are shared, not copied: a step that donates the
-    master (the trainer's) leaves them deleted until the next sync."""
+    master (the trainer's) leaves them deleted until the next sync. A master in host memory
+    (numpy leaves; without a mesh) is made part by part, the old copy dropped first: the device
+    holds the rollout weights and one layer's master (`_sync_from_host`)."""
     dtype = self.config.compute_dtype
+    if self.mesh is None and _on_host(master_params):
+      # part by part (`_sync_from_host`); the old copy goes first, so the device never holds two
+      self.params = self._computed = None
+      self.params = _sync_from_host(master_params, self.policy, dtype, self.use_kernels)
+      return
     if self.mesh is not None:
       master_params = parallel.shard_params(master_params, self.mesh)
     params, shared = _sync_weights(master_params, self._computed, self.policy, dtype)

@@ -51,11 +51,12 @@ def weights_source(config) -> str:
 
 
 def load_params(config, setup: loop.Setup):
-  """Master weights per `weights_source`, in `serve.load_dtype` (bf16 halves what a float32
-  load would hold on the device while the serving copy is made)."""
+  """Master weights per `weights_source`, in `serve.load_dtype`. An HF checkpoint stays in host
+  memory (`on_host`): the engine's sync makes the serving copy layer by layer, so the device
+  never holds the whole master beside it (a 30B-A3B bf16 master is 61 GB)."""
   dtype = jnp.dtype(config.serve.load_dtype)
   if config.init_checkpoint:
-    _, params = M.load_hf_checkpoint(config.init_checkpoint, dtype=dtype)
+    _, params = M.load_hf_checkpoint(config.init_checkpoint, dtype=dtype, on_host=True)
     return params
   if config.serve.trainer_checkpoint:
     ckdir = os.path.join(os.path.expanduser(config.serve.trainer_checkpoint), "checkpoints")
