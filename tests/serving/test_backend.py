@@ -41,6 +41,32 @@ def test_trainer_checkpoint_params_are_served(tmp_path):
     backend.load_params(config, setup)
 
 
+def test_hf_checkpoint_is_loaded_into_host_memory_and_served(tmp_path):
+  """An HF checkpoint's weights stay in host memory (numpy leaves equal to what was saved); the
+  engine's sync of them gives the rollout weights of the device-held weights bit for bit."""
+  from trace_jax import quant as tq
+  from trace_jax.models import hf
+  from trace_jax.rollout import RolloutEngine
+  config = serve_compare.get_config()
+  cfg = loop.build(config).model_config
+  params = M.init_params(cfg, jax.random.key(5))
+  hf.save_hf_checkpoint(str(tmp_path / "hf"), params, cfg)
+  config.init_checkpoint = str(tmp_path / "hf")
+  config.serve.load_dtype = "float32"
+  setup = loop.build(config)
+  got = backend.load_params(config, setup)
+  assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(got))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, got, params)
+  made = []
+  for master in (got, params):
+    eng = RolloutEngine(setup.rollout_config, tq.make_policy("paper", "nvfp4"),
+                        max_new_tokens=2)
+    eng.sync(master)
+    made.append(jax.tree_util.tree_leaves(eng.params))
+  for a, b in zip(*made):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_char_chat_template_joins_contents():
   tok = CharTokenizer()
   assert render_chat(tok, [{"role": "user", "content": "1+2="}]) == "1+2="
