@@ -152,7 +152,7 @@ def plot(json_path: str) -> str:
     res = json.load(f)
   lengths = list(res["lengths"])
   guided = [s for s in res["sides"] if " on" in s]
-  fig, ax = plt.subplots(figsize=(2 + 1.6 * len(guided), 4))
+  fig, ax = plt.subplots(figsize=(max(5.0, 2 + 1.6 * len(guided)), 4))
   width = 0.8 / len(lengths)
   for i, n in enumerate(lengths):
     got = res["lengths"][n]["sides"]
@@ -170,8 +170,8 @@ def plot(json_path: str) -> str:
   ax.set_ylabel("guidance share of the rollout, %")
   ax.legend(fontsize=8)
   out = json_path.rsplit(".", 1)[0] + ".png"
-  bench_util.save_figure(fig, f"{res['device']} B{res['args']['batch']} "
-                         f"{res['args']['layers']} layers, jax {res['jax_version']} "
+  bench_util.save_figure(fig, f"{res['device']}\nB {res['args']['batch']}, "
+                         f"{res['args']['layers']} layers, jax {res['jax_version']}, "
                          f"{res['date'][:10]}", out)
   plt.close(fig)
   return out

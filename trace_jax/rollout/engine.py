@@ -890,8 +890,9 @@ def _host_guidance(guidance, pre_records, n: int) -> None:
 # of its own (copies started there; the window dropped after the last one is never copied).
 # On the H200, 48 layers at 8k capacity, thread 35.95 s against inline 36.21, within the
 # spread (session 36); on the H100, 4 layers, guidance's share 5.2% / 2.4% against inline's
-# 4.1% / 2.8% at 256 / 1,024 new tokens (session 54). With several processes the landing is
-# inline whatever this says.
+# 4.1% / 2.8% at 256 / 1,024 new tokens (session 54); 48 layers, B 128, 7.2% / 2.8% against
+# 8.7% / 3.0% (session 55: thread ahead at both lengths there, behind at 4 layers' 256, so
+# inline stays the default). With several processes the landing is inline whatever this says.
 GUIDANCE_LANDING = choice_setting(
     "TRACE_JAX_GUIDANCE_LANDING", "inline", ("inline", "thread"),
     doc="guidance windows landed in host arrays inline, or on a thread of their own")
