@@ -591,8 +591,9 @@ def _rollout_leaf(fmt, dtype):
 
 
 def _on_host(master) -> bool:
-  """Whether a master is held in host memory: a dict whose array leaves are all numpy arrays."""
-  leaves = jax.tree_util.tree_leaves(master)
+  """Whether a master is held in host memory: a dict whose leaves are all numpy arrays (a
+  `QArray` among them, already quantized, takes the device path, which keeps it as it is)."""
+  leaves = jax.tree_util.tree_leaves(master, is_leaf=lambda a: isinstance(a, tq.QArray))
   return isinstance(master, dict) and bool(leaves) and all(
       isinstance(x, np.ndarray) for x in leaves)
 
