@@ -41,6 +41,10 @@ def get_config(variant: str = "cpu"):
       batch_buckets="",
       decode_chunk=8,  # slots: decode steps per program call (tokens reach clients per chunk)
       max_queue=256,  # waiting requests beyond this get 429
+      # plan serving as if the device had this many GiB (0: the device's own), e.g. 24 to ask
+      # whether an arm serves max_batch sequences on a 24 GB GPU; an arm that does not fit is
+      # reported as such, not as a crash
+      device_gib=0.0,
       batch_wait_s=0.0,  # batch: how long an idle scheduler waits to fill a batch
       max_body_bytes=1 << 20))
   c.rollout.temperature = 0.0  # serving default; the A/B sampling is `compare.*`

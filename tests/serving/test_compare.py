@@ -117,6 +117,59 @@ def test_limits_are_fixed_once_runs_begin(tmp_path):
     compare.write_limits(other, str(tmp_path))
 
 
+def _unfit(name, policy):
+  return dict(arm=name, fits=False, policy=policy, precision="x", fp4_format="nvfp4",
+              weights="random", error="CapacityError: serve.max_batch=8 sequences do not fit")
+
+
+@pytest.mark.parametrize("unfit, p95, keep", [("baseline", 0.4, "candidate"),
+                                              ("baseline", 3.0, "neither"),
+                                              ("candidate", 0.4, "baseline")])
+def test_report_when_one_arm_does_not_fit(tmp_path, unfit, p95, keep):
+  """An arm that does not fit the device: the other is reported alone; FP4 alone is kept if its
+  p95 holds (the pass rate drop and memory saving cannot be measured: they hold None), else
+  neither; the baseline alone is kept. Both unfit: an error naming both."""
+  config = serve_compare.get_config()
+  config.limits.update(LIMITS)
+  served = "candidate" if unfit == "baseline" else "baseline"
+  arms = {unfit: _unfit(unfit, "bf16" if unfit == "baseline" else "paper_nvfp4"),
+          served: _arm(served, "paper_nvfp4", [1, 0, 1, 0], p95 / 1.3, 2**19, 2**17)}
+  limits = compare.write_limits(config, str(tmp_path))
+  report = compare.build_report(config, arms, limits, 12.0, str(tmp_path))
+  v = report["verdict"]
+  assert v["keep"] == keep and report["unfit"] == [unfit]
+  assert list(report["summary"]) == [served] and report["paired_difference"] is None
+  assert f"the {unfit}" in v["reason"] and "does not fit" in v["reason"]
+  if unfit == "baseline":
+    assert [c["holds"] for c in v["checks"]] == [None, keep == "candidate", None]
+  md = (tmp_path / "report.md").read_text()
+  assert "not measurable" in md or unfit == "candidate"
+  assert f"The {unfit} (" in md and "CapacityError" in md and f"| | {served} |" in md
+  assert (tmp_path / "pass_rate.png").read_bytes()[:4] == b"\x89PNG"
+  arms[served] = _unfit(served, "x")
+  with pytest.raises(RuntimeError, match="neither arm fits"):
+    compare.build_report(config, arms, limits, 12.0, str(tmp_path))
+
+
+def test_does_not_fit_names_memory_errors_only():
+  from trace_jax.rollout import CapacityError
+  assert compare.does_not_fit(CapacityError("x")) and compare.does_not_fit(MemoryError())
+  assert not compare.does_not_fit(ValueError("x"))
+
+
+def test_an_arm_planned_for_too_small_a_device_is_reported_not_raised():
+  """serve.device_gib below what max_batch needs: the arm is set up no further than its weight
+  sync (nothing compiles) and comes back as `fits` False, the planner's figures in its error."""
+  config = serve_compare.get_config()
+  config.serve.device_gib = 2.0 ** -20  # 1 KiB
+  got = compare.run_arm(config, "baseline", log=lambda *_: None)
+  assert got["fits"] is False and got["policy"] == "bf16" and got["device_bytes"] == 1024
+  assert got["error"].startswith("CapacityError: serve.max_batch=8 sequences")
+  config.serve.device_gib = -1.0
+  with pytest.raises(Exception, match="device_gib must be >= 0"):
+    compare.run_arm(config, "baseline", log=lambda *_: None)
+
+
 @pytest.mark.slow
 def test_run_compare_end_to_end_on_the_tiny_model(tmp_path):
   config = serve_compare.get_config()
@@ -137,3 +190,40 @@ def test_run_compare_end_to_end_on_the_tiny_model(tmp_path):
   # A second call finds both arms' measurements and only rebuilds the report.
   again = compare.run_compare(config, str(tmp_path), log=lambda *_: None)
   assert again["summary"] == report["summary"]
+
+
+def _least_device_bytes(config, arm) -> int:
+  """The planner's smallest device (bytes) on which the arm serves max_batch sequences."""
+  import jax  # noqa: PLC0415
+
+  from trace_jax.rl import loop  # noqa: PLC0415
+  from trace_jax.rollout import engine as E  # noqa: PLC0415
+  from trace_jax.serving import backend  # noqa: PLC0415
+  setup = loop.build(backend.arm_config(config, arm))
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
+      E.rollout_weight_shapes(setup.rollout_config, setup.policy)))
+  ctx = setup.prompt_len + setup.max_new_tokens
+  lo, hi = 1, 1 << 40
+  while lo < hi:
+    mid = (lo + hi) // 2
+    fits = E.capacity_limits(setup.rollout_config, setup.policy, ctx, weights, mid,
+                             False)[0] >= int(config.serve.max_batch)
+    lo, hi = (lo, mid) if fits else (mid + 1, hi)
+  return lo
+
+
+@pytest.mark.slow
+def test_run_compare_when_only_fp4_fits(tmp_path):
+  """A device between the two arms' needs (serve.device_gib): the BF16 baseline is reported as
+  not fitting, FP4 is measured alone and the report says so."""
+  config = serve_compare.get_config()
+  config.compare.update(dict(num_prompts=4, repeats=1, isolate=False))
+  need = {a: _least_device_bytes(config, a) for a in ("baseline", "candidate")}
+  assert need["candidate"] < need["baseline"]
+  config.serve.device_gib = (need["candidate"] + need["baseline"]) / 2 / 2**30
+  report = compare.run_compare(config, str(tmp_path), log=lambda *_: None)
+  assert report["unfit"] == ["baseline"] and report["arms"]["baseline"]["fits"] is False
+  assert report["verdict"]["keep"] in ("candidate", "neither")
+  assert len(report["arms"]["candidate"]["tasks"]) == 4
+  md = (tmp_path / "report.md").read_text()
+  assert "The baseline (bf16) does not fit: CapacityError" in md and "| | candidate |" in md

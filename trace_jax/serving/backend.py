@@ -26,7 +26,7 @@ from trace_jax import models as M
 from trace_jax.checkpoint import Checkpointer
 from trace_jax.rl import loop
 from trace_jax.rl.compare import override
-from trace_jax.rollout import RolloutEngine
+from trace_jax.rollout import CapacityError, RolloutEngine, device_memory_bytes
 from trace_jax.serving.scheduler import BatchScheduler, SlotScheduler
 from trace_jax.tasks import HFTokenizer
 
@@ -132,6 +132,15 @@ def warm_up(model: "ServingModel", sampling) -> None:
       f.result()
 
 
+def device_bytes(serve_config) -> int | None:
+  """The device memory serving plans with: `serve.device_gib` if set, else None (the
+  device's own, measured by the engine)."""
+  gib = float(serve_config.get("device_gib", 0.0) or 0.0)
+  if gib < 0:
+    raise loop.ConfigError(f"serve.device_gib must be >= 0, got {gib}")
+  return int(gib * 2**30) or None
+
+
 def build_serving(config, arm: str = "candidate", *, warm_sampling: Any = None,
                   log=print) -> ServingModel:
   """Load weights, quantize them per the arm's policy, start the scheduler, warm it up."""
@@ -142,9 +151,17 @@ def build_serving(config, arm: str = "candidate", *, warm_sampling: Any = None,
   params = load_params(cfg, setup)
   engine = RolloutEngine(setup.rollout_config, setup.policy, max_new_tokens=setup.max_new_tokens,
                          prompt_bucket=setup.prompt_len, record_guidance=False,
-                         record_routes=False)
+                         record_routes=False, device_bytes=device_bytes(sc))
   engine.sync(params)
   del params  # only the serving copy stays on the device
+  context = setup.prompt_len + setup.max_new_tokens
+  fit = engine.capacity(context)
+  if fit < int(sc.max_batch):  # (before a warm-up or a client finds it out of memory)
+    raise CapacityError(
+        f"serve.max_batch={sc.max_batch} sequences of {context} tokens do not fit: "
+        f"{fit} do next to {engine.weight_bytes / 2**30:.3g} GiB of {arm} weights on a device "
+        f"of {(engine.device_bytes or device_memory_bytes()) / 2**30:.3g} GiB "
+        "(lower serve.max_batch or the context, or quantize more)")
   buckets = [int(b) for b in str(sc.batch_buckets).split(",") if b]
   if sc.scheduler == "slots":
     scheduler = SlotScheduler(engine, slots=int(sc.max_batch), chunk=int(sc.decode_chunk),

@@ -41,7 +41,7 @@ import numpy as np
 from trace_jax.provenance import run_info
 from trace_jax.rl import loop
 from trace_jax.rl.compare import override
-from trace_jax.rollout import SamplingParams, bytes_per_sequence
+from trace_jax.rollout import CapacityError, SamplingParams, bytes_per_sequence
 from trace_jax.serving import backend
 from trace_jax.serving.scheduler import GenerationRequest
 
@@ -81,6 +81,15 @@ def percentiles(xs) -> dict:
 
 # --------------------------------------------------------------------------- the verdict
 
+def _p95_check(limits, candidate: dict) -> dict:
+  p95 = candidate["latency_s"]["p95"]
+  return {"name": "p95 latency", "value": p95, "limit": limits["max_p95_latency_s"],
+          "holds": p95 is not None and p95 <= limits["max_p95_latency_s"],
+          "detail": (f"candidate p95 {p95:.3f} s" if p95 is not None else
+                     "no candidate request succeeded")
+                    + f" (limit <= {limits['max_p95_latency_s']:.3f} s)"}
+
+
 def verdict(limits, baseline: dict, candidate: dict) -> dict:
   """Keep the candidate only if every limit holds; else keep the baseline, saying which failed.
 
@@ -89,7 +98,6 @@ def verdict(limits, baseline: dict, candidate: dict) -> dict:
     if limits.get(k) is None:
       raise ValueError(f"limits.{k} is not set: every limit must be chosen before the runs")
   drop = baseline["pass_rate"] - candidate["pass_rate"]
-  p95 = candidate["latency_s"]["p95"]
   saving = 1.0 - candidate["memory_bytes"] / baseline["memory_bytes"]
   checks = [
       {"name": "pass rate drop", "value": drop, "limit": limits["max_pass_rate_drop"],
@@ -97,11 +105,7 @@ def verdict(limits, baseline: dict, candidate: dict) -> dict:
        "detail": f"baseline {baseline['pass_rate']:.3f} - candidate "
                  f"{candidate['pass_rate']:.3f} = {drop:+.3f} (limit <= "
                  f"{limits['max_pass_rate_drop']:.3f})"},
-      {"name": "p95 latency", "value": p95, "limit": limits["max_p95_latency_s"],
-       "holds": p95 is not None and p95 <= limits["max_p95_latency_s"],
-       "detail": (f"candidate p95 {p95:.3f} s" if p95 is not None else
-                  "no candidate request succeeded")
-                 + f" (limit <= {limits['max_p95_latency_s']:.3f} s)"},
+      _p95_check(limits, candidate),
       {"name": "memory saving", "value": saving, "limit": limits["min_memory_saving"],
        "holds": saving >= limits["min_memory_saving"],
        "detail": f"1 - {candidate['memory_bytes'] / 2**20:.4g} MiB / "
@@ -115,6 +119,36 @@ def verdict(limits, baseline: dict, candidate: dict) -> dict:
   else:
     reason = "keep FP4: every limit holds (" + "; ".join(c["detail"] for c in checks) + ")"
   return {"keep": "baseline" if failed else "candidate", "checks": checks, "reason": reason}
+
+
+def verdict_one_fits(limits, arms: dict, summaries: dict) -> dict:
+  """The verdict when one arm does not fit the device (`fits` False, its error kept). The
+  candidate alone: keep FP4 if its p95 latency holds (the pass rate drop and the memory saving
+  cannot be measured without a baseline: their checks hold None), else keep neither. The
+  baseline alone: keep it."""
+  unfit = [a for a in backend.ARMS if not arms[a].get("fits", True)]
+  if len(unfit) != 1:
+    raise ValueError(f"verdict_one_fits needs exactly one arm that does not fit, got {unfit}")
+  why = f"the {unfit[0]} ({arms[unfit[0]]['policy']}) does not fit: {arms[unfit[0]]['error']}"
+  if unfit[0] == "candidate":
+    return {"keep": "baseline", "checks": [], "reason": f"keep the baseline: {why}"}
+  c = summaries["candidate"]
+  unmeasured = "not measurable: the baseline does not fit"
+  p95 = _p95_check(limits, c)
+  checks = [{"name": "pass rate drop", "value": None, "limit": limits["max_pass_rate_drop"],
+             "holds": None, "detail": unmeasured},
+            p95,
+            {"name": "memory saving", "value": None, "limit": limits["min_memory_saving"],
+             "holds": None, "detail": unmeasured}]
+  rate = (f"its pass rate {c['pass_rate']:.3f} (95% CI {c['pass_rate_ci95'][0]:.3f}-"
+          f"{c['pass_rate_ci95'][1]:.3f}) has no baseline to be compared with")
+  if p95["holds"]:
+    return {"keep": "candidate", "checks": checks,
+            "reason": f"keep FP4, the only arm that serves here: {why}; {p95['detail']} "
+                      f"holds; {rate}"}
+  return {"keep": "neither", "checks": checks,
+          "reason": f"neither arm serves within the limits: {why}; {p95['detail']} "
+                    f"fails; {rate}"}
 
 
 # --------------------------------------------------------------------------- one arm
@@ -245,11 +279,36 @@ def _failure_text(example, output: str, reason: str, passed: bool) -> str:
   return text
 
 
+def does_not_fit(e: BaseException) -> bool:
+  """Whether an error says the arm does not fit the device: the capacity planner's
+  `CapacityError`, or the allocator's out-of-memory error."""
+  return isinstance(e, (CapacityError, MemoryError)) or (
+      isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e))
+
+
+def _arm_that_does_not_fit(config, arm: str, error: BaseException) -> dict:
+  """An arm's result when it could not be set up for want of memory: what it is and why."""
+  setup = loop.build(backend.arm_config(config, arm))
+  return dict(arm=arm, fits=False, error=f"{type(error).__name__}: {error}",
+              policy=setup.policy.name if setup.policy.quantizes_anything else "bf16",
+              precision=config[arm].precision, fp4_format=config[arm].fp4_format,
+              weights=backend.weights_source(config), max_batch=int(config.serve.max_batch),
+              device_bytes=backend.device_bytes(config.serve), device=str(jax.devices()[0]))
+
+
 def run_arm(config, arm: str, log=print) -> dict:
-  """Serve one arm in this process and measure it on every prompt, `compare.repeats` times."""
+  """Serve one arm in this process and measure it on every prompt, `compare.repeats` times.
+  An arm that does not fit the device (`does_not_fit`) is returned as `fits=False` with the
+  error, so that the report can say so (FP4 is often the only way a model serves on a GPU)."""
   cc = config.compare
   sampling = SamplingParams(float(cc.temperature), 0, float(cc.top_p))
-  model = backend.build_serving(config, arm, warm_sampling=sampling, log=log)
+  try:
+    model = backend.build_serving(config, arm, warm_sampling=sampling, log=log)
+  except Exception as e:  # noqa: BLE001 - only memory errors are kept (re-raised otherwise)
+    if not does_not_fit(e):
+      raise
+    log(f"{arm} does not fit: {type(e).__name__}: {e}")
+    return _arm_that_does_not_fit(config, arm, e)
   try:
     task, examples = load_examples(backend.arm_config(config, arm))
     tok = model.tokenizer
@@ -310,6 +369,7 @@ def run_arm(config, arm: str, log=print) -> dict:
                 estimated_memory_bytes=int(estimate),
                 memory_measured=mem.peak is not None, context_len=context,
                 batches_run=model.scheduler.batches_run, scheduler=config.serve.scheduler,
+                fits=True,
                 runs=runs, tasks=tasks,
                 device=str(jax.devices()[0]))
   finally:
@@ -431,67 +491,45 @@ def _mib(b):
   return "–" if b is None else f"{b / 2**20:.4g}"
 
 
-def markdown_report(report: dict) -> str:
-  s, v, cfg = report["summary"], report["verdict"], report["config"]
-  b, c = s["baseline"], s["candidate"]
-  arms = report["arms"]
-  load = cfg["load"]
-  offered = (f"open-loop Poisson arrivals at {load['rate']} req/s" if load["rate"]
-             else f"{load['concurrency']} concurrent closed-loop clients")
-  lim = report["limits"]
-  lines = [
-      f"# Serving A/B: {arms['baseline']['policy']} vs FP4 `{arms['candidate']['policy']}` "
-      f"({arms['candidate']['fp4_format']})", "",
-      f"{report['date']}, {report['device']}, jax {report['jax_version']}, commit "
-      f"{report['git_commit'][:10]}. Weights: {arms['baseline']['weights']}. Task: "
-      f"{report['prompts']} ({report['num_prompts']} prompts) x {cfg['compare']['repeats']} "
-      f"paired repeats, sampling temperature {cfg['compare']['temperature']} (repeat r: seed r "
-      f"on both arms). Same context length ({arms['baseline']['context_len']} tokens: prompt "
-      f"bucket + max_tokens), same offered load ({offered}), max batch "
-      f"{cfg['serve']['max_batch']}." + (f" {cfg['compare']['notes']}" if cfg['compare'].get(
-          'notes') else ""), "",
-      f"## Verdict: **{'keep FP4' if v['keep'] == 'candidate' else 'keep the baseline'}**", "",
-      v["reason"] + ".", "",
-      f"Limits written before the runs ({lim['written_at']}):", "",
-      "| limit | value | measured | holds |", "|---|---|---|---|"]
-  for ch in v["checks"]:
-    lines.append(f"| {ch['name']} | {ch['limit']} | {ch['value']:.4g} | "
-                 f"{'yes' if ch['holds'] else '**no**'} |")
-  d = report["paired_difference"]
-  lines += [
-      "", "## Results", "",
-      "| | baseline | candidate |", "|---|---|---|",
-      f"| pass rate (95% CI) | {b['pass_rate']:.3f} [{b['pass_rate_ci95'][0]:.3f}, "
-      f"{b['pass_rate_ci95'][1]:.3f}] | {c['pass_rate']:.3f} [{c['pass_rate_ci95'][0]:.3f}, "
-      f"{c['pass_rate_ci95'][1]:.3f}] |",
-      f"| pass rate per repeat | {', '.join(f'{x:.3f}' for x in b['pass_rate_by_repeat'])} | "
-      f"{', '.join(f'{x:.3f}' for x in c['pass_rate_by_repeat'])} |"]
+def _results_table(names: list, summaries: dict, arms: dict) -> list:
+  """The results table's lines, a column per arm served."""
+  cols = [summaries[a] for a in names]
+
+  def row(label, cell):
+    return f"| {label} | " + " | ".join(cell(s, arms[a]) for s, a in zip(cols, names)) + " |"
+
+  def joined(key, fmt):
+    return lambda s, _: ", ".join(fmt.format(x) for x in s[key])
+
+  lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+           row("pass rate (95% CI)", lambda s, _: f"{s['pass_rate']:.3f} "
+               f"[{s['pass_rate_ci95'][0]:.3f}, {s['pass_rate_ci95'][1]:.3f}]"),
+           row("pass rate per repeat", joined("pass_rate_by_repeat", "{:.3f}"))]
   for key, name in (("latency_s", "latency"), ("ttft_s", "TTFT"),
                     ("per_token_s", "per-token latency")):
     for q in ("p50", "p95", "p99"):
-      lines.append(f"| {name} {q} (s) | {b[key][q]:.4f} | {c[key][q]:.4f} |")
+      lines.append(row(f"{name} {q} (s)", lambda s, _, k=key, q=q: f"{s[k][q]:.4f}"))
   lines += [
-      f"| p95 latency per repeat (s) | {', '.join(f'{x:.3f}' for x in b['p95_by_repeat'])} | "
-      f"{', '.join(f'{x:.3f}' for x in c['p95_by_repeat'])} |",
-      f"| throughput (generated tok/s) | {b['throughput_tok_s']:.1f} | "
-      f"{c['throughput_tok_s']:.1f} |",
-      f"| throughput per repeat | {', '.join(f'{x:.1f}' for x in b['throughput_by_repeat'])} | "
-      f"{', '.join(f'{x:.1f}' for x in c['throughput_by_repeat'])} |",
-      f"| serving memory, MiB ({b['memory_kind']}) | {_mib(b['memory_bytes'])} | "
-      f"{_mib(c['memory_bytes'])} |",
-      f"| weights, MiB | {_mib(b['weight_bytes'])} | {_mib(c['weight_bytes'])} |",
-      f"| process peak incl. load + quantize, MiB | {_mib(arms['baseline'].get('process_peak_bytes'))}"
-      f" | {_mib(arms['candidate'].get('process_peak_bytes'))} |",
-      f"| setup s (load + quantize + compile) | {b['setup_s']:.1f} | {c['setup_s']:.1f} |",
-      f"| $ / M generated tokens (setup counted) | {b['usd_per_mtok']:.3f} | "
-      f"{c['usd_per_mtok']:.3f} |",
-      f"| $ / M generated tokens (steady) | {b['usd_per_mtok_steady']:.3f} | "
-      f"{c['usd_per_mtok_steady']:.3f} |",
-      f"| generated tokens / errors | {b['completion_tokens']} / {b['errors']} | "
-      f"{c['completion_tokens']} / {c['errors']} |", "",
-      f"Paired per-task difference (candidate - baseline, mean over repeats): {d['mean']:+.3f}, "
-      f"95% CI [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]; {d['tasks_better']} tasks better, "
-      f"{d['tasks_worse']} worse of {d['n_tasks']}.", "",
+      row("p95 latency per repeat (s)", joined("p95_by_repeat", "{:.3f}")),
+      row("throughput (generated tok/s)", lambda s, _: f"{s['throughput_tok_s']:.1f}"),
+      row("throughput per repeat", joined("throughput_by_repeat", "{:.1f}")),
+      row(f"serving memory, MiB ({cols[0]['memory_kind']})",
+          lambda s, _: _mib(s["memory_bytes"])),
+      row("weights, MiB", lambda s, _: _mib(s["weight_bytes"])),
+      row("process peak incl. load + quantize, MiB",
+          lambda _, arm: _mib(arm.get("process_peak_bytes"))),
+      row("setup s (load + quantize + compile)", lambda s, _: f"{s['setup_s']:.1f}"),
+      row("$ / M generated tokens (setup counted)", lambda s, _: f"{s['usd_per_mtok']:.3f}"),
+      row("$ / M generated tokens (steady)", lambda s, _: f"{s['usd_per_mtok_steady']:.3f}"),
+      row("generated tokens / errors",
+          lambda s, _: f"{s['completion_tokens']} / {s['errors']}")]
+  return lines
+
+
+def _notes(report: dict, memory_kind: str) -> str:
+  """How the report's figures were taken (cost, latency, memory, CPU caveat)."""
+  cfg = report["config"]
+  return (
       f"Cost at ${cfg['cost']['gpu_hour_usd']}/GPU-hour. Latency is from send to the last "
       "token, TTFT from send to the first token on the host. "
       + ("The slot scheduler streams tokens per decode chunk; per-token latency is the mean "
@@ -499,15 +537,62 @@ def markdown_report(report: dict) -> str:
          else "The batch scheduler returns a batch's tokens when the batch ends, so TTFT equals "
          "latency and per-token latency is latency / generated tokens. ")
       + "Memory: "
-      + ("the device's peak bytes in use while serving (sampled)." if b["memory_kind"] ==
+      + ("the device's peak bytes in use while serving (sampled)." if memory_kind ==
          "measured peak" else "the backend reports no memory statistics, so this is the "
          "capacity planner's estimate: serving weights + KV/working bytes per sequence x max "
          "batch.")
       + (" On CPU, FP4 matmuls are emulated (dequantize, then compute in the rollout dtype), so "
          "CPU speed says nothing about FP4 speed on a GPU; the pass rates and memory do carry "
          "over." if report["device"].lower().startswith("cpu") or report["device"].startswith(
-             "TFRT_CPU") else ""), "",
-      "![latency CDF](latency_cdf.png) ![memory](memory.png) ![pass rate](pass_rate.png)", ""]
+             "TFRT_CPU") else ""))
+
+
+_KEEP = {"candidate": "keep FP4", "baseline": "keep the baseline",
+         "neither": "neither arm serves within the limits"}
+
+
+def markdown_report(report: dict) -> str:
+  s, v, cfg = report["summary"], report["verdict"], report["config"]
+  arms = report["arms"]
+  served = [a for a in backend.ARMS if a not in report.get("unfit", [])]
+  load = cfg["load"]
+  offered = (f"open-loop Poisson arrivals at {load['rate']} req/s" if load["rate"]
+             else f"{load['concurrency']} concurrent closed-loop clients")
+  lim = report["limits"]
+  planned = cfg["serve"].get("device_gib") or 0
+  lines = [
+      f"# Serving A/B: {arms['baseline']['policy']} vs FP4 `{arms['candidate']['policy']}` "
+      f"({arms['candidate']['fp4_format']})", "",
+      f"{report['date']}, {report['device']}, jax {report['jax_version']}, commit "
+      f"{report['git_commit'][:10]}. Weights: {arms['baseline']['weights']}. Task: "
+      f"{report['prompts']} ({report['num_prompts']} prompts) x {cfg['compare']['repeats']} "
+      f"paired repeats, sampling temperature {cfg['compare']['temperature']} (repeat r: seed r "
+      f"on both arms). Same context length ({arms[served[0]]['context_len']} tokens: prompt "
+      f"bucket + max_tokens), same offered load ({offered}), max batch "
+      f"{cfg['serve']['max_batch']}."
+      + (f" Serving planned for a device of {planned:.4g} GiB." if planned else "")
+      + (f" {cfg['compare']['notes']}" if cfg['compare'].get('notes') else ""), "",
+      f"## Verdict: **{_KEEP[v['keep']]}**", "",
+      v["reason"] + ".", "",
+      f"Limits written before the runs ({lim['written_at']}):", "",
+      "| limit | value | measured | holds |", "|---|---|---|---|"]
+  for ch in v["checks"]:
+    measured = "–" if ch["value"] is None else f"{ch['value']:.4g}"
+    holds = ("not measurable" if ch["holds"] is None else "yes" if ch["holds"] else "**no**")
+    lines.append(f"| {ch['name']} | {ch['limit']} | {measured} | {holds} |")
+  lines += ["", "## Results", ""]
+  for a in report.get("unfit", []):
+    lines += [f"The {a} ({arms[a]['policy']}) does not fit: {arms[a]['error']}", ""]
+  lines += _results_table(served, s, arms) + [""]
+  d = report["paired_difference"]
+  if d is not None:
+    lines += [
+        f"Paired per-task difference (candidate - baseline, mean over repeats): "
+        f"{d['mean']:+.3f}, 95% CI [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]; "
+        f"{d['tasks_better']} tasks better, {d['tasks_worse']} worse of {d['n_tasks']}.", ""]
+  lines += [_notes(report, s[served[0]]["memory_kind"]), "",
+            "![latency CDF](latency_cdf.png) ![memory](memory.png) ![pass rate](pass_rate.png)",
+            ""]
   if report["failures"]:
     lines += ["## Tasks where the arms differ (repeat 0)", "",
               "| task | prompt | answer | baseline | candidate |", "|---|---|---|---|---|"]
@@ -524,22 +609,30 @@ def markdown_report(report: dict) -> str:
 def build_report(config, arms: dict, limits: dict, wall_s: float, out_dir: str) -> dict:
   """Summaries, verdict, paired difference, plots, report.json and report.md in `out_dir`."""
   usd = float(config.cost.gpu_hour_usd)
-  summaries = {a: summarize(arms[a], usd) for a in backend.ARMS}
-  v = verdict(limits, summaries["baseline"], summaries["candidate"])
-  diff = paired_difference(_per_task(arms["baseline"]), _per_task(arms["candidate"]))
-  differ = []
-  base0 = {t["task"]: t for t in arms["baseline"]["tasks"] if t["repeat"] == 0}
-  for t in arms["candidate"]["tasks"]:
-    if t["repeat"] == 0 and t["passed"] != base0[t["task"]]["passed"]:
-      differ.append(dict(task=t["task"], prompt=t["prompt"], answer=t["answer"],
-                         baseline=base0[t["task"]]["failure"], candidate=t["failure"]))
+  unfit = [a for a in backend.ARMS if not arms[a].get("fits", True)]
+  if len(unfit) == len(backend.ARMS):
+    raise RuntimeError("neither arm fits the device: " + "; ".join(
+        f"{a}: {arms[a]['error']}" for a in unfit))
+  served = {a: arms[a] for a in backend.ARMS if a not in unfit}
+  summaries = {a: summarize(arms[a], usd) for a in served}
+  diff, differ = None, []
+  if unfit:
+    v = verdict_one_fits(limits, arms, summaries)
+  else:
+    v = verdict(limits, summaries["baseline"], summaries["candidate"])
+    diff = paired_difference(_per_task(arms["baseline"]), _per_task(arms["candidate"]))
+    base0 = {t["task"]: t for t in arms["baseline"]["tasks"] if t["repeat"] == 0}
+    for t in arms["candidate"]["tasks"]:
+      if t["repeat"] == 0 and t["passed"] != base0[t["task"]]["passed"]:
+        differ.append(dict(task=t["task"], prompt=t["prompt"], answer=t["answer"],
+                           baseline=base0[t["task"]]["failure"], candidate=t["failure"]))
   cc = config.compare
   report = dict(benchmark="serve_compare", **run_info(), config=config.to_dict(), limits=limits,
                 prompts=cc.prompts_jsonl or f"task {config.task.name} eval split",
-                num_prompts=1 + max(t["task"] for t in arms["baseline"]["tasks"]),
+                num_prompts=1 + max(t["task"] for t in next(iter(served.values()))["tasks"]),
                 wall_s=wall_s, verdict=v, summary=summaries, paired_difference=diff,
-                failures=differ[:int(cc.report_failures)], arms=arms)
-  report["plots"] = make_plots(arms, summaries, out_dir)
+                failures=differ[:int(cc.report_failures)], unfit=unfit, arms=arms)
+  report["plots"] = make_plots(served, summaries, out_dir)
   with open(os.path.join(out_dir, "report.json"), "w") as f:
     json.dump(report, f, indent=1)
   with open(os.path.join(out_dir, "report.md"), "w") as f:
