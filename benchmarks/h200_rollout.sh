@@ -105,6 +105,15 @@ guidance_ab() {
 print('guidance cost, share of the decode step:', d.get('guidance_cost_frac_of_step'), 'by', by,
       by and d['guidance_on'][by], by and d.get('guidance_off', {}).get(by))"
 }
+# bench_guidance.py with ARGS, no plot, its JSON $OUT/NAME.json and whole output $OUT/NAME.log
+# (a run stopped by its limit still returns what it printed), the last TAIL lines shown:
+# NAME TIMEOUT TAIL ARGS...
+bench_guidance_run() {
+  local name=$1 limit=$2 tail=$3; shift 3
+  timeout -k 5 $limit python3 benchmarks/bench_guidance.py "$@" --no_plot \
+    --out $OUT/$name.json 2>&1 | tee $OUT/$name.log | grep -v "^I1\|^W1" | cut -c1-330 \
+    | tail -$tail
+}
 # the 4-layer 30B-A3B train step at the grouped-tile defaults, one chain, 3 steps timed (JSON
 # train_determinism_a3b_l4_defaults.json)
 a3b_l4_step() {
@@ -926,11 +935,9 @@ elif [ "$stage" = s55b ]; then
   # 128 (session 55 in windows of 256: 8.72% inline / 7.24% thread, ~0.4 s that does not
   # shrink with length: the first window's records 0.25 s late, the last window's placing
   # 0.17 s inline), 3 rounds
-  timeout -k 5 ${BG_TIMEOUT:-560} python3 benchmarks/bench_guidance.py --layers 48 --batch 128 \
+  bench_guidance_run bench_guidance_48l_w128 ${BG_TIMEOUT:-560} 12 --layers 48 --batch 128 \
     --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 128 --rounds 3 \
-    --sides "chunked on async inline,chunked on async thread" --no_plot \
-    --out $OUT/bench_guidance_48l_w128.json 2>&1 | tee $OUT/bench_guidance_48l_w128.log \
-    | grep -v "^I1\|^W1" | cut -c1-330 | tail -12
+    --sides "chunked on async inline,chunked on async thread"
 elif [ "$stage" = s55a ]; then
   # (session 55) the rollout weights from a host master, part by part (`RolloutEngine.sync` of
   # numpy leaves): bit for bit the device master's on the GPU, and the sync's device peak
@@ -938,26 +945,22 @@ elif [ "$stage" = s55a ]; then
     -p no:xdist -o addopts="" tests/rollout/test_engine_gpu.py -k host_master 2>&1 \
     | grep -v "^I1\|^W1" | tee $OUT/host_sync_test.log | tail -8
 elif [ "$stage" = s54b ]; then
-  # (session 54, prepared) the guidance share at 48 layers (an H200, or since session 55's
-  # host master an H100: the planner fits 176 x 8k there), the chunked engine's default way and
-  # the landing thread (at 4
-  # layers on the H100, s54a: 2.77% / 2.44% of a 1,024-token rollout; pinned copies 5.2-7.9%,
-  # left out; the one-program engine's guidance, ~45 GB here, too), 1,024 new tokens in windows
-  # of 256, one timed round after the first calls
-  timeout -k 5 ${BG_TIMEOUT:-560} python3 benchmarks/bench_guidance.py --layers 48 --batch 128 \
+  # (session 54, prepared; ran in session 55 on an H100) the guidance share at 48 layers (an
+  # H200, or since session 55's host master an H100: the planner fits 176 x 8k there), the
+  # chunked engine's default way and the landing thread (at 4 layers on the H100, s54a: 2.77% /
+  # 2.44% of a 1,024-token rollout; pinned copies 5.2-7.9%, left out; the one-program engine's
+  # guidance, ~45 GB here, too), 1,024 new tokens in windows of 256, one timed round after the
+  # first calls
+  bench_guidance_run bench_guidance_48l ${BG_TIMEOUT:-560} 12 --layers 48 --batch 128 \
     --prompt_len 512 --new_tokens 1024 --cache_new_tokens 7680 --decode_chunk 256 --rounds 1 \
-    --sides "chunked on async inline,chunked on async thread" --no_plot \
-    --out $OUT/bench_guidance_48l.json 2>&1 | tee $OUT/bench_guidance_48l.log \
-    | grep -v "^I1\|^W1" | cut -c1-330 | tail -12
+    --sides "chunked on async inline,chunked on async thread"
 elif [ "$stage" = s54a ]; then
   # (session 54) issue 8's guidance bar by whole rollouts (s53a/b timed one call a side and
   # read 10-11% at 256 new tokens, all of it before the windows): bench_guidance's seven sides
   # (one-program and chunked engines, guidance on and off; the chunked guided one under each
   # copy x landing way), 3 rounds in rotated order, 256 and 1,024 new tokens, B 256, 4 layers
-  timeout -k 5 ${BG_TIMEOUT:-380} python3 benchmarks/bench_guidance.py --layers 4 --batch 256 \
-    --prompt_len 512 --new_tokens 256,1024 --decode_chunk 128 --rounds 3 \
-    --no_plot --out $OUT/bench_guidance.json 2>&1 | tee $OUT/bench_guidance.log \
-    | grep -v "^I1\|^W1" | cut -c1-330 | tail -24
+  bench_guidance_run bench_guidance ${BG_TIMEOUT:-380} 24 --layers 4 --batch 256 \
+    --prompt_len 512 --new_tokens 256,1024 --decode_chunk 128 --rounds 3
 elif [ "$stage" = s53b ]; then
   # (session 53) s53a's guidance A/B in the other order (off first: in s53a, on H100, guidance
   # off ran second and 36% slower a step, 1.742 against 1.278 ms, though the decode loops'

@@ -142,9 +142,12 @@ def param_name(path) -> str:
   return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
-def quantize_weight(w, fmt: tq.Format):
-  """A master weight in the format the policy gives its name (`weight_format`): the one
-  quantization rule of weight sync, however the sync walks the weights."""
+def quantize_weight(w, fmt: tq.Format | None):
+  """A master weight in the format the policy gives its name (`weight_format`; None, or a
+  weight already a `QArray`: kept as given): the one quantization rule of weight sync, however
+  the sync walks the weights."""
+  if fmt is None or isinstance(w, tq.QArray):
+    return w
   axis, scope = weight_quant_layout(w.ndim)
   return tq.quantize(w, fmt, axis=axis, second_level=scope, validate=False)
 
@@ -152,11 +155,9 @@ def quantize_weight(w, fmt: tq.Format):
 def quantize_params(params, policy: tq.QuantPolicy):
   """Rollout weights: every weight the policy names becomes a `QArray`, quantized once (at weight
   sync) from the very master values the trainer holds; every other leaf is kept as given."""
-  def convert(path, w):
-    fmt = policy.weight_format(param_name(path))
-    return w if fmt is None or isinstance(w, tq.QArray) else quantize_weight(w, fmt)
   return jax.tree_util.tree_map_with_path(
-      convert, params, is_leaf=lambda x: isinstance(x, tq.QArray))
+      lambda path, w: quantize_weight(w, policy.weight_format(param_name(path))), params,
+      is_leaf=lambda x: isinstance(x, tq.QArray))
 
 
 def check_params_finite(params) -> None:

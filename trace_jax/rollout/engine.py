@@ -574,20 +574,25 @@ def tree_bytes(tree) -> int:
 
 # --------------------------------------------------------------------------- the engine
 
+def _rollout_weight(w, fmt, dtype):
+  """One master leaf's rollout weight: `quantize_weight` to `fmt` (the policy's format for its
+  name), anything that is not then a QArray cast to the rollout's compute dtype."""
+  q = M.quantize_weight(w, fmt)
+  return q if isinstance(q, tq.QArray) else q.astype(dtype)
+
+
 def _rollout_weights(master, policy, dtype):
-  """Policy-named weights become QArrays; the rest is cast to the rollout's compute dtype."""
-  q = M.quantize_params(master, policy)
-  return jax.tree_util.tree_map(
-      lambda a: a if isinstance(a, tq.QArray) else a.astype(dtype), q,
-      is_leaf=lambda a: isinstance(a, tq.QArray))
+  """`_rollout_weight` of every leaf: policy-named weights become QArrays, the rest is cast."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, w: _rollout_weight(w, policy.weight_format(M.param_name(path)), dtype),
+      master, is_leaf=lambda a: isinstance(a, tq.QArray))
 
 
 @functools.lru_cache(maxsize=None)
 def _rollout_leaf(fmt, dtype):
-  """One master leaf's rollout weight, jitted per format (`_rollout_weights`' rule for a leaf:
-  quantized where the policy names it, else cast); a 48-layer model's leaves take a few
-  distinct shapes, so a few compiles."""
-  return jax.jit(lambda w: w.astype(dtype) if fmt is None else M.quantize_weight(w, fmt))
+  """`_rollout_weight` jitted per format (a 48-layer model's leaves take a few distinct shapes,
+  so a few compiles)."""
+  return jax.jit(functools.partial(_rollout_weight, fmt=fmt, dtype=dtype))
 
 
 def _on_host(master) -> bool:
