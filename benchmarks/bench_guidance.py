@@ -9,7 +9,9 @@ Sides, one engine each (compiled once, all kept):
 - `chunked on|off` (windows of --decode_chunk steps): the guided engine under each way its
   records reach host memory, `GUIDANCE_COPY` (async | pinned) x `GUIDANCE_LANDING` (inline |
   thread). The last window's records land after the device has finished, so a short rollout
-  pays that tail in a larger share than a long one: --new_tokens takes several lengths.
+  pays that tail in a larger share than a long one: --new_tokens takes several lengths. A
+  guided chunked side may end in ` tailN`: its last window in pieces down to N steps
+  (`GUIDANCE_TAIL`; tail0: whole); without, the engine's default.
 
 All engines share one copy of the rollout weights; `--sides` runs some of the sides (each
 guided one with its unguided side), so a deep model fits beside its cache.
@@ -59,18 +61,27 @@ def baseline(side: str) -> str:
   return side.split(" ")[0] + " off"
 
 
+def split_tail(side: str) -> tuple[str, int | None]:
+  """A side's name without its ` tailN` (`GUIDANCE_TAIL`), and N (None where not given)."""
+  head, _, last = side.rpartition(" ")
+  if head.startswith("chunked on ") and last.startswith("tail") and last[4:].isdigit():
+    return head, int(last[4:])
+  return side, None
+
+
 def chosen_sides(arg: str) -> list[str]:
   """The sides `--sides` names (comma-separated; empty: all), each guided one's unguided side
-  added, in `side_names` order."""
+  added, in `side_names` order (a side's tail variants after it, as asked)."""
   sides = side_names()
   if not arg:
     return sides
   asked = [x.strip() for x in arg.split(",")]
-  unknown = sorted(set(asked) - set(sides))
+  unknown = sorted(x for x in asked if split_tail(x)[0] not in sides)
   if unknown:
-    raise ValueError(f"unknown sides {unknown}: choose among {sides}")
-  wanted = set(asked) | {baseline(x) for x in asked if " on" in x}
-  return [x for x in sides if x in wanted]
+    raise ValueError(f"unknown sides {unknown}: choose among {sides}, a guided chunked one "
+                     "optionally ending in ' tailN'")
+  wanted = asked + [baseline(x) for x in asked if " on" in x]
+  return sorted(dict.fromkeys(wanted), key=lambda x: sides.index(split_tail(x)[0]))
 
 
 def _median(xs):
@@ -98,10 +109,12 @@ def _engines(cfg, policy, a, sides, master: list) -> dict:
 
 def _call(engines, side: str, prompts, new: int, seed: int) -> dict:
   """One timed rollout of a side: seconds, digests, guidance bytes, the host's parts."""
-  mode, guided, *way = side.split(" ")
+  name, tail = split_tail(side)
+  mode, guided, *way = name.split(" ")
   eng = engines[mode, guided == "on"]
   if way:
     eng.guidance_copy, eng.guidance_landing = way
+  eng.guidance_tail = engine_module.GUIDANCE_TAIL if tail is None else tail
   t = time.perf_counter()
   r = eng.generate(prompts, n=1, sampling=SamplingParams(temperature=1.0), seed=seed,
                    max_new_tokens=new)

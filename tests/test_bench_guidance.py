@@ -37,6 +37,17 @@ def test_chosen_sides():
       "one_program off", "chunked off", "chunked on pinned thread"]
   with pytest.raises(ValueError, match="unknown sides.*chunked on pinned"):
     bench_guidance.chosen_sides("chunked on pinned")
+  # a guided chunked side with its last window in pieces (`GUIDANCE_TAIL`), after its way
+  assert bench_guidance.chosen_sides(
+      "chunked on async thread, chunked on async inline tail32, chunked on async inline tail0"
+  ) == ["chunked off", "chunked on async inline tail32", "chunked on async inline tail0",
+        "chunked on async thread"]
+  assert bench_guidance.split_tail("chunked on async inline tail8") == (
+      "chunked on async inline", 8)
+  assert bench_guidance.split_tail("chunked on async inline") == ("chunked on async inline", None)
+  for bad in ("chunked off tail8", "one_program on tail8", "chunked on async inline tailx"):
+    with pytest.raises(ValueError, match="unknown sides"):
+      bench_guidance.chosen_sides(bad)
   from trace_jax.rollout import engine  # noqa: PLC0415
   assert bench_guidance.DEFAULT_WAY == (  # (the plot marks the way a rollout takes unset)
       f"chunked on {engine.GUIDANCE_COPY} {engine.GUIDANCE_LANDING}")
@@ -49,12 +60,16 @@ def test_tiny_run(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, "argv", [
       "bench_guidance.py", "--preset", "tiny", "--layers", "2", "--batch", "3",
       "--prompt_len", "8", "--new_tokens", "5,12", "--decode_chunk", "4", "--rounds", "1",
+      "--sides", ",".join(bench_guidance.side_names() + ["chunked on async inline tail1"]),
       "--out", str(out)])
   bench_guidance.main()
   res = json.loads(out.read_text())
-  assert res["sides"] == bench_guidance.side_names() and len(res["sides"]) == 7
+  names = bench_guidance.side_names()
+  assert len(names) == 7 and res["sides"] == names[:4] + ["chunked on async inline tail1"] + (
+      names[4:])
   assert res["args"]["cache_new_tokens"] == 12
-  for n, windows in (("5", 2), ("12", 3)):
+  # windows of 4; with tail1 the last window in halves: 12 steps as 4 + 4 + 2 + 1 + 1
+  for n, windows, pieces in (("5", 2, 2), ("12", 3, 5)):
     got = res["lengths"][n]
     assert got["same_numbers_every_round"] == [True, True]  # (round 0 and 1)
     for side, row in got["sides"].items():
@@ -65,6 +80,7 @@ def test_tiny_run(tmp_path, monkeypatch):
         assert row["share"] == pytest.approx((row["median_s"] - off) / row["median_s"],
                                              abs=1e-3)
       if side.startswith("chunked"):
-        assert row["median_call_timeline"]["windows"] == windows
+        assert row["median_call_timeline"]["windows"] == (
+            pieces if side.endswith("tail1") else windows), side
   assert res["pinned_peak_bytes"] > 0  # (the CPU backend has pinned host memory)
   assert (tmp_path / "guidance.png").stat().st_size > 0

@@ -324,9 +324,10 @@ def test_sync_from_host_master_in_kernel_layout():
 def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypatch):
   """decode_chunk=4 with 6 new tokens: windows of 4 and 2 (+2 past the end), guidance moved to
   host memory per window (copied async, or through pinned host memory: `GUIDANCE_COPY`),
-  landed inline or on a landing thread (`GUIDANCE_LANDING`). Same tokens, logprobs, routes and
-  guidance bits as the one-program engine, also when every row stops early (a window left out)
-  and with GRPO samples."""
+  landed inline or on a landing thread (`GUIDANCE_LANDING`), the last window whole or in pieces
+  of one step (`GUIDANCE_TAIL`: 4 + 1 + 1 steps). Same tokens, logprobs, routes and guidance
+  bits as the one-program engine, also when every row stops early (a window left out) and with
+  GRPO samples."""
   from trace_jax.rollout import engine as engine_module
   one = _engine("paper")
   chunked = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6,
@@ -334,15 +335,21 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
   chunked.sync(_params())
   s = SamplingParams(temperature=1.0)
   assert (chunked.guidance_copy, chunked.guidance_landing) == ("async", "inline")  # defaults
+  assert chunked.guidance_tail >= 4  # (the default leaves windows of 4 whole)
+  default_tail = chunked.guidance_tail
   monkeypatch.setattr(engine_module, "_PINNED", engine_module._PinnedPool())
   pinned_before = False
-  for kw, windows, landing, copy in (
-      (dict(n=2), 2, "inline", "async"), (dict(n=2), 2, "thread", "async"),
-      (dict(n=2, max_new_tokens=[3, 2]), 1, "inline", "pinned"),
-      (dict(n=2, max_new_tokens=[3, 2]), 1, "thread", "async"),
-      (dict(n=2), 2, "thread", "pinned"), (dict(n=2), 2, "inline", "pinned")):
+  for kw, windows, landing, copy, tail in (
+      (dict(n=2), 2, "inline", "async", default_tail), (dict(n=2), 2, "thread", "async", 0),
+      (dict(n=2, max_new_tokens=[3, 2]), 1, "inline", "pinned", default_tail),
+      (dict(n=2, max_new_tokens=[3, 2]), 1, "thread", "async", default_tail),
+      (dict(n=2), 2, "thread", "pinned", default_tail),
+      (dict(n=2), 2, "inline", "pinned", default_tail),
+      (dict(n=2), 3, "inline", "async", 1), (dict(n=2), 3, "thread", "async", 1),
+      (dict(n=2, max_new_tokens=[3, 2]), 2, "inline", "pinned", 1)):
     a = one.generate(PROMPTS, sampling=s, seed=3, **kw)
     chunked.guidance_landing, chunked.guidance_copy = landing, copy
+    chunked.guidance_tail = tail
     t0 = time.perf_counter()
     b = chunked.generate(PROMPTS, sampling=s, seed=3, **kw)
     wall = time.perf_counter() - t0
@@ -387,6 +394,7 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
   engine_module._PINNED.peak = 64 * 2**20
   assert 0 < 2 * host_limit <= chunked.capacity_limits(48)[1] <= 2 * host_limit + 1
   monkeypatch.undo()
+  chunked.guidance_tail = default_tail
   # A landing's error reaches the caller, from the landing thread too.
   def broken(*args):
     raise RuntimeError("landing failed")
@@ -404,6 +412,34 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
   assert windowed > 1.5 * whole
   with pytest.raises(ValueError, match="decode_chunk"):
     RolloutEngine(CFG, decode_chunk=-1)
+
+
+def test_window_pieces_cover_the_rollout_and_split_only_the_last_window():
+  """Every (total, chunk, tail): the pieces run each step once, in order; whole windows of
+  `chunk` steps up to the last window's start; the last window (the rest) whole when tail is 0
+  or it is no longer than tail, else in halves (rounded up) down to at most tail steps."""
+  from trace_jax.rollout.engine import window_pieces
+  for total in range(1, 41):
+    for chunk in range(1, 10):
+      for tail in range(0, 6):
+        pieces = window_pieces(total, chunk, tail)
+        steps = [s for start, n in pieces for s in range(start, start + n)]
+        assert steps == list(range(total)) and all(n >= 1 for _, n in pieces)
+        last = (total - 1) // chunk * chunk  # the last window's first step
+        whole = [x for x in pieces if x[0] < last]
+        assert whole == [(s, chunk) for s in range(0, last, chunk)]
+        rest, sizes = total - last, [n for start, n in pieces if start >= last]
+        if tail == 0 or rest <= tail:
+          assert sizes == [rest]
+        else:  # each piece half of what was left before it, the final one at most tail
+          left = rest
+          for n in sizes[:-1]:
+            assert n == -(-left // 2) and left > tail
+            left -= n
+          assert sizes[-1] == left <= tail
+  assert window_pieces(256, 256, 32) == [(0, 128), (128, 64), (192, 32), (224, 32)]
+  with pytest.raises(ValueError, match="total >= 1"):
+    window_pieces(0, 4)
 
 
 def test_command_buffer_options_are_valid_xla_options():

@@ -41,7 +41,7 @@ from trace_jax import models as M
 from trace_jax import parallel
 from trace_jax import quant as tq
 from trace_jax.kernels import dispatch as kernel_dispatch
-from trace_jax.settings import choice_setting
+from trace_jax.settings import choice_setting, int_setting
 from trace_jax.models import kv_cache as kvc
 from trace_jax.rollout.sampling import SamplingParams, sample
 
@@ -234,12 +234,13 @@ def _prefill_passes(forward, params, tokens, mask, positions, cache, pass_cache)
   return M.ModelOutput(logits, c, routes, rec, *rest)
 
 
-def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M.ModelConfig,
-            ctx: M.QuantContext, p: int, steps: int, length: int, sampling: SamplingParams,
-            record_routes: bool):
-  """Decode steps `carry["s"]` .. `carry["s"] + length - 1` (never past `steps`), stopping
-  early once every row is done. Returns the new carry and that window's buffers (`[R, length]`
-  per step: tokens, logprobs, valid, routes, records; zeros past the last step run)."""
+def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, limit=None, *,
+            config: M.ModelConfig, ctx: M.QuantContext, p: int, steps: int, length: int,
+            sampling: SamplingParams, record_routes: bool):
+  """Decode steps `carry["s"]` .. `carry["s"] + limit - 1` (limit: a traced step count, at most
+  `length`, default `length`; never past `steps`), stopping early once every row is done.
+  Returns the new carry and that window's buffers (`[R, length]` per step: tokens, logprobs,
+  valid, routes, records; zeros past the last step run)."""
   r = prompt_len.shape[0]
   start = carry["s"]
 
@@ -264,7 +265,8 @@ def _decode(params, carry, prompt_len, seq_keys, max_new, stop_ids, *, config: M
                         jnp.int32) if with_routes else None)))
   packed = jnp.zeros((r, length, sum(map(_leaf_bytes, jax.tree_util.tree_leaves(window)))),
                      jnp.uint8)
-  stop_at = jnp.minimum(start + length, steps)
+  run = length if limit is None else jnp.minimum(limit, length)
+  stop_at = jnp.minimum(start + run, steps)
 
   def cond(state):
     carry, _ = state
@@ -715,22 +717,51 @@ def _prompt_key(seed: int, prompt: Sequence[int], occurrence: int) -> int:
   return (int.from_bytes(h, "little") + 7919 * occurrence) % (2**31 - 1)
 
 
-def _join_windows(windows, count: int, steps: int) -> dict:
+def _join_windows(windows, steps: int) -> dict:
   """Decode windows' tokens, logprobs, validity and routes joined along time into buffers of
-  `steps`: windows never run (every row had stopped) are zeros, as in the one-program engine's
-  buffers. (Their guidance goes straight into the final arrays: `_host_guidance`.)"""
-  if len(windows) < count:
-    zero = jax.tree_util.tree_map(jnp.zeros_like, windows[-1])
-    windows = windows + [zero] * (count - len(windows))
+  `steps`: steps past the windows run (every row had stopped) are zeros, as in the one-program
+  engine's buffers. (Their guidance goes straight into the final arrays: `_host_guidance`.)"""
+  def join(xs, axis):
+    x = jnp.concatenate(xs, axis=axis)
+    if x.shape[axis] >= steps:
+      return jax.lax.slice_in_dim(x, 0, steps, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, steps - x.shape[axis])
+    return jnp.pad(x, pad)
 
-  def cut(x, axis):
-    return jax.lax.slice_in_dim(x, 0, steps, axis=axis) if x.shape[axis] > steps else x
-
-  out = {k: cut(jnp.concatenate([w[k] for w in windows], axis=1), 1)
-         for k in ("tokens", "logp", "valid")}
-  out["routes"] = None if windows[0]["routes"] is None else cut(
-      jnp.concatenate([w["routes"] for w in windows], axis=2), 2)
+  out = {k: join([w[k] for w in windows], 1) for k in ("tokens", "logp", "valid")}
+  out["routes"] = None if windows[0]["routes"] is None else join(
+      [w["routes"] for w in windows], 2)
   return out
+
+
+def window_pieces(total: int, chunk: int, tail: int = 0) -> list[tuple[int, int]]:
+  """The chunked engine's decode windows, (first step, steps) each, for a rollout of `total`
+  steps: windows of `chunk`, and the last one (the rest) split in halves while longer than
+  `tail` steps (0: not split), so that the records landing after the device has finished, those
+  of the last piece, are a small part of a window's: the earlier pieces' copies overlap the
+  pieces after them (`GUIDANCE_TAIL`)."""
+  if total < 1 or chunk < 1:
+    raise ValueError(f"window_pieces needs total >= 1 and chunk >= 1, got {total}, {chunk}")
+  last = (total - 1) // chunk * chunk
+  out = [(s, chunk) for s in range(0, last, chunk)]
+  rest = total - last
+  while tail and rest > tail:
+    half = -(-rest // 2)
+    out.append((last, half))
+    last, rest = last + half, rest - half
+  return out + [(last, rest)]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cut_window(bufs, steps: int):
+  """A window's buffers cut to their first `steps` steps (a piece of the last window: the
+  program's buffers are a whole window long; only the steps it ran go to host memory). Time is
+  axis 1, the routes' axis 2."""
+  def cut(axis):
+    return lambda x: jax.lax.slice_in_dim(x, 0, steps, axis=axis)
+  return {k: None if v is None else jax.tree_util.tree_map(cut(2 if k == "routes" else 1), v)
+          for k, v in bufs.items()}
 
 
 def host_zeros(shape, dtype) -> np.ndarray:
@@ -914,6 +945,17 @@ def _run_now(fn, *args) -> concurrent.futures.Future:
   return f
 
 
+# The last decode window of a guided chunked rollout runs as pieces, halves while longer than
+# this many steps (`window_pieces`; 0: one window). Its records land after the device has
+# finished: on the H100 at 48 layers (B 128, windows of 256) their copy and placing were ~0.4 s
+# a rollout whatever its length, 8.7% of a 256-token one (session 55). A piece's records are
+# cut to the steps it ran before they are copied (`_cut_window`); every piece runs the one
+# window program.
+GUIDANCE_TAIL = int_setting(
+    "TRACE_JAX_GUIDANCE_TAIL", 32, 0,
+    doc="the last guided decode window split in halves down to this many steps (0: not split)")
+
+
 @jax.jit
 def _window_flags(done, s):
   """Whether every row is done, and the step count: new arrays (a decode window's carry is
@@ -1078,6 +1120,7 @@ class RolloutEngine:
     self.last_timeline: ChunkTimeline | None = None  # the chunked engine's last generate
     self.guidance_copy = GUIDANCE_COPY  # how its records reach host memory (`GUIDANCE_COPY`)
     self.guidance_landing = GUIDANCE_LANDING  # which thread lands them (`GUIDANCE_LANDING`)
+    self.guidance_tail = GUIDANCE_TAIL  # the last window's pieces (`GUIDANCE_TAIL`)
     # prefill_tokens: prompt tokens per prefill pass; a larger batch is prefilled in passes of
     # that many tokens' prompts (`_prefill_passes`), which bounds the forward's transients where
     # the capacity planner counts the decode's memory. 64k prompt tokens: the prompt-2048 B=64
@@ -1262,11 +1305,14 @@ class RolloutEngine:
     # The prompt's records come to host memory while the first window decodes, not before it
     # is launched (session 13: prefill plus one step 16 s of wall time, kernels ~1.5 s).
     p = int(tokens.shape[1])
-    windows, count = [], -(-steps // chunk)
+    windows = []
     # Windows past the rows' largest limit would run no step: none is launched, nor its records
     # copied (a window's, 2.8 GB at the 8k-capacity shape, 48 layers, for a caller who asked
-    # 2,048 of 7,680 tokens). Rows that stop earlier still cost the window after the last.
-    to_run = -(-min(steps, most or steps) // chunk)
+    # 2,048 of 7,680 tokens). Rows that stop earlier still cost the window after the last. A
+    # guided rollout's last window runs in pieces (`GUIDANCE_TAIL`).
+    tail = self.guidance_tail if self.ctx.record_guidance else 0
+    pieces = window_pieces(min(steps, most or steps), chunk, tail)
+    to_run = len(pieces)
     # (several processes land inline: a landing thread's gathers of records spread over
     # processes are collectives, which must keep their order against the windows' launches)
     thread = self.guidance_landing == "thread" and jax.process_count() == 1
@@ -1278,8 +1324,12 @@ class RolloutEngine:
       _PINNED.add(_pinned_bytes(records))
       return records
 
-    def launch(carry):  # a window, and its end flags read before the next launch donates carry
-      carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop)
+    def launch(i, carry):  # window i, and its end flags read before the next launch donates carry
+      run = pieces[i][1]
+      carry, bufs = window_fn(self.params, carry, prompt_len, seq_keys, max_new, stop,
+                              np.int32(run))
+      if run < chunk:  # a piece: only the steps it ran go to host memory
+        bufs = _cut_window(bufs, run)
       clock.launches += 1
       # (the flags' copy first: it then need not wait behind the records')
       flags = _start_host_copies(_window_flags(carry["done"], carry["s"]))
@@ -1305,10 +1355,11 @@ class RolloutEngine:
         records = started(bufs["records"]) if thread else bufs["records"]
         pinned = _pinned_bytes(records)
         records = _to_host(records)
-        ran = int(_to_host(flags[1])) - i * chunk  # the steps it ran (it stops when all are done)
+        start = pieces[i][0]
+        ran = int(_to_host(flags[1])) - start  # the steps it ran (it stops when all are done)
       clock.mark(f"window {i} records")
       with clock.timed("window_place"):
-        _place_window(guidance, records, p + i * chunk, ran)
+        _place_window(guidance, records, p + start, ran)
       _PINNED.add(-pinned)
       windows.append({k: v for k, v in bufs.items() if k != "records"})
 
@@ -1327,7 +1378,7 @@ class RolloutEngine:
     lander = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guidance_landing")
     submit = lander.submit if thread else _run_now
     try:
-      carry, bufs, flags = launch(carry)
+      carry, bufs, flags = launch(0, carry)
       landed = [submit(land_prompt, pre_records)]
       del pre_records
       clock.lap("landing")
@@ -1335,7 +1386,7 @@ class RolloutEngine:
         if i:
           landed[-1].result()  # window i - 1 has landed (one landing thread: in order)
           clock.lap("landing")
-        nxt = launch(carry) if i + 1 < to_run else None
+        nxt = launch(i + 1, carry) if i + 1 < to_run else None
         landed.append(submit(land, i, bufs, flags))
         clock.lap("landing")
         done = bool(_to_host(flags[0]))
@@ -1354,7 +1405,7 @@ class RolloutEngine:
     finally:
       lander.shutdown(wait=True)
     out = _assemble(tokens, mask, positions, prompt_len, pre_routes, None,
-                    _join_windows(windows, count, steps), n, steps, guidance=guidance)
+                    _join_windows(windows, steps), n, steps, guidance=guidance)
     clock.lap("assemble")
     clock.windows = len(windows)
     self.last_timeline = clock
