@@ -303,6 +303,12 @@ def test_sync_from_host_master_equals_device_sync():
   eng.sync(jax.tree_util.tree_map(lambda x: x * np.float32(0.9), host))
   dev.sync(jax.tree_util.tree_map(lambda x: x * 0.9, master))
   _same_leaves(eng.params, dev.params)
+  # a device sync after a host one hands the host-made weights to the re-sync to donate (the
+  # CPU backend does not delete donated arrays: on the GPU, tests/rollout/test_engine_gpu.py),
+  # and its weights are a device-synced engine's
+  eng.sync(jax.tree_util.tree_map(lambda x: x * 0.8, master))
+  dev.sync(jax.tree_util.tree_map(lambda x: x * 0.8, master))
+  _same_leaves(eng.params, dev.params)
 
 
 def test_sync_from_host_master_in_kernel_layout():

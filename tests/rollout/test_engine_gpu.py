@@ -119,6 +119,12 @@ for m in (host, None):
   del eng, m
 out["equal"] = len(leaves[0]) == len(leaves[1]) and all(
     np.array_equal(a, b) for a, b in zip(*leaves))
+# a device sync after a host one donates the host-made weights
+eng = RolloutEngine(cfg, tq.make_policy("paper"), max_new_tokens=8, prompt_bucket=56)
+eng.sync(host)
+old = jax.tree_util.tree_leaves(eng.params)
+eng.sync(jax.device_put(host))
+out["donated"] = [sum(a.is_deleted() for a in old), len(old)]
 print("HOST_SYNC", json.dumps(out))
 """
 
@@ -128,10 +134,13 @@ def test_sync_from_host_master_on_gpu():
   master's rollout weights bit for bit as the GPU computes them (FP4 quantization, the kernel
   layout, q/k/v fused), and its sync's device peak is the rollout weights and a few of the
   largest part's bytes (one layer's master and its quantization's transients), well below the
-  weights plus the whole master that a device master's sync needs."""
+  weights plus the whole master that a device master's sync needs. A device sync after it
+  donates the host-made weights."""
   out = json.loads(_fresh_process(_HOST_SYNC, "HOST_SYNC", 400)[len("HOST_SYNC "):])
   print(out)
   assert out["numpy"] and out["kernels"] and out["equal"]
   host_peak, dev_peak = out["peaks"]
   assert host_peak <= out["weights"] + 3 * out["largest_part"]
   assert host_peak < out["weights"] + out["master"] / 2 <= dev_peak
+  deleted, leaves = out["donated"]  # a later device sync donated every host-made weight
+  assert deleted == leaves > 0

@@ -1164,6 +1164,9 @@ class RolloutEngine:
       # part by part (`_sync_from_host`); the old copy goes first, so the device never holds two
       self.params = self._computed = None
       self.params = _sync_from_host(master_params, self.policy, dtype, self.use_kernels)
+      # all of it is the engine's own (nothing is shared with a host master): a later device
+      # sync donates it, as after a device sync
+      self._computed = jax.tree_util.tree_structure(master_params).flatten_up_to(self.params)
       return
     if self.mesh is not None:
       master_params = parallel.shard_params(master_params, self.mesh)
