@@ -62,6 +62,11 @@ flags.DEFINE_list("guidance_copies", [], "After the timed rollouts, a one-token 
 flags.DEFINE_boolean("resync", True, "Time a re-sync of new master values (needs the master, "
                      "the old and the new rollout copy at once: 48 BF16 layers do not fit).")
 flags.DEFINE_string("init_dtype", "bfloat16", "dtype of the random master weights.")
+flags.DEFINE_boolean("host_master", False, "Draw the master weights in host memory and sync "
+                     "from there, part by part (`RolloutEngine.sync` of numpy leaves): the "
+                     "device never holds the whole master (48 layers' bf16 master, 61 GB, "
+                     "does not fit an 80 GB GPU beside the FP4 weights). The re-sync is then "
+                     "a second sync of the same host master (a host sync redoes every part).")
 flags.DEFINE_float("host_reserve_gib", 20.0, "A capacity row's planning leaves this much of the "
                    "host memory available then to what the process takes before the rollout "
                    "(48 FP4 layers: free host memory fell 10.6 GiB from planning to the timed "
@@ -118,9 +123,11 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   if not 0 < gen_tokens <= FLAGS.new_tokens:
     raise ValueError(f"--generate_tokens={gen_tokens} must be in 1..new_tokens={FLAGS.new_tokens}")
   policy = tq.make_policy(policy_name, FLAGS.fp4_format)
-  params = M.random_params(config, jax.random.key(0), FLAGS.init_dtype)
+  params = M.random_params(config, jax.random.key(0), FLAGS.init_dtype,
+                           on_host=FLAGS.host_master)
   jax.block_until_ready(params)
-  _log(f"master weights made ({config.num_layers} layers, {FLAGS.init_dtype})")
+  _log(f"master weights made ({config.num_layers} layers, {FLAGS.init_dtype}, "
+       f"{'host' if FLAGS.host_master else 'device'} memory)")
   engine = RolloutEngine(config, policy, max_new_tokens=FLAGS.new_tokens,
                          prompt_bucket=FLAGS.prompt_len, record_guidance=FLAGS.record_guidance,
                          use_kernels=path == "kernels", decode_chunk=FLAGS.decode_chunk,
@@ -137,8 +144,9 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
                   donate_argnums=0)
   resync_s = None
   for _ in range(2 if FLAGS.resync else 0):
-    params = nudge(params)
-    jax.block_until_ready(params)
+    if not FLAGS.host_master:
+      params = nudge(params)
+      jax.block_until_ready(params)
     t = time.perf_counter()
     engine.sync(params)
     jax.block_until_ready(engine.params)
@@ -423,6 +431,7 @@ def main(argv):
               prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens,
               bandwidth_bytes_per_s=FLAGS.bandwidth, record_guidance=FLAGS.record_guidance,
               decode_chunk=FLAGS.decode_chunk, command_buffers=FLAGS.command_buffers,
+              host_master=FLAGS.host_master,
               note="paths: kernels = Mosaic GPU FP4 kernels (engine default on GPU); xla = "
                    "weights decoded to bf16 in the program, grouped matmul by grouped_backend; "
                    "reference = the jnp reference (CPU)",
