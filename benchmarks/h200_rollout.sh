@@ -930,7 +930,7 @@ elif [ "$stage" = s51d ]; then
   timeout -k 5 ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_tiled_grouped.py \
     --out $OUT/bench_tiled_grouped.json 2>&1 | grep -v "^I1\|^W1" | grep "^\[\|/ ragged\|rror"
 elif [ "$stage" = s56a ]; then
-  # (session 56) the last window in pieces (`GUIDANCE_TAIL`, halves down to 32 steps: 128 + 64
+  # (session 56, ran on an H100: 2.31% against 10.71% whole) the last window in pieces (`GUIDANCE_TAIL`, halves down to 32 steps: 128 + 64
   # + 32 + 32) against it whole (tail0; session 55: 8.72% inline / 7.24% thread at 256 tokens,
   # ~0.4 s of the last window's copy and placing), s54b's 48-layer shape, 3 rounds (~310 s:
   # 74 s to draw and sync, ~80 s to compile each engine)
@@ -938,7 +938,7 @@ elif [ "$stage" = s56a ]; then
     --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 256 --rounds 3 \
     --sides "chunked on async inline tail0,chunked on async inline"
 elif [ "$stage" = s56b ]; then
-  # (session 56) as s56a at 1,024 new tokens (the last of 4 windows in pieces), 2 rounds
+  # (session 56, prepared) as s56a at 1,024 new tokens (the last of 4 windows in pieces), 2 rounds
   bench_guidance_run bench_guidance_48l_tail_1024 ${BG_TIMEOUT:-560} 12 --layers 48 \
     --batch 128 --prompt_len 512 --new_tokens 1024 --cache_new_tokens 7680 --decode_chunk 256 \
     --rounds 2 --sides "chunked on async inline tail0,chunked on async inline"
