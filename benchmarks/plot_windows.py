@@ -27,15 +27,25 @@ def window_arrivals(marks):
   return [t for what, t in marks if what.startswith("window ") and what.endswith(" records")]
 
 
-def pace(marks, chunk):
-  """ms a step of each window after the first, from a timeline's marks."""
+def windows_of(timeline, chunk, count):
+  """[first step, steps] of each window a timeline launched: its `pieces` (since session 56: a
+  guided rollout's last window runs in shorter pieces), else (older rows) `count` windows of
+  `chunk`."""
+  if timeline and timeline.get("pieces"):
+    return [list(x) for x in timeline["pieces"]]
+  return [[i * chunk, chunk] for i in range(count)]
+
+
+def pace(marks, windows):
+  """ms a step of each window after the first, from a timeline's marks (as
+  trace_jax.rollout.engine.window_step_ms, by `windows_of`)."""
   arrived = window_arrivals(marks)
-  return [1e3 * (b - a) / chunk for a, b in zip(arrived, arrived[1:])]
+  return [1e3 * (b - a) / n for a, b, (_, n) in zip(arrived, arrived[1:], windows[1:])]
 
 
-def contexts(n, prompt_len, chunk):
-  """The mean context of windows 1..n (window i runs steps i * chunk .. (i + 1) * chunk)."""
-  return [prompt_len + (i + 1.5) * chunk for i in range(n)]
+def contexts(n, prompt_len, windows):
+  """The mean context of windows 1..n."""
+  return [prompt_len + start + steps / 2 for start, steps in windows[1:n + 1]]
 
 
 def floor_ms(row, ctx, bandwidth):
@@ -58,17 +68,22 @@ def series(d):
                context_capacity=d.get("prompt_len") + d.get("new_tokens"))
     whole = (row.get("chunk_timelines") or {}).get(f"new_tokens_{row['generate_tokens']}")
     runs = []
+    timed = whole[-1] if whole else None
     if row.get("window_step_ms"):
-      runs.append(("timed", row["window_step_ms"], row["window_floor_ms"]))
-    elif whole and whole[-1].get("marks"):  # (rows before session 36 have no marks)
-      runs.append(("timed", pace(whole[-1]["marks"], chunk), None))
+      runs.append(("timed", row["window_step_ms"], row["window_floor_ms"],
+                   windows_of(timed, chunk, len(row["window_step_ms"]) + 1)))
+    elif timed and timed.get("marks"):  # (rows before session 36 have no marks)
+      windows = windows_of(timed, chunk, len(window_arrivals(timed["marks"])))
+      runs.append(("timed", pace(timed["marks"], windows), None, windows))
     for ab in row.get("guidance_copy_rollouts") or []:
-      if (ab.get("whole_timeline") or {}).get("marks"):
-        runs.append((f"copy {ab['copy']}", pace(ab["whole_timeline"]["marks"], chunk), None))
-    for name, steps, floors in runs:
+      t = ab.get("whole_timeline") or {}
+      if t.get("marks"):
+        windows = windows_of(t, chunk, len(window_arrivals(t["marks"])))
+        runs.append((f"copy {ab['copy']}", pace(t["marks"], windows), None, windows))
+    for name, steps, floors, windows in runs:
       if len(steps) < 2:
         continue
-      ctx = contexts(len(steps), row["prompt_len"], chunk)
+      ctx = contexts(len(steps), row["prompt_len"], windows)
       floors = floors or floor_ms(row, ctx, bandwidth)
       out.append((f"{row['policy']} B{row['batch']} {name}", ctx, steps, floors))
   return out

@@ -238,15 +238,16 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   # host memory over the window's steps, which is the device's step once the device is the
   # bound (session 36: 13.6 -> 18.3 ms a step over the 48-layer rollout as contexts grew), each
   # beside the floor at that window's mean context; the first window's interval includes the
-  # prefill and is left out. Unlike decode_step_ms, no one-token call is subtracted.
+  # prefill and is left out. Unlike decode_step_ms, no one-token call is subtracted. (Windows
+  # by the timeline's `pieces`: a guided rollout's last window runs in shorter pieces.)
   window_step_ms = window_floor_ms = []
   if timelines.get(f"new_tokens_{gen_tokens}"):
     from trace_jax.rollout.engine import window_step_ms as paces
-    chunk = FLAGS.decode_chunk
-    window_step_ms = paces(timelines[f"new_tokens_{gen_tokens}"][-1]["marks"], chunk)
+    last = timelines[f"new_tokens_{gen_tokens}"][-1]
+    window_step_ms = paces(last["marks"], [n for _, n in last["pieces"]])
     window_floor_ms = [1e3 * _bytes_floor(config, policy, by_kind, batch,
-                                          FLAGS.prompt_len + int((i + 1.5) * chunk))
-                       / FLAGS.bandwidth for i in range(len(window_step_ms))]
+                                          FLAGS.prompt_len + start + n // 2) / FLAGS.bandwidth
+                       for start, n in last["pieces"][1:len(window_step_ms) + 1]]
   if tokens_dir:
     np.save(os.path.join(tokens_dir, f"{policy_name}_{path}_{batch}.npy"), completion)
   peak = None

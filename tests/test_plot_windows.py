@@ -41,6 +41,23 @@ def test_window_pace_and_floor_from_marks(tmp_path):
   assert steps == [1.0, 2.0] and floors == [0.5, 0.6] and ctx == [35.0, 45.0]
 
 
+def test_window_pace_by_the_timelines_pieces(tmp_path):
+  """A timeline with `pieces` (a guided rollout's last window in shorter pieces): each window's
+  pace over its own steps, at its own mean context; the engine's rule gives the same paces."""
+  import plot_windows  # noqa: PLC0415
+  from trace_jax.rollout.engine import window_step_ms
+  marks = [["window 0 records", 1.0], ["window 1 records", 1.2], ["window 2 records", 1.5],
+           ["window 3 records", 1.9], ["landed", 1.95]]
+  d, _ = _json(tmp_path, marks)
+  pieces = [[0, 10], [10, 10], [20, 5], [25, 5]]
+  d["results"][0]["chunk_timelines"]["new_tokens_40"][0]["pieces"] = pieces
+  (_, ctx, steps, _), = plot_windows.series(d)
+  assert steps == pytest.approx([20.0, 60.0, 80.0])  # 0.2 s / 10 steps, 0.3 / 5, 0.4 / 5
+  assert ctx == [35.0, 42.5, 47.5]  # prompt 20 + first step + steps / 2
+  assert window_step_ms(marks, [n for _, n in pieces]) == pytest.approx(steps)
+  assert window_step_ms(marks, 10) == pytest.approx([20.0, 30.0, 40.0])
+
+
 def test_window_arrivals_agree_with_the_engine():
   import plot_windows  # noqa: PLC0415
   from trace_jax.rollout.engine import window_arrivals

@@ -60,7 +60,8 @@ def test_prefill_and_decode_loop_kernels_apart(tmp_path, profile_decode):
 
 def test_window_paces_of_the_timed_calls(profile_decode):
   """`_timed`'s window paces: for each call after the first, ms a step between consecutive
-  windows' records reaching the host (other marks ignored), from the engine's timeline."""
+  windows' records reaching the host (other marks ignored) over the later window's steps, from
+  the engine's timeline (its `pieces`: the last window in two pieces of 50 here)."""
   import types
 
   class Engine:
@@ -71,10 +72,11 @@ def test_window_paces_of_the_timed_calls(profile_decode):
       t0 = 0.1 * Engine.calls  # each call's marks its own
       self.last_timeline = types.SimpleNamespace(marks=[
           ("prefill launched", 0.0), ("window 0 records", t0), ("window 1 records", t0 + 0.2),
-          ("window 1 launched", t0 + 0.25), ("window 2 records", t0 + 0.5)])
+          ("window 1 launched", t0 + 0.25), ("window 2 records", t0 + 0.5),
+          ("window 3 records", t0 + 0.65)], pieces=[[0, 100], [100, 100], [200, 50], [250, 50]])
       return types.SimpleNamespace(tokens=[0], guidance_bytes_per_token=lambda: 8.0)
 
   first, med, per_token, paces = profile_decode._timed(Engine(), [[1]], 300, 2, chunk=100)
   assert Engine.calls == 3 and per_token == 8.0 and first >= 0 and med >= 0
-  assert paces == [[2.0, 3.0], [2.0, 3.0]]  # the first call's left out
+  assert paces == [[2.0, 6.0, 3.0], [2.0, 6.0, 3.0]]  # the first call's left out
   assert profile_decode._timed(Engine(), [[1]], 1, 1)[3] == []  # no chunk: no paces

@@ -369,6 +369,8 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
     # no window launched past the rows' largest limit (no stop tokens here: every row runs to
     # its limit, so none is launched after the last)
     assert timeline["launches"] == windows
+    most = max(kw.get("max_new_tokens", [6]))  # the windows launched, first step and steps
+    assert timeline["pieces"] == [list(x) for x in engine_module.window_pieces(most, 4, tail)]
     assert {"prefill_launch", "host_arrays", "window_dispatch", "window_wait", "landing",
             "assemble"} <= set(timeline["seconds"])
     assert set(timeline["landing_seconds"]) == {  # within the landing, by part

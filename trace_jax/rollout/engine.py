@@ -841,6 +841,9 @@ class ChunkTimeline:
   landing_seconds: dict = dataclasses.field(default_factory=dict)
   windows: int = 0
   launches: int = 0  # windows launched (one more than landed where every row stopped early)
+  # [first step, steps] of each window launched, in order (`window_pieces`: the last window of
+  # a guided rollout in pieces): what its records' arrivals are paced by (`window_step_ms`)
+  pieces: list = dataclasses.field(default_factory=list)
   # [what, seconds since the call began] as records and end flags reach host memory: their
   # spacing is the device's pace once it, not the host, is the bound
   marks: list = dataclasses.field(default_factory=list)
@@ -870,7 +873,7 @@ class ChunkTimeline:
     return {"seconds": {k: round(v, 4) for k, v in self.seconds.items()},
             "landing_seconds": {k: round(v, 4) for k, v in self.landing_seconds.items()},
             "total_s": round(sum(self.seconds.values()), 4), "windows": self.windows,
-            "launches": self.launches,
+            "launches": self.launches, "pieces": [list(x) for x in self.pieces],
             "marks": list(self.marks)}
 
 
@@ -880,11 +883,13 @@ def window_arrivals(marks: list) -> list:
   return [t for what, t in marks if what.startswith("window ") and what.endswith(" records")]
 
 
-def window_step_ms(marks: list, chunk: int) -> list:
-  """The chunked engine's pace, ms a decode step, between each two consecutive windows'
-  records reaching host memory (`window_arrivals`; windows of `chunk` steps)."""
+def window_step_ms(marks: list, steps) -> list:
+  """The chunked engine's pace, ms a decode step, of each window after the first: the time
+  between its records and the previous window's reaching host memory (`window_arrivals`) over
+  its steps. steps: each window's (a `ChunkTimeline`'s `pieces`), or one count for all."""
   arrived = window_arrivals(marks)
-  return [1e3 * (b - a) / chunk for a, b in zip(arrived, arrived[1:])]
+  counts = [steps] * len(arrived) if isinstance(steps, int) else list(steps)
+  return [1e3 * (b - a) / n for a, b, n in zip(arrived, arrived[1:], counts[1:])]
 
 
 def _host_guidance_arrays(pre_records, n: int, steps: int) -> tuple[dict, list]:
@@ -1336,6 +1341,7 @@ class RolloutEngine:
       if run < chunk:  # a piece: only the steps it ran go to host memory
         bufs = _cut_window(bufs, run)
       clock.launches += 1
+      clock.pieces.append(list(pieces[i]))
       # (the flags' copy first: it then need not wait behind the records')
       flags = _start_host_copies(_window_flags(carry["done"], carry["s"]))
       if not thread:
