@@ -930,10 +930,11 @@ elif [ "$stage" = s51d ]; then
   timeout -k 5 ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_tiled_grouped.py \
     --out $OUT/bench_tiled_grouped.json 2>&1 | grep -v "^I1\|^W1" | grep "^\[\|/ ragged\|rror"
 elif [ "$stage" = s56a ]; then
-  # (session 56, ran on an H100: 2.31% against 10.71% whole) the last window in pieces (`GUIDANCE_TAIL`, halves down to 32 steps: 128 + 64
-  # + 32 + 32) against it whole (tail0; session 55: 8.72% inline / 7.24% thread at 256 tokens,
-  # ~0.4 s of the last window's copy and placing), s54b's 48-layer shape, 3 rounds (~310 s:
-  # 74 s to draw and sync, ~80 s to compile each engine)
+  # (session 56, ran on an H100: 2.31% against 10.71% whole) the last window in pieces
+  # (`GUIDANCE_TAIL`, halves down to 32 steps: 128 + 64 + 32 + 32) against it whole (tail0;
+  # session 55: 8.72% inline / 7.24% thread at 256 tokens, ~0.4 s of the last window's copy and
+  # placing), s54b's 48-layer shape, 3 rounds (~310 s: 74 s to draw and sync, ~80 s to compile
+  # each engine)
   bench_guidance_run bench_guidance_48l_tail ${BG_TIMEOUT:-560} 12 --layers 48 --batch 128 \
     --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 256 --rounds 3 \
     --sides "chunked on async inline tail0,chunked on async inline"
@@ -943,7 +944,8 @@ elif [ "$stage" = s56b ]; then
     --batch 128 --prompt_len 512 --new_tokens 1024 --cache_new_tokens 7680 --decode_chunk 256 \
     --rounds 2 --sides "chunked on async inline tail0,chunked on async inline"
 elif [ "$stage" = s55b ]; then
-  # (session 55, prepared) whether the last window's landing is what costs a short rollout:
+  # (session 55, prepared; not run, s56a measured the pieces directly) whether the last
+  # window's landing is what costs a short rollout:
   # s54b's 48-layer shape (an H100 fits it: the host-master sync), 256 new tokens in windows of
   # 128 (session 55 in windows of 256: 8.72% inline / 7.24% thread, ~0.4 s that does not
   # shrink with length: the first window's records 0.25 s late, the last window's placing

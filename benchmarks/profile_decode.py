@@ -67,8 +67,7 @@ def _timed(engine, prompts, new, repeats, chunk=0):
     del out
     timeline = getattr(engine, "last_timeline", None)
     if r and chunk and timeline is not None:
-      steps = [n for _, n in timeline.pieces]  # (a guided rollout's last window in pieces)
-      paces.append([round(p, 4) for p in window_step_ms(timeline.marks, steps)])
+      paces.append([round(p, 4) for p in window_step_ms(timeline.marks, timeline.pieces)])
   return ts[0], _median(ts[1:]), per_token, paces
 
 

@@ -244,7 +244,7 @@ def bench_engine(config, policy_name, path, batch, tokens_dir=""):
   if timelines.get(f"new_tokens_{gen_tokens}"):
     from trace_jax.rollout.engine import window_step_ms as paces
     last = timelines[f"new_tokens_{gen_tokens}"][-1]
-    window_step_ms = paces(last["marks"], [n for _, n in last["pieces"]])
+    window_step_ms = paces(last["marks"], last["pieces"])
     window_floor_ms = [1e3 * _bytes_floor(config, policy, by_kind, batch,
                                           FLAGS.prompt_len + start + n // 2) / FLAGS.bandwidth
                        for start, n in last["pieces"][1:len(window_step_ms) + 1]]

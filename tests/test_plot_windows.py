@@ -54,8 +54,9 @@ def test_window_pace_by_the_timelines_pieces(tmp_path):
   (_, ctx, steps, _), = plot_windows.series(d)
   assert steps == pytest.approx([20.0, 60.0, 80.0])  # 0.2 s / 10 steps, 0.3 / 5, 0.4 / 5
   assert ctx == [35.0, 42.5, 47.5]  # prompt 20 + first step + steps / 2
-  assert window_step_ms(marks, [n for _, n in pieces]) == pytest.approx(steps)
-  assert window_step_ms(marks, 10) == pytest.approx([20.0, 30.0, 40.0])
+  assert window_step_ms(marks, pieces) == pytest.approx(steps)
+  assert window_step_ms(marks, [[i * 10, 10] for i in range(4)]) == pytest.approx(
+      [20.0, 30.0, 40.0])
 
 
 def test_window_arrivals_agree_with_the_engine():

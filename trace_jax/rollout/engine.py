@@ -840,9 +840,9 @@ class ChunkTimeline:
   seconds: dict = dataclasses.field(default_factory=dict)
   landing_seconds: dict = dataclasses.field(default_factory=dict)
   windows: int = 0
-  launches: int = 0  # windows launched (one more than landed where every row stopped early)
   # [first step, steps] of each window launched, in order (`window_pieces`: the last window of
-  # a guided rollout in pieces): what its records' arrivals are paced by (`window_step_ms`)
+  # a guided rollout in pieces; one more than landed where every row stopped early): what its
+  # records' arrivals are paced by (`window_step_ms`)
   pieces: list = dataclasses.field(default_factory=list)
   # [what, seconds since the call began] as records and end flags reach host memory: their
   # spacing is the device's pace once it, not the host, is the bound
@@ -850,6 +850,11 @@ class ChunkTimeline:
   _last: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
   _start: float = dataclasses.field(default_factory=time.perf_counter, repr=False)
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  @property
+  def launches(self) -> int:
+    """Windows launched."""
+    return len(self.pieces)
 
   def mark(self, what: str) -> None:
     with self._lock:  # (landing thread and caller: appended in time order)
@@ -883,13 +888,12 @@ def window_arrivals(marks: list) -> list:
   return [t for what, t in marks if what.startswith("window ") and what.endswith(" records")]
 
 
-def window_step_ms(marks: list, steps) -> list:
+def window_step_ms(marks: list, pieces: list) -> list:
   """The chunked engine's pace, ms a decode step, of each window after the first: the time
   between its records and the previous window's reaching host memory (`window_arrivals`) over
-  its steps. steps: each window's (a `ChunkTimeline`'s `pieces`), or one count for all."""
+  its steps (`pieces`: [first step, steps] of each window, a `ChunkTimeline`'s)."""
   arrived = window_arrivals(marks)
-  counts = [steps] * len(arrived) if isinstance(steps, int) else list(steps)
-  return [1e3 * (b - a) / n for a, b, n in zip(arrived, arrived[1:], counts[1:])]
+  return [1e3 * (b - a) / n for a, b, (_, n) in zip(arrived, arrived[1:], pieces[1:])]
 
 
 def _host_guidance_arrays(pre_records, n: int, steps: int) -> tuple[dict, list]:
@@ -1189,6 +1193,11 @@ class RolloutEngine:
   def weight_bytes(self) -> int:
     return 0 if self.params is None else tree_bytes(self.params)
 
+  @property
+  def planned_device_bytes(self) -> int:
+    """The device memory capacity planning uses: `device_bytes` if given, else the device's."""
+    return self.device_bytes or device_memory_bytes()
+
   # -- capacity
   def _chunked(self) -> bool:
     return 0 < self.decode_chunk < self.max_new_tokens
@@ -1340,7 +1349,6 @@ class RolloutEngine:
                               np.int32(run))
       if run < chunk:  # a piece: only the steps it ran go to host memory
         bufs = _cut_window(bufs, run)
-      clock.launches += 1
       clock.pieces.append(list(pieces[i]))
       # (the flags' copy first: it then need not wait behind the records')
       flags = _start_host_copies(_window_flags(carry["done"], carry["s"]))
@@ -1432,7 +1440,7 @@ class RolloutEngine:
                                          self.device_bytes, self.ctx.record_guidance, **plan)
     if rows <= min(n for n in (on_device, on_host) if n is not None):
       return
-    device = self.device_bytes or device_memory_bytes()
+    device = self.planned_device_bytes
     per = bytes_per_sequence(self.config, self.policy, ctx_len, self.ctx.record_guidance,
                              plan.get("guidance_tokens"))
     held = (f"{resident / 2**30:.2f} GiB of weights" if resident == self.weight_bytes else

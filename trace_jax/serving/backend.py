@@ -26,7 +26,7 @@ from trace_jax import models as M
 from trace_jax.checkpoint import Checkpointer
 from trace_jax.rl import loop
 from trace_jax.rl.compare import override
-from trace_jax.rollout import CapacityError, RolloutEngine, device_memory_bytes
+from trace_jax.rollout import CapacityError, RolloutEngine
 from trace_jax.serving.scheduler import BatchScheduler, SlotScheduler
 from trace_jax.tasks import HFTokenizer
 
@@ -160,7 +160,7 @@ def build_serving(config, arm: str = "candidate", *, warm_sampling: Any = None,
     raise CapacityError(
         f"serve.max_batch={sc.max_batch} sequences of {context} tokens do not fit: "
         f"{fit} do next to {engine.weight_bytes / 2**30:.3g} GiB of {arm} weights on a device "
-        f"of {(engine.device_bytes or device_memory_bytes()) / 2**30:.3g} GiB "
+        f"of {engine.planned_device_bytes / 2**30:.3g} GiB "
         "(lower serve.max_batch or the context, or quantize more)")
   buckets = [int(b) for b in str(sc.batch_buckets).split(",") if b]
   if sc.scheduler == "slots":
