@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b | s49c | s49d | s50a | s50b | s50c | s50d | s50e | s51a | s51b | s51c | s51d | s51e | s52a | s53a | s53b | s54a | s54b | s55a | s55b | s56a | s56b), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b | s49c | s49d | s50a | s50b | s50c | s50d | s50e | s51a | s51b | s51c | s51d | s51e | s52a | s53a | s53b | s54a | s54b | s55a | s55b | s56a | s56b | s57a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -938,6 +938,34 @@ elif [ "$stage" = s56a ]; then
   bench_guidance_run bench_guidance_48l_tail ${BG_TIMEOUT:-560} 12 --layers 48 --batch 128 \
     --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 256 --rounds 3 \
     --sides "chunked on async inline tail0,chunked on async inline"
+elif [ "$stage" = s57a ]; then
+  # (session 57) issues 7 and 8's kernel bars, each figure beside its peer in one run, at
+  # today's defaults: the FP4 GEMV and the 30B-A3B attention shapes against XLA's bf16 dot; the
+  # grouped FP4 expert products at decode sizes (8-512 rows) and prefill size (32,768) against
+  # tokamax's bf16 ragged_dot and XLA's; then the FP4-KV decode attention against bf16 KV at
+  # 8k-32k (the last full runs: sessions 32 and 34)
+  rows=ffn_8192x28672_B1_xla_bf16$,ffn_8192x28672_B1_nvfp4$,ffn_8192x28672_B16_xla_bf16$
+  rows=$rows,ffn_8192x28672_B16_nvfp4$,ffn_8192x28672_B64_xla_bf16$,ffn_8192x28672_B64_nvfp4$
+  for s in attn_q_2048x4096 attn_o_4096x2048; do
+    for b in 1 16 64; do rows=$rows,${s}_B${b}_xla_bf16$,${s}_B${b}_nvfp4$; done
+  done
+  for m in 8 64 256 512; do
+    for s in moe_gateup_E128_K2048_N1536 moe_down_E128_K768_N2048; do
+      rows=$rows,${s}_M${m}_xla_bf16$,${s}_M${m}_tokamax_bf16$,${s}_M${m}_nvfp4_auto$
+    done
+  done
+  s=moe_gateup_E128_K2048_N1536_M32768
+  rows=$rows,${s}_xla_bf16$,${s}_tokamax_bf16$,${s}_nvfp4_auto$
+  timeout -k 5 ${BK_TIMEOUT:-260} python3 benchmarks/bench_kernels.py --iters 20 --only "$rows" \
+    --out $OUT 2>&1 | grep -v "^I1\|^W1\|Autotuning cache miss" | tee $OUT/bench_kernels.log \
+    | tail -45
+  timeout -k 5 ${BA_TIMEOUT:-170} python3 benchmarks/bench_attention.py --what decode \
+    --batches 16,64 --contexts 8192,32768 --formats bf16,nvfp4_mosaic_kvwords \
+    --budget_s $(( ${BA_TIMEOUT:-170} - 40 )) --out $OUT/bench_attention.json 2>&1 \
+    | grep -v "^I1\|^W1" | tee $OUT/bench_attention.log | tail -14
+  python3 benchmarks/kernel_bars.py --kernels $OUT/bench_kernels.json \
+    --attention $OUT/bench_attention.json --out $OUT/kernel_bars.json > $OUT/kernel_bars.md \
+    2>&1; tail -1 $OUT/kernel_bars.md
 elif [ "$stage" = s56b ]; then
   # (session 56, prepared) as s56a at 1,024 new tokens (the last of 4 windows in pieces), 2 rounds
   bench_guidance_run bench_guidance_48l_tail_1024 ${BG_TIMEOUT:-560} 12 --layers 48 \
