@@ -9,8 +9,9 @@ The bars (issue 7, `../shared/BENCHMARKS.md`; issue 8 for the attention):
   >= 2.8 TB/s on the bytes the kernel streams, >= 3x XLA's bf16 dot by device time of the call
   (every kernel of it, `us_call`), and at 8192 x 28672, B 1 a kernel of <= 37 us.
 - Grouped FP4 expert products (`nvfp4_auto`, the engine's launch) at decode sizes (<= 512 rows):
-  >= 60% of the read ceiling on the kernel's bytes, >= 3x tokamax's bf16 `ragged_dot` by call;
-  at prefill size (32,768 rows) >= 0.8x tokamax's throughput and >= 10x XLA's `ragged_dot`.
+  >= 60% of the read ceiling on the kernel's bytes, >= 3x tokamax's bf16 `ragged_dot` by call
+  (rows between 512 and 32,768 are shown, not judged); at prefill size (32,768 rows) >= 0.8x
+  tokamax's throughput and >= 10x XLA's `ragged_dot`.
 - Every product's output against its reference (float32 of the dequantized weights): relative
   error <= 1e-4 as float32 output (accumulation order), <= 4e-3 as the model's bf16 output (one
   bf16 rounding is 2**-9 relative at most, ~1.7e-3 over a row's norm).
@@ -31,6 +32,7 @@ import os
 import sys
 
 TOL_F32, TOL_BF16, TOL_ATTN = 1e-4, 4e-3, 1e-2
+PREFILL_ROWS = 32768  # the prefill-size bar's rows (issue 7)
 
 
 def _by_name(rows) -> dict:
@@ -80,12 +82,14 @@ def product_bars(kernel_json: dict) -> list[dict]:
       tok = _peer(rows, name, "nvfp4_auto", "tokamax_bf16")
       xla = _peer(rows, name, "nvfp4_auto", "xla_bf16")
       t = _ratio(tok, r)
-      if r["M"] <= 512:
+      if r["M"] < PREFILL_ROWS:  # decode sizes; past 512 rows shown, not judged
+        judged = r["M"] <= 512
         share = r["TBps_kernel"] / ceiling
         out.append(_fig("grouped FP4, share of read ceiling (kernel)", shape, round(share, 3),
-                        ">= 0.6", share >= 0.6, **fl))
+                        ">= 0.6", share >= 0.6 if judged else None, **fl))
         out.append(_fig("grouped FP4 vs tokamax bf16, by call", shape, t and round(t, 3),
-                        ">= 3x", t is not None and t >= 3, peer=tok and tok["us_call"]))
+                        ">= 3x", t is not None and t >= 3 if judged else None,
+                        peer=tok and tok["us_call"]))
       else:
         x = _ratio(xla, r)
         out.append(_fig("grouped FP4 vs tokamax bf16, by call", shape, t and round(t, 3),

@@ -34,6 +34,7 @@ def test_product_figures_take_their_peers_from_the_same_run():
                                                          tb=3.64, relerr_bf16=5e-3),
           _grouped(512, "nvfp4_auto", 70.0, tb=2.5),  # tokamax's row errored: no peer
           dict(_grouped(512, "tokamax_bf16", 200.0), error="Traceback"),
+          _grouped(2208, "tokamax_bf16", 300.0), _grouped(2208, "nvfp4_auto", 92.0, tb=3.3),
           _grouped(32768, "xla_bf16", 35500.0), _grouped(32768, "tokamax_bf16", 917.0),
           _grouped(32768, "nvfp4_auto", 594.0, 441.0)]
   figs = kernel_bars.product_bars({"read_ceiling_TBps": 4.27, "rows": rows})
@@ -56,6 +57,8 @@ def test_product_figures_take_their_peers_from_the_same_run():
       == "no peer"
   assert _by(figs, "grouped FP4, share of read ceiling (kernel)", "K2048 N1536 M512")["met"] \
       is False  # 2.5 / 4.27 < 0.6
+  # 2,208 rows: neither a decode size nor the prefill's, shown and not judged
+  assert _by(figs, "grouped FP4 vs tokamax bf16, by call", "K2048 N1536 M2208")["met"] is None
   pre = _by(figs, "grouped FP4 vs tokamax bf16, by call", "K2048 N1536 M32768")
   assert abs(pre["measured"] - 917.0 / 594.0) < 1e-3 and pre["met"] is True  # >= 0.8x
   xla = _by(figs, "grouped FP4 vs XLA ragged_dot, by call", "K2048 N1536 M32768")
