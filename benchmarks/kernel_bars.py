@@ -128,38 +128,66 @@ def attention_bars(attn_json: dict, kv: str = "nvfp4_mosaic_kvwords") -> list[di
   return out
 
 
-def markdown(figures: list[dict]) -> str:
-  lines = ["| figure | shape | measured | bar | met | peer us (call) | kernel / floor |",
-           "|---|---|---|---|---|---|---|"]
+def markdown(figures: list[dict], sources: bool = False) -> str:
+  """The figures as a Markdown table (sources: a column naming each figure's run)."""
+  lines = ["| figure | shape | measured | bar | met | peer us (call) | kernel / floor |"
+           + (" run |" if sources else ""), "|---|---|---|---|---|---|---|"
+           + ("---|" if sources else "")]
   for f in figures:
     met = {True: "yes", False: "**no**", None: "(not judged)"}.get(f["met"], f["met"])
     unit = f" {f['unit']}" if f["unit"] else ""
     lines.append(f"| {f['figure']} | {f['shape']} | {f['measured']}{unit} | {f['bar']} | {met} "
-                 f"| {f.get('peer_us_call', '')} | {f.get('kernel_over_floor', '')} |")
+                 f"| {f.get('peer_us_call', '')} | {f.get('kernel_over_floor', '')} |"
+                 + (f" {f.get('source', '')} |" if sources else ""))
   return "\n".join(lines)
+
+
+def latest(runs: list[tuple[str, list[dict]]]) -> list[dict]:
+  """One figure per (figure, shape) from several runs' figures, newest run first: the newest
+  that measured it (a figure without a peer in a newer run is taken from an older run that had
+  one); each keeps its run's name as `source` (peers and floors stay those of its own run)."""
+  out, seen = [], {}
+  for source, figures in runs:
+    for f in figures:
+      key = (f["figure"], f["shape"])
+      if key in seen and not (seen[key]["measured"] is None and f["measured"] is not None):
+        continue
+      f = dict(f, source=source)
+      if key in seen:
+        out[out.index(seen[key])] = f
+      else:
+        out.append(f)
+      seen[key] = f
+  return out
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--kernels", required=True, help="bench_kernels.py's JSON")
+  ap.add_argument("--kernels", required=True, action="append",
+                  help="bench_kernels.py's JSON; repeated: newest first, each figure from the "
+                       "newest run that measured it (`latest`)")
   ap.add_argument("--attention", default="", help="bench_attention.py's JSON")
   ap.add_argument("--attention_kv", default="nvfp4_mosaic_kvwords",
                   help="the attention rows' KV format to judge (the bf16 rows are the peer)")
   ap.add_argument("--out", default="", help="write the figures as JSON here")
   a = ap.parse_args(argv)
-  with open(a.kernels) as f:
-    kj = json.load(f)
-  figures = product_bars(kj)
-  meta = {k: kj.get(k) for k in ("date", "device", "jax_version", "git_commit", "source_tree")}
+  runs = []
+  for path in a.kernels:
+    with open(path) as f:
+      runs.append((path, product_bars(json.load(f))))
   if a.attention:
     with open(a.attention) as f:
-      figures += attention_bars(json.load(f), a.attention_kv)
-  print(markdown(figures))
+      runs.append((a.attention, attention_bars(json.load(f), a.attention_kv)))
+  figures = latest(runs)
+  with open(a.kernels[0]) as f:
+    kj = json.load(f)
+  meta = {k: kj.get(k) for k in ("date", "device", "jax_version", "git_commit", "source_tree")}
+  print(markdown(figures, sources=len(a.kernels) > 1))
   judged = [f for f in figures if f["met"] is not None]
   print(f"\n{sum(f['met'] is True for f in judged)} of {len(judged)} judged figures meet their bar")
   if a.out:
     with open(a.out, "w") as f:
-      json.dump(dict(benchmark="kernel_bars", **meta, sources=[a.kernels, a.attention],
+      json.dump(dict(benchmark="kernel_bars", **meta, sources=[*a.kernels, a.attention],
                      figures=figures), f, indent=1)
   return 0
 

@@ -96,3 +96,27 @@ def test_attention_figures_and_the_script_end_to_end(tmp_path, capsys):
   # the GEMV's 5 figures met (TB/s, ratio, kernel us, both outputs); the attention's error met,
   # its share and ratio not
   assert printed.strip().endswith("6 of 8 judged figures meet their bar")
+
+
+def test_latest_takes_each_figure_from_the_newest_run_that_measured_it(tmp_path, capsys):
+  import kernel_bars  # noqa: PLC0415
+  new = [_dense(1, "nvfp4", 39.0, 36.9, tb=3.6)]  # newer run: no XLA row, so no peer
+  old = [_dense(1, "xla_bf16", 106.0, 105.0), _dense(1, "nvfp4", 40.0, 37.5, tb=3.5),
+         _grouped(256, "tokamax_bf16", 190.0), _grouped(256, "nvfp4_auto", 62.0, 54.0)]
+  paths = []
+  for name, rows in (("new", new), ("old", old)):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"read_ceiling_TBps": 4.27, "rows": rows}))
+    paths += ["--kernels", str(path)]
+  out = tmp_path / "bars.json"
+  assert kernel_bars.main([*paths, "--out", str(out)]) == 0
+  figs = json.loads(out.read_text())["figures"]
+  gemv = _by(figs, "FP4 GEMV kernel", "8192x28672 B1")
+  assert gemv["measured"] == 36.9 and gemv["source"].endswith("new.json")  # newest first
+  ratio = _by(figs, "FP4 dense vs XLA bf16, by call", "8192x28672 B1")
+  # the newer run had no peer: the older run's ratio, its own call against its own peer
+  assert ratio["source"].endswith("old.json") and abs(ratio["measured"] - 106 / 40) < 1e-3
+  assert _by(figs, "grouped FP4 vs tokamax bf16, by call", "K2048 N1536 M256")["source"] \
+      .endswith("old.json")
+  assert len(figs) == len({(f["figure"], f["shape"]) for f in figs})
+  assert "| run |" in capsys.readouterr().out.splitlines()[0]
