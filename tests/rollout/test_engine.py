@@ -230,7 +230,11 @@ def test_fused_projections_give_the_same_rollout(monkeypatch, weights):
     assert attn["q_proj"]["kernel"].shape == (256, 768 if fused else 256)
     outs.append(eng.generate(PROMPTS, sampling=s))
     if fused:
+      own = [x for x in jax.tree_util.tree_leaves(eng.params)
+             if not any(x is m for m in jax.tree_util.tree_leaves(params))]
       eng.sync(jax.tree_util.tree_map(lambda a: a * 1, params))
+      # the kernel layout is made in the sync's program: the old one's buffers are donated
+      assert own and all(x.is_deleted() for x in own)
       again = eng.generate(PROMPTS, sampling=s)
       np.testing.assert_array_equal(np.asarray(again.logprobs), np.asarray(outs[0].logprobs))
   np.testing.assert_array_equal(np.asarray(outs[0].completion), np.asarray(outs[1].completion))
@@ -252,10 +256,13 @@ def test_sync_shares_unchanged_master_arrays():
   assert any(quantized) and not all(quantized)
   for m, p, q in zip(m_leaves, flat, quantized):
     assert (p is m) != q  # shared exactly where not quantized
-  # master values changed (a train step's result): new arrays, the old ones survive the re-sync
+  # master values changed (a train step's result): new arrays, the old ones survive the re-sync,
+  # while the engine's own old weights are donated to the new ones
+  own = jax.tree_util.tree_leaves([p for p, q in zip(flat, quantized) if q])
   master2 = jax.tree_util.tree_map(lambda a: a * 0.9, master)
   eng.sync(master2)
   assert not any(a.is_deleted() for a in m_leaves)
+  assert own and all(a.is_deleted() for a in own)
   fresh = RolloutEngine(CFG, tq.make_policy("paper", "nvfp4"), max_new_tokens=6)
   fresh.sync(master2)
   s = SamplingParams(temperature=0.0)
@@ -303,10 +310,13 @@ def test_sync_from_host_master_equals_device_sync():
   eng.sync(jax.tree_util.tree_map(lambda x: x * np.float32(0.9), host))
   dev.sync(jax.tree_util.tree_map(lambda x: x * 0.9, master))
   _same_leaves(eng.params, dev.params)
-  # a device sync after a host one hands the host-made weights to the re-sync to donate (the
-  # CPU backend does not delete donated arrays: on the GPU, tests/rollout/test_engine_gpu.py),
-  # and its weights are a device-synced engine's
+  # a device sync after a host one donates the host-made weights it makes anew (the quantized
+  # ones; the copies of leaves it then shares with the master are dropped), and its weights are
+  # a device-synced engine's
+  made = jax.tree_util.tree_leaves([p for p in jax.tree_util.tree_structure(master)
+                                    .flatten_up_to(eng.params) if isinstance(p, tq.QArray)])
   eng.sync(jax.tree_util.tree_map(lambda x: x * 0.8, master))
+  assert made and all(a.is_deleted() for a in made)
   dev.sync(jax.tree_util.tree_map(lambda x: x * 0.8, master))
   _same_leaves(eng.params, dev.params)
 

@@ -623,58 +623,94 @@ def _sync_from_host(master, policy, dtype, kernel_layout: bool):
   return out
 
 
-def _shared_leaves(master, policy, dtype) -> tuple[bool, ...]:
-  """Per leaf of `master` (flattened): True where the rollout weight is that array unchanged
-  (not quantized by the policy, already in the compute dtype). Those leaves are shared with the
-  master instead of copied: a BF16 rollout of bf16 master weights held both, 122 GB for the
+# What a sync makes of each master leaf (`_leaf_kinds`): the master's array itself (SHARED: not
+# quantized, already in the compute dtype, and not fused with others in the kernel layout), a
+# rollout weight computed from it (COMPUTED: the engine's own, donated at the next sync), or
+# nothing (ABSENT: a part that the kernel layout fused into another leaf's weight, e.g. k and v
+# beside q).
+SHARED, COMPUTED, ABSENT = "shared", "computed", "absent"
+
+
+def _leaf_kinds(master, policy, dtype, kernel_layout) -> tuple[str, ...]:
+  """`SHARED` / `COMPUTED` / `ABSENT` per leaf of `master` (flattened). Shared leaves are the
+  master's arrays, not copies: a BF16 rollout of bf16 master weights held both, 122 GB for the
   48-layer 30B-A3B shape on the H200, where 61 GB do."""
   leaves, treedef = jax.tree_util.tree_flatten(master)
   sig = tuple((tuple(m.shape), jnp.dtype(m.dtype).name, isinstance(m, jax.Array))
               for m in leaves)
-  return _shared_mask(policy, jnp.dtype(dtype).name, treedef, sig)
+  return _kinds(policy, jnp.dtype(dtype).name, treedef, sig, kernel_layout)
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_mask(policy, dtype, treedef, sig):
+def _kinds(policy, dtype, treedef, sig, kernel_layout):
   # cached: an abstract quantization of a 48-layer model at every sync would cost seconds
   master = treedef.unflatten([jax.ShapeDtypeStruct(shape, dt) for shape, dt, _ in sig])
-  out = jax.eval_shape(functools.partial(_rollout_weights, policy=policy, dtype=dtype), master)
-  return tuple(is_array and not isinstance(r, tq.QArray) and r.dtype == dt and r.shape == shape
-               for (shape, dt, is_array), r in zip(sig, treedef.flatten_up_to(out)))
+  out = jax.eval_shape(functools.partial(_synced_weights, policy=policy, dtype=dtype,
+                                         kernel_layout=kernel_layout), master)
+  def kind(s, r):
+    shape, dt, is_array = s
+    if r is None:
+      return ABSENT
+    plain = isinstance(r, jax.ShapeDtypeStruct)  # not a QArray, nor a kernel-layout weight
+    return SHARED if is_array and plain and r.dtype == dt and r.shape == shape else COMPUTED
+  return tuple(kind(s, r) for s, r in zip(sig, treedef.flatten_up_to(out)))
 
 
-def _changed_weights(master, policy, dtype, shared):
-  """The rollout weights per master leaf, None where `shared` (the caller puts the master leaf
-  there): a jitted program returns only what it computes, so nothing is copied."""
+def _layout_key(use: bool):
+  """The kernel layout a sync makes (`_kernel_layout`, unsharded): None without it, else the
+  settings it reads as it is traced (the cached sync programs are keyed by them)."""
+  return (FUSE_PROJECTIONS, kernel_dispatch.BF16_DENSE) if use else None
+
+
+def _synced_weights(master, policy, dtype, kernel_layout):
+  """The rollout weights of a master: `_rollout_weights`, in the kernels' layout with
+  kernel_layout (a `_layout_key`; unsharded: q/k/v fused)."""
+  out = _rollout_weights(master, policy, dtype)
+  return _kernel_layout(out) if kernel_layout else out
+
+
+def _changed_weights(master, policy, dtype, kinds, kernel_layout):
+  """The rollout weights per master leaf where `COMPUTED`, None elsewhere (the caller puts the
+  master leaf where `SHARED`): a jitted program returns only what it computes, so nothing is
+  copied."""
   treedef = jax.tree_util.tree_structure(master)
-  parts = treedef.flatten_up_to(_rollout_weights(master, policy, dtype))
-  return [None if sh else r for r, sh in zip(parts, shared)]
+  parts = treedef.flatten_up_to(_synced_weights(master, policy, dtype, kernel_layout))
+  return [r if k == COMPUTED else None for r, k in zip(parts, kinds)]
 
 
 @functools.lru_cache(maxsize=None)
-def _first_sync(policy, dtype, shared):
-  return jax.jit(functools.partial(_changed_weights, policy=policy, dtype=dtype, shared=shared))
+def _first_sync(policy, dtype, kinds, kernel_layout):
+  return jax.jit(functools.partial(_changed_weights, policy=policy, dtype=dtype, kinds=kinds,
+                                   kernel_layout=kernel_layout))
 
 
 @functools.lru_cache(maxsize=None)
-def _resync(policy, dtype, shared):
+def _resync(policy, dtype, kinds, kernel_layout):
   def fn(master, old):
-    del old  # donated (the computed parts only): its buffers may be reused for the new copy
-    return _changed_weights(master, policy, dtype, shared)
-  return jax.jit(fn, donate_argnums=(1,))
+    del old  # donated: its buffers are reused for the new weights of the same shapes
+    return _changed_weights(master, policy, dtype, kinds, kernel_layout)
+  # keep_unused: jit drops an argument the program does not read, and with it the donation
+  # (the old weights then stayed alive beside the new ones through every re-sync)
+  return jax.jit(fn, donate_argnums=(1,), keep_unused=True)
 
 
-def _sync_weights(master, old_parts, policy, dtype):
-  """(rollout weights, shared): the master's leaves where they serve unchanged (`shared`, per
-  master leaf), the policy's weights elsewhere; old_parts (the computed parts of the previous
-  rollout weights, per master leaf, None where shared; or None) are donated to the new ones."""
-  shared = _shared_leaves(master, policy, dtype)
+def _sync_weights(master, old_parts, policy, dtype, kernel_layout=None):
+  """(rollout weights, kinds): the master's leaves where they serve unchanged (`SHARED`), the
+  policy's weights elsewhere, in the kernel layout with kernel_layout (a `_layout_key`; made in
+  the same program, so that old weights laid out alike can be donated); kinds per master leaf
+  (`_leaf_kinds`). old_parts (the previous rollout weights per master leaf, or None) are donated
+  where `COMPUTED`: XLA writes the new weights into their buffers, so a re-sync holds one copy
+  of the rollout weights, not two (or three: the quantized weights and their kernel layout,
+  made after the program)."""
+  kinds = _leaf_kinds(master, policy, dtype, kernel_layout)
   if old_parts is None:
-    parts = _first_sync(policy, dtype, shared)(master)
+    parts = _first_sync(policy, dtype, kinds, kernel_layout)(master)
   else:
-    parts = _resync(policy, dtype, shared)(master, old_parts)
+    old = [o if k == COMPUTED else None for o, k in zip(old_parts, kinds, strict=True)]
+    parts = _resync(policy, dtype, kinds, kernel_layout)(master, old)
   leaves, treedef = jax.tree_util.tree_flatten(master)
-  return treedef.unflatten([m if p is None else p for m, p in zip(leaves, parts)]), shared
+  return treedef.unflatten([m if k == SHARED else p
+                            for m, p, k in zip(leaves, parts, kinds)]), kinds
 
 
 # `kernels.fuse_projections` on unsharded kernel-layout weights ("off": q, k and v as three
@@ -1181,13 +1217,20 @@ class RolloutEngine:
       return
     if self.mesh is not None:
       master_params = parallel.shard_params(master_params, self.mesh)
-    params, shared = _sync_weights(master_params, self._computed, self.policy, dtype)
+    # unsharded: the kernel layout made in the sync's program (a re-sync donates the old one);
+    # on a mesh after resharding, unfused
+    layout = _layout_key(self.use_kernels and self.mesh is None)
+    params, kinds = _sync_weights(master_params, self._computed, self.policy, dtype, layout)
     if self.mesh is not None:  # whole quantization blocks per shard
       params = parallel.shard_params(params, self.mesh)
-    self.params = _kernel_layout(params, self.mesh is None) if self.use_kernels else params
-    # what the next sync donates: the arrays this engine made (never the shared master's)
-    parts = jax.tree_util.tree_structure(master_params).flatten_up_to(self.params)
-    self._computed = [None if sh else p for p, sh in zip(parts, shared)]
+      if self.use_kernels:
+        params = _kernel_layout(params, False)
+    self.params = params
+    # what the next sync donates: the arrays this engine made (never the shared master's); none
+    # where the layout is made after the program (its shapes are not the program's outputs')
+    parts = jax.tree_util.tree_structure(master_params).flatten_up_to(params)
+    self._computed = (None if self.mesh is not None and self.use_kernels else
+                      [p if k == COMPUTED else None for p, k in zip(parts, kinds)])
 
   @property
   def weight_bytes(self) -> int:
