@@ -158,8 +158,7 @@ print("RESYNC", json.dumps(out))
 def test_resync_peak_on_gpu():
   """In a fresh process: re-syncs from a device master (8 layers of the 30B-A3B shape, FP4
   experts in the kernel layout) reach no higher device peak than the first sync: the old
-  weights are donated to the new ones (kernel layout made in the sync's program), not held
-  beside them."""
+  laid-out weights are donated to the new ones (the layout's program), not held beside them."""
   out = json.loads(_fresh_process(_RESYNC_PEAK, "RESYNC", 400)[len("RESYNC "):])
   print(out, "first sync's peak over master + weights:",
         (out["peaks"][0] - out["master"]) / out["weights"])
@@ -176,7 +175,8 @@ def test_sync_from_host_master_on_gpu():
   largest part's bytes (one layer's master and its quantization's transients), well below the
   weights plus the whole master that a device master's sync needs. A device sync after it
   donates the host-made weights that it makes anew (session 57: none were, on the H100, before
-  the kernel layout was made in the sync's program and the donation kept by `keep_unused`)."""
+  the donation was kept by `keep_unused` and the old laid-out weights given to the layout's
+  program)."""
   out = json.loads(_fresh_process(_HOST_SYNC, "HOST_SYNC", 400)[len("HOST_SYNC "):])
   print(out)
   assert out["numpy"] and out["kernels"] and out["equal"]

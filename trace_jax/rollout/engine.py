@@ -669,46 +669,72 @@ def _synced_weights(master, policy, dtype, kernel_layout):
   return _kernel_layout(out) if kernel_layout else out
 
 
-def _changed_weights(master, policy, dtype, kinds, kernel_layout):
-  """The rollout weights per master leaf where `COMPUTED`, None elsewhere (the caller puts the
-  master leaf where `SHARED`): a jitted program returns only what it computes, so nothing is
-  copied."""
+def _changed_weights(master, policy, dtype, kinds):
+  """The quantized rollout weights (`_rollout_weights`) per master leaf where `COMPUTED`, None
+  elsewhere (the caller puts the master leaf where `SHARED`): a jitted program returns only what
+  it computes, so nothing is copied."""
   treedef = jax.tree_util.tree_structure(master)
-  parts = treedef.flatten_up_to(_synced_weights(master, policy, dtype, kernel_layout))
+  parts = treedef.flatten_up_to(_rollout_weights(master, policy, dtype))
   return [r if k == COMPUTED else None for r, k in zip(parts, kinds)]
 
 
-@functools.lru_cache(maxsize=None)
-def _first_sync(policy, dtype, kinds, kernel_layout):
-  return jax.jit(functools.partial(_changed_weights, policy=policy, dtype=dtype, kinds=kinds,
-                                   kernel_layout=kernel_layout))
+def _laid_out(weights, treedef, kinds, layout):
+  """The kernel layout (`_kernel_layout`) of the rollout weights per master leaf (treedef: the
+  master's) where `COMPUTED` (kinds of the laid-out weights), None elsewhere."""
+  del layout  # (the settings the layout reads: the cache key of its program)
+  parts = treedef.flatten_up_to(_kernel_layout(weights))
+  return [r if k == COMPUTED else None for r, k in zip(parts, kinds)]
+
+
+def _donating(fn):
+  """fn(x, old) jitted with `old` donated: XLA writes the outputs into its buffers where shapes
+  agree. keep_unused: jit drops an argument the program does not read, and the donation with it
+  (until session 57 no re-sync donated: the old weights stayed alive beside the new ones)."""
+  def run(x, old):
+    del old
+    return fn(x)
+  return jax.jit(run, donate_argnums=(1,), keep_unused=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _resync(policy, dtype, kinds, kernel_layout):
-  def fn(master, old):
-    del old  # donated: its buffers are reused for the new weights of the same shapes
-    return _changed_weights(master, policy, dtype, kinds, kernel_layout)
-  # keep_unused: jit drops an argument the program does not read, and with it the donation
-  # (the old weights then stayed alive beside the new ones through every re-sync)
-  return jax.jit(fn, donate_argnums=(1,), keep_unused=True)
+def _first_sync(policy, dtype, kinds):
+  return jax.jit(functools.partial(_changed_weights, policy=policy, dtype=dtype, kinds=kinds))
+
+
+@functools.lru_cache(maxsize=None)
+def _resync(policy, dtype, kinds):
+  return _donating(functools.partial(_changed_weights, policy=policy, dtype=dtype, kinds=kinds))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_sync(treedef, kinds, layout):
+  return _donating(functools.partial(_laid_out, treedef=treedef, kinds=kinds, layout=layout))
 
 
 def _sync_weights(master, old_parts, policy, dtype, kernel_layout=None):
   """(rollout weights, kinds): the master's leaves where they serve unchanged (`SHARED`), the
-  policy's weights elsewhere, in the kernel layout with kernel_layout (a `_layout_key`; made in
-  the same program, so that old weights laid out alike can be donated); kinds per master leaf
-  (`_leaf_kinds`). old_parts (the previous rollout weights per master leaf, or None) are donated
-  where `COMPUTED`: XLA writes the new weights into their buffers, so a re-sync holds one copy
-  of the rollout weights, not two (or three: the quantized weights and their kernel layout,
-  made after the program)."""
-  kinds = _leaf_kinds(master, policy, dtype, kernel_layout)
-  if old_parts is None:
-    parts = _first_sync(policy, dtype, kinds, kernel_layout)(master)
-  else:
-    old = [o if k == COMPUTED else None for o, k in zip(old_parts, kinds, strict=True)]
-    parts = _resync(policy, dtype, kinds, kernel_layout)(master, old)
+  policy's weights elsewhere; kinds per master leaf (`_leaf_kinds`). old_parts (the previous
+  rollout weights per master leaf, or None) are donated where `COMPUTED`: XLA writes the new
+  weights into their buffers. With kernel_layout (a `_layout_key`) the quantized weights are
+  laid out by a second program, to which the old laid-out weights are donated: quantization and
+  layout in one program gave other bits on the H100 (XLA fused them; session 57), the layout
+  alone is data movement. A re-sync then holds the old weights and the new quantized ones (two
+  copies; three before session 57), without the layout one."""
   leaves, treedef = jax.tree_util.tree_flatten(master)
+  qkinds = _leaf_kinds(master, policy, dtype, None)
+  if old_parts is not None and kernel_layout is None:
+    old = [o if k == COMPUTED else None for o, k in zip(old_parts, qkinds, strict=True)]
+    parts = _resync(policy, dtype, qkinds)(master, old)
+  else:
+    parts = _first_sync(policy, dtype, qkinds)(master)
+  weights = treedef.unflatten([m if k == SHARED else p
+                               for m, p, k in zip(leaves, parts, qkinds)])
+  if kernel_layout is None:
+    return weights, qkinds
+  kinds = _leaf_kinds(master, policy, dtype, kernel_layout)
+  old = [None] * len(kinds) if old_parts is None else [
+      o if k == COMPUTED else None for o, k in zip(old_parts, kinds, strict=True)]
+  parts = _layout_sync(treedef, kinds, kernel_layout)(weights, old)
   return treedef.unflatten([m if k == SHARED else p
                             for m, p, k in zip(leaves, parts, kinds)]), kinds
 
