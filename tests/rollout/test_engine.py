@@ -233,7 +233,7 @@ def test_fused_projections_give_the_same_rollout(monkeypatch, weights):
       own = [x for x in jax.tree_util.tree_leaves(eng.params)
              if not any(x is m for m in jax.tree_util.tree_leaves(params))]
       eng.sync(jax.tree_util.tree_map(lambda a: a * 1, params))
-      # the kernel layout is made in the sync's program: the old one's buffers are donated
+      # the old laid-out weights are donated to the new ones (the layout's program)
       assert own and all(x.is_deleted() for x in own)
       again = eng.generate(PROMPTS, sampling=s)
       np.testing.assert_array_equal(np.asarray(again.logprobs), np.asarray(outs[0].logprobs))
