@@ -669,21 +669,30 @@ def _synced_weights(master, policy, dtype, kernel_layout):
   return _kernel_layout(out) if kernel_layout else out
 
 
+def _own(parts, kinds):
+  """Per master leaf: the part where `COMPUTED` (the engine's own array), None elsewhere."""
+  return [p if k == COMPUTED else None for p, k in zip(parts, kinds, strict=True)]
+
+
+def _with_master(master, parts, kinds):
+  """The rollout weights: the master's leaf where `SHARED`, the part elsewhere (None where
+  `ABSENT`)."""
+  leaves, treedef = jax.tree_util.tree_flatten(master)
+  return treedef.unflatten([m if k == SHARED else p for m, p, k in zip(leaves, parts, kinds)])
+
+
 def _changed_weights(master, policy, dtype, kinds):
   """The quantized rollout weights (`_rollout_weights`) per master leaf where `COMPUTED`, None
   elsewhere (the caller puts the master leaf where `SHARED`): a jitted program returns only what
   it computes, so nothing is copied."""
   treedef = jax.tree_util.tree_structure(master)
-  parts = treedef.flatten_up_to(_rollout_weights(master, policy, dtype))
-  return [r if k == COMPUTED else None for r, k in zip(parts, kinds)]
+  return _own(treedef.flatten_up_to(_rollout_weights(master, policy, dtype)), kinds)
 
 
-def _laid_out(weights, treedef, kinds, layout):
+def _laid_out(weights, treedef, kinds):
   """The kernel layout (`_kernel_layout`) of the rollout weights per master leaf (treedef: the
   master's) where `COMPUTED` (kinds of the laid-out weights), None elsewhere."""
-  del layout  # (the settings the layout reads: the cache key of its program)
-  parts = treedef.flatten_up_to(_kernel_layout(weights))
-  return [r if k == COMPUTED else None for r, k in zip(parts, kinds)]
+  return _own(treedef.flatten_up_to(_kernel_layout(weights)), kinds)
 
 
 def _donating(fn):
@@ -708,7 +717,8 @@ def _resync(policy, dtype, kinds):
 
 @functools.lru_cache(maxsize=None)
 def _layout_sync(treedef, kinds, layout):
-  return _donating(functools.partial(_laid_out, treedef=treedef, kinds=kinds, layout=layout))
+  del layout  # (the settings the layout reads as it is traced: a key of this cache)
+  return _donating(functools.partial(_laid_out, treedef=treedef, kinds=kinds))
 
 
 def _sync_weights(master, old_parts, policy, dtype, kernel_layout=None):
@@ -720,23 +730,18 @@ def _sync_weights(master, old_parts, policy, dtype, kernel_layout=None):
   layout in one program gave other bits on the H100 (XLA fused them; session 57), the layout
   alone is data movement. A re-sync then holds the old weights and the new quantized ones (two
   copies; three before session 57), without the layout one."""
-  leaves, treedef = jax.tree_util.tree_flatten(master)
   qkinds = _leaf_kinds(master, policy, dtype, None)
   if old_parts is not None and kernel_layout is None:
-    old = [o if k == COMPUTED else None for o, k in zip(old_parts, qkinds, strict=True)]
-    parts = _resync(policy, dtype, qkinds)(master, old)
+    parts = _resync(policy, dtype, qkinds)(master, _own(old_parts, qkinds))
   else:
     parts = _first_sync(policy, dtype, qkinds)(master)
-  weights = treedef.unflatten([m if k == SHARED else p
-                               for m, p, k in zip(leaves, parts, qkinds)])
+  weights = _with_master(master, parts, qkinds)
   if kernel_layout is None:
     return weights, qkinds
   kinds = _leaf_kinds(master, policy, dtype, kernel_layout)
-  old = [None] * len(kinds) if old_parts is None else [
-      o if k == COMPUTED else None for o, k in zip(old_parts, kinds, strict=True)]
-  parts = _layout_sync(treedef, kinds, kernel_layout)(weights, old)
-  return treedef.unflatten([m if k == SHARED else p
-                            for m, p, k in zip(leaves, parts, kinds)]), kinds
+  old = [None] * len(kinds) if old_parts is None else _own(old_parts, kinds)
+  parts = _layout_sync(jax.tree_util.tree_structure(master), kinds, kernel_layout)(weights, old)
+  return _with_master(master, parts, kinds), kinds
 
 
 # `kernels.fuse_projections` on unsharded kernel-layout weights ("off": q, k and v as three
@@ -1243,8 +1248,8 @@ class RolloutEngine:
       return
     if self.mesh is not None:
       master_params = parallel.shard_params(master_params, self.mesh)
-    # unsharded: the kernel layout made in the sync's program (a re-sync donates the old one);
-    # on a mesh after resharding, unfused
+    # unsharded: the kernel layout made by the sync's second program (a re-sync donates the old
+    # one to it); on a mesh after resharding, unfused
     layout = _layout_key(self.use_kernels and self.mesh is None)
     params, kinds = _sync_weights(master_params, self._computed, self.policy, dtype, layout)
     if self.mesh is not None:  # whole quantization blocks per shard
@@ -1256,7 +1261,7 @@ class RolloutEngine:
     # where the layout is made after the program (its shapes are not the program's outputs')
     parts = jax.tree_util.tree_structure(master_params).flatten_up_to(params)
     self._computed = (None if self.mesh is not None and self.use_kernels else
-                      [p if k == COMPUTED else None for p, k in zip(parts, kinds)])
+                      _own(parts, kinds))
 
   @property
   def weight_bytes(self) -> int:
