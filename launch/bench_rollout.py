@@ -11,9 +11,11 @@ that its peak device memory is its own and one row's failure (out of memory) spa
       --prompt_len=256 --new_tokens=512 --hf_peer=false --out=$OUT/bench_rollout.json   # H200
 """
 
+import atexit
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -426,6 +428,7 @@ def main(argv):
     print("ROW_JSON " + json.dumps(row), flush=True)
     return
   tokens_dir = tempfile.mkdtemp(prefix="bench_rollout_tokens_")
+  atexit.register(shutil.rmtree, tokens_dir, ignore_errors=True)  # (only the rows' agreement)
   rows = []
   head = dict(benchmark="bench_rollout", **run_info(), preset=FLAGS.preset,
               num_layers=config.num_layers,
