@@ -9,7 +9,7 @@
 #     "typing_extensions>=4.16" qwix immutabledict tensorboardx xprof fire termcolor \
 #     ml_collections==1.1.0
 # (.whl/ is listed in .git/info/exclude; about 37 MB.)
-#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b | s49c | s49d | s50a | s50b | s50c | s50d | s50e | s51a | s51b | s51c | s51d | s51e | s52a | s53a | s53b | s54a | s54b | s55a | s55b | s56a | s56b | s57a), results under $OUT
+#   bash benchmarks/h200_rollout.sh STAGE   (STAGE: smoke | 4l | 12l | 12l_fp4 | 12l_b64 | chunk | profile | kernels | final | attn | check | ab | fused_sites | numerics | excess | glue_probe | probe | p2048 | serve | x2 | 48l_fp4 | 48l_bf16 | cap8k | compile_diag | hf_load | routing | small_batch | 48l | bf16_grouped | live | cap_kernels | s13_final | cap_profile | step_ab | s15 | s15b | s15c | s16a | s16b | s16c | s16d | s17a | s17b | s17c | s17d | s17e | s17f | s18a | s18b | s18c | s18d | s18e | s19a | s19d | s20a | s20b | s20c | s21a | s21b | s21c | s22a | s22b | s22c | s22d | s22e | s23a | s23b | s23c | s23d | s24a | s24b | s24c | s25a | s25b | s25d | s26a | s26b | s26c | s27a | s27b | s28a | s28c | s28d | s28e | s28f | s29a | s29b | s30a | s30b | s30c | s31a | s31b | s31c | s31d | s31e | s32a | s32b | s32c | s32d | s32e | s32f | s32g | s33a | s33b | s33c | s33d | s34a | s34b | s34c | s34d | s34e | s34f | s35a | s35b | s35c | s35d | s35e | s36a | s36b | s36c | s36d | s36e | s36f | s36g | s37a | s37b | s37c | s37d | s37e | s37f | s37g | s37h | s37i | s38a | s38b | s38c | s38d | s39a | s39b | s39c | s40a | s40b | s40c | s40d | s40e | s41a | s41b | s42a | s42b | s42c | s42d | s43a | s44a | s44b | s44c | s44d | s45a | s45b | s45c | s45d | s46a | s46b | s46c | s47a | s48a | s49a | s49b | s49c | s49d | s50a | s50b | s50c | s50d | s50e | s51a | s51b | s51c | s51d | s51e | s52a | s53a | s53b | s54a | s54b | s55a | s55b | s56a | s56b | s57a | s58a), results under $OUT
 # Rows run one at a time, each in its own process (--isolate: its own peak memory, errors stay
 # rows). Compiling the 48-layer generate program (B=64, prompt 256) took 42 s in BF16 and 108 s
 # in FP4 on the H200 once every layer's kernel calls were jitted (session 10; before, the BF16
@@ -938,6 +938,13 @@ elif [ "$stage" = s56a ]; then
   bench_guidance_run bench_guidance_48l_tail ${BG_TIMEOUT:-560} 12 --layers 48 --batch 128 \
     --prompt_len 512 --new_tokens 256 --cache_new_tokens 7680 --decode_chunk 256 --rounds 3 \
     --sides "chunked on async inline tail0,chunked on async inline"
+elif [ "$stage" = s58a ]; then
+  # (session 58, prepared) session 57's weight-sync fix on the GPU first (device sync bit for bit
+  # the host sync's, the old weights donated, re-sync peaks flat; ~75 s), then s57a's bars
+  timeout -k 5 ${TEST_TIMEOUT:-150} env JAX_PLATFORMS=cuda python3 -m pytest -q -s -m gpu \
+    -p no:xdist -o addopts="" tests/rollout/test_engine_gpu.py -k "host_master or resync_peak" \
+    2>&1 | grep -v "^I1\|^W1" | tee $OUT/sync_tests.log | tail -8
+  bash "$0" s57a_inner
 elif [ "$stage" = s57a ]; then
   # (session 57) issues 7 and 8's kernel bars, each figure beside its peer in one run, at
   # today's defaults: the FP4 GEMV and the 30B-A3B attention shapes against XLA's bf16 dot; the
