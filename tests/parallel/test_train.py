@@ -57,7 +57,11 @@ def _rollout(layout=None):
 def _two_steps(step, state, batch):
   metrics = []
   for _ in range(2):  # step 0 has learning rate 0 (warmup): the second one moves the weights
+    before = jax.tree_util.tree_leaves(state)
     state, m = step(state, batch)
+    # the old state is donated whole, also where the sharded step places it on the mesh (a
+    # placed state is not copied again)
+    assert all(x.is_deleted() for x in before)
     metrics.append(jax.device_get(m))
   return state, metrics
 

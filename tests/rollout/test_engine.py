@@ -353,6 +353,19 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
   assert (chunked.guidance_copy, chunked.guidance_landing) == ("async", "inline")  # defaults
   assert chunked.guidance_tail >= 4  # (the default leaves windows of 4 whole)
   default_tail = chunked.guidance_tail
+  # Each window's carry (the KV cache among it) is donated whole to the next: a leaf the
+  # program did not read would keep its buffer beside the new one (jit drops unread arguments,
+  # donation included).
+  windows_run, programs = [], chunked._chunk_programs
+  def checked_programs(key):
+    prefill, window = programs(key)
+    def checked_window(params, carry, *args):
+      before = jax.tree_util.tree_leaves(carry)
+      out = window(params, carry, *args)
+      windows_run.append(all(x.is_deleted() for x in before))
+      return out
+    return prefill, checked_window
+  monkeypatch.setattr(chunked, "_chunk_programs", checked_programs)
   monkeypatch.setattr(engine_module, "_PINNED", engine_module._PinnedPool())
   pinned_before = False
   for kw, windows, landing, copy, tail in (
@@ -403,6 +416,7 @@ def test_chunked_decode_moves_guidance_to_host_and_changes_nothing_else(monkeypa
                            a.guidance, b.guidance)
     for f in ("tokens", "token_mask", "positions", "completion_mask", "logprobs", "routes"):
       np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
+  assert windows_run and all(windows_run)
   # The pinned memory the runtime keeps counts as host memory the next call's copies can use.
   # (as on a GPU: host memory a budget of its own, read when planning)
   monkeypatch.setattr(chunked, "_on_cpu", lambda: False)
