@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 
 import pytest
 
 from tests.rl.loop_configs import _small_config
+from trace_jax import models as M
 from trace_jax.rl import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +43,23 @@ def test_launcher_one_line_errors(tmp_path):
                      capture_output=True, text=True, timeout=120)
   assert r.returncode != 0
   assert r.stderr.strip().splitlines()[-1].startswith("error: rollout.precision must be")
+
+
+def test_sft_warm_start_donates_the_weights_it_starts_from():
+  """The SFT step donates weights and moments (the old ones are not held beside the new): the
+  weights given to the warm start are deleted, the returned ones are its result."""
+  cfg = _small_config(**{"sft.max_steps": 2, "sft.eval_every": 2, "sft.eval_size": 8,
+                         "sft.batch_size": 16})
+  setup = loop.build(cfg)
+  params = M.init_params(setup.model_config, jax.random.key(0))
+  before = jax.tree_util.tree_leaves(params)
+  copy = [np.array(x) for x in before]  # (copies: a numpy view of a CPU buffer blocks donation)
+  new, info = loop.warm_start(params, setup, cfg, loop.make_engine(setup), log=lambda *_: None)
+  assert info["sft/steps"] == 2
+  assert all(x.is_deleted() for x in before)
+  after = [np.asarray(x) for x in jax.tree_util.tree_leaves(new)]
+  assert all(np.isfinite(x).all() for x in after)
+  assert any(not np.array_equal(a, b) for a, b in zip(copy, after))  # the steps moved them
 
 
 @pytest.mark.slow  # ~3.5-7 min on 2 cores; CI runs it (.ci/run's second command)

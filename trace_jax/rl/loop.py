@@ -159,7 +159,8 @@ def sft_batch(setup: Setup, examples):
 
 
 def run_sft(params, setup: Setup, config, engine: RolloutEngine, log=print):
-  """Supervised warm start until the held-out greedy pass rate reaches the target."""
+  """Supervised warm start until the held-out greedy pass rate reaches the target. `params` are
+  donated to the first step (deleted): use the returned ones."""
   sc = config.sft
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
       optax.join_schedules([optax.linear_schedule(0.0, sc.learning_rate, sc.warmup_steps),
@@ -167,7 +168,8 @@ def run_sft(params, setup: Setup, config, engine: RolloutEngine, log=print):
       b2=0.98, weight_decay=0.01))
   cfg = setup.model_config
 
-  @functools.partial(jax.jit,
+  # weights and moments donated: the old ones are not held beside the new (as the RL step)
+  @functools.partial(jax.jit, donate_argnums=(0, 1),
                      compiler_options=ts.compile_options(setup.rl_config.deterministic))
   def step(params, opt_state, tokens, mask, target):
     def loss_fn(p):
@@ -219,7 +221,8 @@ def make_mesh(config):
 
 def warm_start(params, setup: Setup, config, engine: RolloutEngine, log=print):
   """RL's starting point: `params` (a random init), replaced by `config.init_checkpoint` when
-  set, then the SFT warm start when `config.sft.max_steps`. Returns (params, SFT info or None)."""
+  set, then the SFT warm start when `config.sft.max_steps` (which donates `params`). Returns
+  (params, SFT info or None)."""
   if config.init_checkpoint:
     _, params = M.load_hf_checkpoint(config.init_checkpoint, progress=True)
   if not config.sft.max_steps:
@@ -298,7 +301,8 @@ def run(config, workdir: str, log=print, stop_after: int | None = None,
   stream.restore(saved["data"])
   writer = MetricWriter(workdir, resume_step=start)
   if start == 0:
-    writer.write(0, {"sft/steps": saved["sft"]["steps"], "sft/pass_rate": saved["sft"]["pass_rate"]})
+    writer.write(0, {"sft/steps": saved["sft"]["steps"],
+                     "sft/pass_rate": saved["sft"]["pass_rate"]})
   eval_set = setup.task.examples("eval", int(ec.size))
   engine.sync(state.params)
   tok, g = setup.tokenizer, int(rc.samples_per_prompt)
