@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 TOL_F32, TOL_BF16, TOL_ATTN = 1e-4, 4e-3, 1e-2
@@ -146,19 +145,14 @@ def latest(runs: list[tuple[str, list[dict]]]) -> list[dict]:
   """One figure per (figure, shape) from several runs' figures, newest run first: the newest
   that measured it (a figure without a peer in a newer run is taken from an older run that had
   one); each keeps its run's name as `source` (peers and floors stay those of its own run)."""
-  out, seen = [], {}
+  by_key = {}  # (a key given again keeps its place)
   for source, figures in runs:
     for f in figures:
       key = (f["figure"], f["shape"])
-      if key in seen and not (seen[key]["measured"] is None and f["measured"] is not None):
-        continue
-      f = dict(f, source=source)
-      if key in seen:
-        out[out.index(seen[key])] = f
-      else:
-        out.append(f)
-      seen[key] = f
-  return out
+      had = by_key.get(key)
+      if had is None or (had["measured"] is None and f["measured"] is not None):
+        by_key[key] = dict(f, source=source)
+  return list(by_key.values())
 
 
 def main(argv=None) -> int:
@@ -171,17 +165,18 @@ def main(argv=None) -> int:
                   help="the attention rows' KV format to judge (the bf16 rows are the peer)")
   ap.add_argument("--out", default="", help="write the figures as JSON here")
   a = ap.parse_args(argv)
-  runs = []
+  runs, first = [], None
   for path in a.kernels:
     with open(path) as f:
-      runs.append((path, product_bars(json.load(f))))
+      kj = json.load(f)
+    if first is None:  # the newest run: its date, device and versions head the JSON
+      first = kj
+    runs.append((path, product_bars(kj)))
   if a.attention:
     with open(a.attention) as f:
       runs.append((a.attention, attention_bars(json.load(f), a.attention_kv)))
   figures = latest(runs)
-  with open(a.kernels[0]) as f:
-    kj = json.load(f)
-  meta = {k: kj.get(k) for k in ("date", "device", "jax_version", "git_commit", "source_tree")}
+  meta = {k: first.get(k) for k in ("date", "device", "jax_version", "git_commit", "source_tree")}
   print(markdown(figures, sources=len(a.kernels) > 1))
   judged = [f for f in figures if f["met"] is not None]
   print(f"\n{sum(f['met'] is True for f in judged)} of {len(judged)} judged figures meet their bar")
@@ -193,5 +188,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   sys.exit(main())
